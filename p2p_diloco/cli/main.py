@@ -1,0 +1,88 @@
+"""``p2p-diloco``: the command line. Owns the console: argument parsing, logging set-up, one-line errors.
+
+Subcommands live in their own modules (``peer``, ``bootstrap``, ``swarm``, ``prepare-data``); each
+registers its arguments and a ``run(args, overrides) -> exit code`` function. Known user mistakes (bad
+config, addresses, data, checkpoints, an unreachable swarm) end with ``error: <one line>`` and exit
+code 2 (usage) or 1 (runtime), never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from typing import Optional
+
+EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from p2p_diloco.cli import bootstrap, peer, prepare, swarm
+
+    parser = argparse.ArgumentParser(
+        prog="p2p-diloco",
+        description="Peer-to-peer DiLoCoX training of language models over slow, unreliable networks, "
+        "on a hivemind swarm.",
+        epilog="Run `p2p-diloco COMMAND --help` for the options of a command.",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for module in (peer, bootstrap, swarm, prepare):
+        module.register(subparsers)
+    return parser
+
+
+def configure_logging(level: str = "INFO") -> None:
+    """One format for our logs and hivemind's; hivemind's routine averaging noise only at DEBUG."""
+    from hivemind.utils.logging import use_hivemind_log_handler
+
+    use_hivemind_log_handler("in_root_logger")
+    root = logging.getLogger()
+    root.setLevel(level.upper())
+    debug = level.upper() == "DEBUG"
+    # a failed round is reported once by our own warning; hivemind would add a traceback per peer
+    for name, quiet_level in (("hivemind", logging.WARNING), ("hivemind.averaging.averager", logging.CRITICAL),
+                              ("hivemind.averaging.key_manager", logging.ERROR),
+                              ("hivemind.averaging.partition", logging.ERROR),
+                              ("hivemind.averaging.matchmaking", logging.ERROR)):
+        logging.getLogger(name).setLevel(logging.DEBUG if debug else quiet_level)
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    from p2p_diloco.config import ConfigError
+    from p2p_diloco.data import DataError
+    from p2p_diloco.swarm import SwarmError
+    from p2p_diloco.training import CheckpointError
+
+    return ConfigError, DataError, SwarmError, CheckpointError
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    from p2p_diloco.config import ConfigError, split_overrides
+
+    try:
+        overrides = split_overrides(rest) if getattr(args, "accepts_overrides", False) else []
+        if rest and not getattr(args, "accepts_overrides", False):
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        return args.run(args, overrides)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except user_errors() as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_RUNTIME
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def run_main() -> None:
+    """Entry point of the console script; exits the process with the command's code."""
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # hivemind's background processes and daemon threads can keep a finished interpreter alive
+    os._exit(code) if os.environ.get("P2P_DILOCO_HARD_EXIT", "1") == "1" else sys.exit(code)

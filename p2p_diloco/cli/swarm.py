@@ -1,0 +1,190 @@
+"""``p2p-diloco swarm``: a bootstrap node and N peer processes on 127.0.0.1, with progress and a summary.
+
+The demo of the whole system on one machine: every process is a real ``p2p-diloco`` process talking
+through hivemind over loopback sockets. Progress is read from the peers' metrics files; the summary
+(per peer losses, rounds, bytes against per-step AllReduce, anchor agreement) is printed, saved as
+``swarm-summary.json`` and plotted to ``loss.png`` in the swarm folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from p2p_diloco.cli.common import CONFIG_HELP
+from p2p_diloco.config import ConfigError, dump_config, load_config
+
+logger = logging.getLogger(__name__)
+
+# Defaults of the demo: a tiny model that clearly learns in about 3 minutes with 3 peers on 2 CPU cores.
+DEMO_DEFAULTS = [
+    ("run.run_id", "local-swarm"), ("model.preset", "tiny"), ("data.batch_size", "16"), ("data.seq_len", "128"),
+    ("diloco.inner_steps", "40"), ("train.num_rounds", "10"), ("train.log_every", "5"), ("inner.lr", "3e-3"),
+    ("inner.warmup_steps", "20"), ("averaging.matchmaking_time_s", "10"), ("averaging.request_timeout_s", "3"),
+    ("averaging.round_timeout_s", "60"), ("checkpoint.every_rounds", "0"), ("train.progress", "false"),
+]
+LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "swarm", help="run a bootstrap node and N peers on this machine (demo)", allow_abbrev=False,
+        description="Start a bootstrap node and N peer processes on 127.0.0.1 that train the tiny model on the "
+        "built-in corpus (the Python standard library's source) and average through hivemind. Shows progress, "
+        "then a summary: loss at start and end per peer, eval loss of the final anchor, rounds, bytes sent "
+        "against a per-step fp32 AllReduce, and whether all anchors are identical. Writes loss.png.",
+        epilog=CONFIG_HELP + " Overrides apply to every peer.",
+    )
+    parser.add_argument("--peers", type=int, default=3, metavar="N", help="number of peers (default 3)")
+    parser.add_argument("--stages", type=int, default=1, metavar="P", help="pipeline stages per peer (default 1)")
+    parser.add_argument("--config", metavar="TOML", help="config file for the peers (demo defaults otherwise)")
+    parser.add_argument("--output-dir", type=Path, metavar="DIR",
+                        help="swarm folder (default runs/swarm-<time>)")
+    parser.add_argument("--peer-timeout", type=float, default=3600.0, metavar="SECONDS",
+                        help="stop peers still running after this long (default 3600)")
+    parser.set_defaults(run=run, accepts_overrides=True)
+
+
+def run(args: argparse.Namespace, overrides: list[tuple[str, str]]) -> int:
+    from p2p_diloco.cli.main import configure_logging
+    from p2p_diloco.cli.summary import summarize_swarm
+
+    if args.peers < 1:
+        raise ConfigError(f"--peers: must be at least 1, got {args.peers}")
+    root = args.output_dir or Path("runs") / time.strftime("swarm-%Y%m%d-%H%M%S")
+    cfg = _swarm_config(args, overrides)
+    configure_logging(cfg.run.log_level)
+    root.mkdir(parents=True, exist_ok=True)
+    config_path = root / "swarm.toml"
+    config_path.write_text(dump_config(cfg))
+    _prepare_data_once(cfg)
+    print(f"Swarm folder: {root}  (bootstrap + {args.peers} peer(s) x {cfg.pipeline.stages} stage(s))", flush=True)
+    processes: dict[str, subprocess.Popen] = {}
+    try:
+        processes["bootstrap"] = _start_bootstrap(root)
+        maddrs = _wait_for_maddrs(root / "bootstrap.maddrs", processes["bootstrap"])
+        print(f"Bootstrap node up at {maddrs[0]}", flush=True)
+        threads = max(1, (os.cpu_count() or 1) // (args.peers * cfg.pipeline.stages))
+        for i in range(args.peers):
+            processes[f"peer{i}"] = _start_peer(root, i, config_path, maddrs, threads)
+        exit_codes = _follow(root, processes, cfg, args.peer_timeout)
+    except KeyboardInterrupt:
+        print("\nInterrupted: stopping the peers (they checkpoint first)...", flush=True)
+        exit_codes = {}
+    finally:
+        _stop_all(processes)
+    summary = summarize_swarm(root, args.peers, cfg, exit_codes)
+    return 0 if summary["ok"] else 1
+
+
+def _swarm_config(args: argparse.Namespace, overrides: list[tuple[str, str]]):
+    base = [] if args.config else list(DEMO_DEFAULTS)
+    forced = [("pipeline.stages", str(args.stages)), ("dht.host_maddrs", LOOPBACK)]
+    if args.peers > 1:
+        forced.append(("averaging.target_group_size", str(args.peers)))
+    return load_config(args.config, base + forced + list(overrides))
+
+
+def _prepare_data_once(cfg) -> None:
+    """Prepare the built-in corpus before starting N peers, so they do not all wait on the lock."""
+    from p2p_diloco.data import resolve_data_path
+
+    resolve_data_path(cfg.data)
+
+
+def _command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "p2p_diloco", *args]
+
+
+def _start_bootstrap(root: Path) -> subprocess.Popen:
+    log = open(root / "bootstrap.log", "w")
+    return subprocess.Popen(
+        _command("bootstrap", "--host-maddrs", LOOPBACK, "--identity-path", str(root / "bootstrap.id"),
+                 "--maddrs-file", str(root / "bootstrap.maddrs")),
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent,
+    )
+
+
+def _wait_for_maddrs(path: Path, process: subprocess.Popen, timeout_s: float = 60.0) -> list[str]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.exists():
+            return path.read_text().split()
+        if process.poll() is not None:
+            log = (path.parent / "bootstrap.log").read_text()[-2000:]
+            raise RuntimeError(f"the bootstrap node exited with code {process.returncode}:\n{log}")
+        time.sleep(0.2)
+    raise RuntimeError(f"the bootstrap node did not report its addresses within {timeout_s:.0f} s")
+
+
+def _start_peer(root: Path, index: int, config_path: Path, maddrs: list[str], threads: int) -> subprocess.Popen:
+    peer_dir = root / f"peer{index}"
+    peer_dir.mkdir(parents=True, exist_ok=True)
+    log = open(peer_dir / "console.log", "w")
+    return subprocess.Popen(
+        _command("peer", "--config", str(config_path), "--initial-peers", *maddrs,
+                 "--output-dir", str(peer_dir), "--run.num_threads", str(threads)),
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent,
+    )
+
+
+def _follow(root: Path, processes: dict[str, subprocess.Popen], cfg, timeout_s: float) -> dict[str, int]:
+    """Show progress until every peer exits; returns their exit codes."""
+    from p2p_diloco.cli.summary import SwarmProgress
+
+    peers = {name: p for name, p in processes.items() if name != "bootstrap"}
+    progress = SwarmProgress(root, list(peers), cfg)
+    deadline = time.monotonic() + timeout_s
+    exit_codes: dict[str, int] = {}
+    try:
+        while len(exit_codes) < len(peers):
+            progress.refresh()
+            for name, process in peers.items():
+                if name not in exit_codes and process.poll() is not None:
+                    exit_codes[name] = process.returncode
+                    progress.peer_exited(name, process.returncode)
+            if time.monotonic() > deadline:
+                progress.note(f"peers still running after {timeout_s:.0f} s: stopping them")
+                break
+            time.sleep(0.5)
+        progress.refresh()
+    finally:
+        progress.close()
+    return exit_codes
+
+
+def _stop_all(processes: dict[str, subprocess.Popen], grace_s: float = 60.0) -> None:
+    """SIGTERM every process still running (peers checkpoint and exit), then SIGKILL what remains."""
+    for process in processes.values():
+        if process.poll() is None:
+            _signal_group(process, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for process in processes.values():
+        try:
+            process.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _signal_group(process, signal.SIGKILL)
+            process.wait()
+
+
+def _signal_group(process: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(process.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: get SIGTERM when the swarm process dies, even by SIGKILL (Linux)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass

@@ -1,0 +1,5 @@
+"""The configuration subsystem's exception type."""
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration mistake; the message names the offending key."""

@@ -1,0 +1,221 @@
+"""Loading a :class:`Config` from a TOML file plus ``--section.field value`` overrides, and saving it back.
+
+Values are type-checked against the dataclass annotations: an unknown section or key, a wrong
+type or an impossible value raises :class:`ConfigError` naming the key. Called by the CLI only;
+components receive their own section.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Union
+
+import tomllib
+
+from p2p_diloco.config.errors import ConfigError
+from p2p_diloco.config.sections import (
+    AveragingConfig,
+    CheckpointConfig,
+    DataConfig,
+    DHTConfig,
+    DiLoCoConfig,
+    InnerConfig,
+    ModelConfig,
+    PipelineConfig,
+    RunConfig,
+    TrainConfig,
+)
+
+_TRUE = ("true", "yes", "1", "on")
+_FALSE = ("false", "no", "0", "off")
+_NONE = ("none", "null", "")
+
+
+@dataclass
+class Config:
+    """The whole configuration of one peer; each component reads only its own section."""
+
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    inner: InnerConfig = field(default_factory=InnerConfig)
+    diloco: DiLoCoConfig = field(default_factory=DiLoCoConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    averaging: AveragingConfig = field(default_factory=AveragingConfig)
+    dht: DHTConfig = field(default_factory=DHTConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+
+    def validate(self) -> None:
+        for section in dataclasses.fields(self):
+            getattr(self, section.name).validate()
+        if self.data.batch_size % self.pipeline.microbatches != 0:
+            raise ConfigError(
+                f"pipeline.microbatches: {self.pipeline.microbatches} does not divide data.batch_size "
+                f"{self.data.batch_size}"
+            )
+        if self.model.tie_embeddings and self.pipeline.stages > 1:
+            raise ConfigError(
+                "model.tie_embeddings: tied embeddings need the embedding and the head on one stage; "
+                f"they cannot be used with pipeline.stages = {self.pipeline.stages}"
+            )
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+
+def _section_types(config_cls: type) -> dict[str, type]:
+    return typing.get_type_hints(config_cls)
+
+
+def _convert(value: Any, annotation: Any, key: str) -> Any:
+    """Check (TOML values) or parse (command-line strings) one value against its annotation."""
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin is Union:  # Optional[X]
+        inner = next(arg for arg in args if arg is not type(None))
+        if value is None or (isinstance(value, str) and value.strip().lower() in _NONE):
+            return None
+        return _convert(value, inner, key)
+    if origin is list:
+        (item_type,) = args
+        if isinstance(value, str):
+            items = [item.strip() for item in value.split(",") if item.strip()]
+        elif isinstance(value, list):
+            items = value
+        else:
+            raise ConfigError(f"{key}: expected a list of {item_type.__name__}, got {value!r}")
+        return [_convert(item, item_type, f"{key}[{i}]") for i, item in enumerate(items)]
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
+            return value.strip().lower() in _TRUE
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    if annotation is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value.strip())
+            except ValueError:
+                pass
+        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    if annotation is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            result = float(value)
+        elif isinstance(value, str):
+            try:
+                result = float(value.strip())
+            except ValueError:
+                raise ConfigError(f"{key}: expected a number, got {value!r}") from None
+        else:
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        if not math.isfinite(result):
+            raise ConfigError(f"{key}: expected a finite number, got {value!r}")
+        return result
+    if annotation is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{key}: expected a string, got {value!r}")
+    raise AssertionError(f"unsupported config annotation {annotation!r} for {key}")
+
+
+def _set_value(config: Config, key: str, value: Any) -> None:
+    section_name, _, field_name = key.partition(".")
+    section_types = _section_types(Config)
+    if section_name not in section_types or not field_name:
+        known = ", ".join(section_types)
+        raise ConfigError(f"{key}: unknown key (sections are {known}; keys look like section.field)")
+    section = getattr(config, section_name)
+    field_types = _section_types(type(section))
+    if field_name not in field_types:
+        raise ConfigError(f"{key}: unknown key (known keys in [{section_name}]: {', '.join(field_types)})")
+    setattr(section, field_name, _convert(value, field_types[field_name], key))
+
+
+def load_config(path: str | Path | None = None, overrides: list[tuple[str, str]] = ()) -> Config:
+    """Build a validated Config from an optional TOML file and ``(key, raw string)`` overrides."""
+    config = Config()
+    if path is not None:
+        path = Path(path)
+        try:
+            data = tomllib.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+        for section_name, section_values in data.items():
+            if not isinstance(section_values, dict):
+                raise ConfigError(f"{section_name}: expected a [{section_name}] table, got a bare value")
+            for field_name, value in section_values.items():
+                _set_value(config, f"{section_name}.{field_name}", value)
+    for key, raw in overrides:
+        _set_value(config, key, raw)
+    config.validate()
+    return config
+
+
+def split_overrides(argv: list[str]) -> list[tuple[str, str]]:
+    """Turn ``['--inner.lr', '1e-3', '--train.num_rounds=3']`` into ``[('inner.lr', '1e-3'), ...]``."""
+    overrides, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
+            raise ConfigError(f"unrecognized argument {arg!r} (config overrides look like --section.field VALUE)")
+        if "=" in arg:
+            key, raw = arg[2:].split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(argv):
+                raise ConfigError(f"{arg[2:]}: missing value")
+            key, raw = arg[2:], argv[i + 1]
+            i += 2
+        overrides.append((key, raw))
+    return overrides
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(item) for item in value) + "]"
+    raise TypeError(f"cannot write {value!r} as TOML")
+
+
+def dump_config(config: Config) -> str:
+    """The resolved config as TOML (None values are left out: they mean 'the default')."""
+    lines = []
+    for section_name, values in config.to_dict().items():
+        lines.append(f"[{section_name}]")
+        lines.extend(f"{name} = {_toml_value(value)}" for name, value in values.items() if value is not None)
+        lines.append("")
+    return "\n".join(lines)
+
+
+def describe_config() -> str:
+    """Every key with its default and its docstring, for ``--help-config``."""
+    import ast
+    import inspect
+
+    lines = []
+    for section_name, section_cls in _section_types(Config).items():
+        lines.append(f"[{section_name}]")
+        docs: dict[str, str] = {}
+        body = ast.parse(inspect.getsource(section_cls)).body[0].body
+        for node, nxt in zip(body, body[1:]):
+            if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+                docs[node.target.id] = str(nxt.value.value)
+        defaults = dataclasses.asdict(section_cls())
+        for name, default in defaults.items():
+            lines.append(f"  {section_name}.{name} = {default!r}\n      {docs.get(name, '')}")
+        lines.append("")
+    return "\n".join(lines)

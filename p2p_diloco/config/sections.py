@@ -1,0 +1,299 @@
+"""Configuration sections: one dataclass per component, built once at the edge and passed down.
+
+Every field has a docstring under it (shown by ``p2p-diloco peer --help-config``). Each section
+checks its own values in ``validate()`` and raises :class:`ConfigError` naming the key.
+Who calls this: :mod:`p2p_diloco.config.parse` (loading) and every component (reading its section).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Optional
+
+from p2p_diloco.config.errors import ConfigError
+
+RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
+AVERAGING_MODES = ("none", "delayed", "eager")
+COMPRESSIONS = ("none", "fp16")
+SCHEDULES = ("gpipe", "1f1b")
+MODEL_PRESETS = ("tiny", "small", "medium", "1b")
+
+
+def _require(condition: bool, key: str, message: str) -> None:
+    if not condition:
+        raise ConfigError(f"{key}: {message}")
+
+
+def _positive(value: float, key: str) -> None:
+    _require(value > 0 and math.isfinite(value), key, f"must be a positive number, got {value!r}")
+
+
+def _non_negative(value: float, key: str) -> None:
+    _require(value >= 0 and math.isfinite(value), key, f"must be >= 0, got {value!r}")
+
+
+@dataclass
+class RunConfig:
+    run_id: str = "p2p-diloco-demo"
+    """Name of the training run; peers only average with peers of the same run_id."""
+    output_dir: str = "runs/peer"
+    """Folder for this peer's metrics, resolved config and checkpoints."""
+    device: str = "auto"
+    """'auto' (CUDA if available, else CPU), 'cpu', 'cuda' or 'cuda:N'."""
+    seed: int = 0
+    """Seed of the local random number generators (not of the data sampler or the model init)."""
+    log_level: str = "INFO"
+    """Python logging level for the library."""
+    num_threads: Optional[int] = None
+    """CPU threads for torch in this process; default: torch's choice."""
+
+    def validate(self) -> None:
+        _require(
+            bool(RUN_ID_PATTERN.match(self.run_id)),
+            "run.run_id",
+            f"must be 1-64 letters, digits, '-' or '_', starting with a letter or digit; got {self.run_id!r}",
+        )
+        _require(bool(self.output_dir), "run.output_dir", "must not be empty")
+        _require(
+            self.device in ("auto", "cpu", "cuda") or bool(re.fullmatch(r"cuda:\d+", self.device)),
+            "run.device",
+            f"must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}",
+        )
+        _require(self.num_threads is None or self.num_threads > 0, "run.num_threads",
+                 f"must be a positive integer, got {self.num_threads!r}")
+        _require(self.log_level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"), "run.log_level",
+                 f"must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}")
+
+
+@dataclass
+class ModelConfig:
+    preset: str = "tiny"
+    """Model size preset: tiny (~1M parameters), small (~25M), medium (~200M) or 1b."""
+    dim: Optional[int] = None
+    """Hidden size; default from the preset."""
+    n_layers: Optional[int] = None
+    """Number of transformer blocks; default from the preset."""
+    n_heads: Optional[int] = None
+    """Attention heads; default from the preset."""
+    n_kv_heads: Optional[int] = None
+    """Key/value heads (grouped-query attention); default from the preset."""
+    ffn_dim: Optional[int] = None
+    """SwiGLU hidden size; default from the preset."""
+    max_seq_len: Optional[int] = None
+    """Longest sequence the rotary tables cover; default from the preset."""
+    vocab_size: Optional[int] = None
+    """Vocabulary size; default: the data's vocabulary (meta.json)."""
+    tie_embeddings: bool = False
+    """Share the input embedding with the output head (refused with more than one pipeline stage)."""
+    init_seed: int = 0
+    """Seed of the parameter init; every peer of a run must use the same one."""
+
+    def validate(self) -> None:
+        _require(self.preset in MODEL_PRESETS, "model.preset",
+                 f"must be one of {', '.join(MODEL_PRESETS)}, got {self.preset!r}")
+        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len", "vocab_size"):
+            value = getattr(self, name)
+            _require(value is None or value > 0, f"model.{name}", f"must be a positive integer, got {value!r}")
+
+
+@dataclass
+class DataConfig:
+    path: str = "builtin"
+    """A shards folder made by `p2p-diloco prepare-data`, or 'builtin' (the Python standard library's source)."""
+    cache_dir: str = "~/.cache/p2p-diloco"
+    """Where the built-in corpus is prepared on first use."""
+    seq_len: Optional[int] = None
+    """Tokens per training window; default: the model's max_seq_len."""
+    batch_size: int = 16
+    """Sequences per inner step (split into pipeline microbatches when there are several)."""
+    seed: Optional[int] = None
+    """Seed of this peer's window sampler; default: derived from the peer id, so peers see different windows."""
+    eval_batches: int = 4
+    """Batches of the held-out split used for each evaluation."""
+
+    def validate(self) -> None:
+        _require(bool(self.path), "data.path", "must not be empty")
+        _require(self.seq_len is None or self.seq_len > 1, "data.seq_len", f"must be > 1, got {self.seq_len!r}")
+        _require(self.batch_size > 0, "data.batch_size", f"must be a positive integer, got {self.batch_size!r}")
+        _require(self.eval_batches >= 0, "data.eval_batches", f"must be >= 0, got {self.eval_batches!r}")
+
+
+@dataclass
+class InnerConfig:
+    lr: float = 3e-3
+    """Peak learning rate of the inner AdamW."""
+    min_lr_ratio: float = 0.1
+    """Cosine decay ends at lr * min_lr_ratio."""
+    warmup_steps: int = 20
+    """Linear warmup, in inner steps."""
+    total_steps: Optional[int] = None
+    """Length of the cosine schedule in inner steps; default: train.num_rounds * diloco.inner_steps."""
+    weight_decay: float = 0.1
+    """AdamW weight decay."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+
+    def validate(self) -> None:
+        _positive(self.lr, "inner.lr")
+        _require(0 <= self.min_lr_ratio <= 1, "inner.min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio!r}")
+        _require(self.warmup_steps >= 0, "inner.warmup_steps", f"must be >= 0, got {self.warmup_steps!r}")
+        _require(self.total_steps is None or self.total_steps > 0, "inner.total_steps",
+                 f"must be a positive integer, got {self.total_steps!r}")
+        _non_negative(self.weight_decay, "inner.weight_decay")
+        _require(0 <= self.beta1 < 1, "inner.beta1", f"must be in [0, 1), got {self.beta1!r}")
+        _require(0 <= self.beta2 < 1, "inner.beta2", f"must be in [0, 1), got {self.beta2!r}")
+        _positive(self.eps, "inner.eps")
+        _non_negative(self.grad_clip, "inner.grad_clip")
+
+
+@dataclass
+class DiLoCoConfig:
+    inner_steps: int = 50
+    """H: inner steps per round (outer step)."""
+    outer_lr: float = 0.7
+    """Learning rate of the outer Nesterov SGD."""
+    outer_momentum: float = 0.9
+    """Momentum of the outer SGD."""
+    nesterov: bool = True
+    """Use Nesterov momentum in the outer step."""
+    mode: str = "none"
+    """How averaging overlaps training: 'none' (blocking DiLoCo)."""
+
+    def validate(self) -> None:
+        _require(self.inner_steps > 0, "diloco.inner_steps", f"must be a positive integer, got {self.inner_steps!r}")
+        _positive(self.outer_lr, "diloco.outer_lr")
+        _require(0 <= self.outer_momentum < 1, "diloco.outer_momentum",
+                 f"must be in [0, 1), got {self.outer_momentum!r}")
+        _require(self.mode in AVERAGING_MODES, "diloco.mode",
+                 f"must be one of {', '.join(AVERAGING_MODES)}, got {self.mode!r}")
+        _require(self.mode == "none", "diloco.mode", f"{self.mode!r} is not available yet; use 'none'")
+
+
+@dataclass
+class TrainConfig:
+    num_rounds: int = 20
+    """Stop after this many rounds."""
+    log_every: int = 10
+    """Write a metrics line every this many inner steps."""
+    eval_every_rounds: int = 1
+    """Evaluate the anchor on the held-out split every this many rounds (0: only at the end)."""
+    progress: bool = True
+    """Show a progress bar on the console."""
+    anchor_digest: bool = True
+    """Log a sha256 of the anchor after every round (equal digests = bit-identical anchors); costs ~1 s/GB."""
+
+    def validate(self) -> None:
+        _require(self.num_rounds > 0, "train.num_rounds", f"must be a positive integer, got {self.num_rounds!r}")
+        _require(self.log_every > 0, "train.log_every", f"must be a positive integer, got {self.log_every!r}")
+        _require(self.eval_every_rounds >= 0, "train.eval_every_rounds",
+                 f"must be >= 0, got {self.eval_every_rounds!r}")
+
+
+@dataclass
+class AveragingConfig:
+    compression: str = "none"
+    """How pseudo-gradients cross the wire: 'none' (fp32) or 'fp16'."""
+    target_group_size: Optional[int] = None
+    """Assemble a group as soon as this many peers joined; default: wait the whole matchmaking time."""
+    min_group_size: int = 2
+    """Smallest group worth averaging with; a round with fewer peers falls back to the local delta."""
+    matchmaking_time_s: float = 5.0
+    """How long a leader waits for peers to join its group."""
+    request_timeout_s: float = 3.0
+    """Timeout of one matchmaking request (must be below matchmaking_time_s)."""
+    round_timeout_s: float = 30.0
+    """Give up looking for a group after this long and fall back to the local delta."""
+    allreduce_timeout_s: float = 60.0
+    """Give up an all-reduce that has not finished after this long."""
+    next_chunk_timeout_s: float = 10.0
+    """A groupmate that sends nothing for this long is dropped from the all-reduce."""
+
+    def validate(self) -> None:
+        _require(self.compression in COMPRESSIONS, "averaging.compression",
+                 f"must be one of {', '.join(COMPRESSIONS)}, got {self.compression!r}")
+        _require(self.target_group_size is None or self.target_group_size >= 2, "averaging.target_group_size",
+                 f"must be >= 2, got {self.target_group_size!r}")
+        _require(self.min_group_size >= 1, "averaging.min_group_size", f"must be >= 1, got {self.min_group_size!r}")
+        for name in ("matchmaking_time_s", "request_timeout_s", "round_timeout_s", "allreduce_timeout_s",
+                     "next_chunk_timeout_s"):
+            _positive(getattr(self, name), f"averaging.{name}")
+        _require(self.request_timeout_s < self.matchmaking_time_s, "averaging.request_timeout_s",
+                 f"must be below averaging.matchmaking_time_s ({self.matchmaking_time_s}), "
+                 f"got {self.request_timeout_s}")
+        _require(self.round_timeout_s > self.matchmaking_time_s, "averaging.round_timeout_s",
+                 f"must be above averaging.matchmaking_time_s ({self.matchmaking_time_s}), got {self.round_timeout_s}")
+
+
+@dataclass
+class DHTConfig:
+    initial_peers: list[str] = field(default_factory=list)
+    """Multiaddrs of running swarm members (bootstrap nodes or peers); empty: start a new swarm."""
+    host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"])
+    """Multiaddrs to listen on (port 0: any free port)."""
+    announce_maddrs: list[str] = field(default_factory=list)
+    """Multiaddrs others should use to reach this node (e.g. a public IP behind port forwarding)."""
+    identity_path: Optional[str] = None
+    """Private key file that fixes this node's peer id; created (mode 0600) if it does not exist."""
+    client_mode: bool = False
+    """Only make outgoing connections (for nodes that cannot accept incoming ones)."""
+    use_relay: bool = True
+    """Allow reaching peers behind NAT through libp2p circuit relays."""
+    use_auto_relay: bool = False
+    """Look for relays to become reachable when this node is itself behind NAT."""
+    startup_timeout_s: float = 30.0
+    """Give up if the DHT cannot start or reach the initial peers within this many seconds."""
+
+    def validate(self) -> None:
+        from p2p_diloco.swarm.maddrs import check_maddrs  # local import: config stays free of hivemind at import
+
+        check_maddrs(self.initial_peers, "dht.initial_peers", require_peer_id=True)
+        check_maddrs(self.host_maddrs, "dht.host_maddrs")
+        check_maddrs(self.announce_maddrs, "dht.announce_maddrs")
+        _positive(self.startup_timeout_s, "dht.startup_timeout_s")
+
+
+@dataclass
+class CheckpointConfig:
+    dir: Optional[str] = None
+    """Checkpoint folder; default: <run.output_dir>/checkpoints."""
+    every_rounds: int = 5
+    """Write a checkpoint every this many rounds (and at the end); 0: only at the end."""
+    keep: int = 3
+    """Keep this many most recent checkpoints."""
+    resume: bool = True
+    """Resume from the latest checkpoint in the folder if there is one (--no-resume: start fresh)."""
+
+    def validate(self) -> None:
+        _require(self.every_rounds >= 0, "checkpoint.every_rounds", f"must be >= 0, got {self.every_rounds!r}")
+        _require(self.keep >= 1, "checkpoint.keep", f"must be >= 1, got {self.keep!r}")
+
+
+@dataclass
+class PipelineConfig:
+    stages: int = 1
+    """P: pipeline stages inside this peer (one process each)."""
+    stage_layers: Optional[list[int]] = None
+    """Blocks per stage, e.g. [3, 3, 2]; default: balanced by parameter count."""
+    schedule: str = "gpipe"
+    """Pipeline schedule: 'gpipe' or '1f1b'."""
+    microbatches: int = 1
+    """Microbatches per inner step (must divide data.batch_size)."""
+
+    def validate(self) -> None:
+        _require(self.stages >= 1, "pipeline.stages", f"must be a positive integer, got {self.stages!r}")
+        _require(self.schedule in SCHEDULES, "pipeline.schedule",
+                 f"must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        _require(self.microbatches >= 1, "pipeline.microbatches", f"must be >= 1, got {self.microbatches!r}")
+        if self.stage_layers is not None:
+            _require(len(self.stage_layers) == self.stages, "pipeline.stage_layers",
+                     f"has {len(self.stage_layers)} entries but pipeline.stages is {self.stages}")
+            _require(all(n >= 1 for n in self.stage_layers), "pipeline.stage_layers",
+                     f"every stage needs at least one block, got {self.stage_layers}")

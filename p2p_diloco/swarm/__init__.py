@@ -1,0 +1,26 @@
+"""Everything that crosses the network, all through hivemind: DHT nodes and identities, progress
+records, and the averager of pseudo-gradients."""
+
+from p2p_diloco.swarm.averager import PseudoGradientAverager, RoundResult, group_prefix, round_bits
+from p2p_diloco.swarm.dht import start_dht, visible_maddrs
+from p2p_diloco.swarm.errors import SwarmError
+from p2p_diloco.swarm.identity import ensure_identity
+from p2p_diloco.swarm.maddrs import check_maddrs
+from p2p_diloco.swarm.progress import ProgressRecord, SwarmLink, fetch_progress, live_group_size, publish_progress
+
+__all__ = [
+    "ProgressRecord",
+    "PseudoGradientAverager",
+    "RoundResult",
+    "SwarmError",
+    "SwarmLink",
+    "check_maddrs",
+    "ensure_identity",
+    "fetch_progress",
+    "group_prefix",
+    "live_group_size",
+    "publish_progress",
+    "round_bits",
+    "start_dht",
+    "visible_maddrs",
+]

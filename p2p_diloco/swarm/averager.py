@@ -1,0 +1,201 @@
+"""Averaging one stage's pseudo-gradients with the same stage of other peers, one round at a time.
+
+:class:`PseudoGradientAverager` is a hivemind ``DecentralizedAverager`` (its own background process,
+matchmaking through the DHT, butterfly all-reduce over libp2p) with four additions:
+
+- the group key is ``<run_id>_s<stage>of<P>.0b<round bits>``: peers of another run, stage split or round
+  never land in the same group, and the round carried in the gathered metadata is checked again;
+- contributions are weighted by the tokens each peer trained on in the round;
+- the result is bit-identical on every groupmate (:mod:`p2p_diloco.swarm.allreduce`);
+- a round is started with :meth:`start_round` and collected with :meth:`finish_round`, which never raises
+  for network reasons: a round that fails, times out or finds nobody returns ``None`` and the caller
+  falls back to its own pseudo-gradient.
+
+At most one round is in flight per averager (its shared buffers hold one round's contribution).
+Called by :class:`p2p_diloco.training.stage.Stage`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.allreduce import AllreduceException
+from hivemind.compression import Float16Compression, NoCompression
+
+from p2p_diloco.config import AveragingConfig
+from p2p_diloco.swarm.allreduce import BYTES_RECEIVED, BYTES_SENT, ExactAllReduceRunner
+
+logger = logging.getLogger(__name__)
+
+ROUND_BITS = 16  # rounds are told apart modulo 2**16 by the group key, exactly by the gathered metadata
+_CODECS = {"none": NoCompression, "fp16": Float16Compression}
+
+
+def group_prefix(run_id: str, stage_index: int, num_stages: int) -> str:
+    """DHT prefix shared by stage ``stage_index`` of every peer of a run with ``num_stages`` stages."""
+    return f"{run_id}_s{stage_index}of{num_stages}"
+
+
+def round_bits(round_index: int) -> str:
+    return format(round_index % (1 << ROUND_BITS), f"0{ROUND_BITS}b")
+
+
+@dataclass
+class RoundResult:
+    """What one averaging round produced; ``averaged`` is None when the round fell back."""
+
+    round_index: int
+    averaged: Optional[list[torch.Tensor]]
+    group_size: int = 1
+    group_tokens: float = 0.0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    duration_s: float = 0.0
+    error: str = ""
+    peer_ids: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _PendingRound:
+    round_index: int
+    control: object  # hivemind StepControl
+    started_at: float
+    traffic_at_start: tuple[int, int]
+
+
+class PseudoGradientAverager(DecentralizedAverager):
+    """Averages pseudo-gradients of one pipeline stage across peers.
+
+    Args:
+        templates: tensors with the shapes of the stage's parameters (values are not used).
+        dht: a running hivemind DHT.
+        run_id: the swarm's run id.
+        stage_index: this stage's index.
+        num_stages: P, stages per peer.
+        cfg: the ``[averaging]`` section.
+    """
+
+    def __init__(self, templates: Sequence[torch.Tensor], dht, *, run_id: str, stage_index: int, num_stages: int,
+                 cfg: AveragingConfig):
+        self.cfg = cfg
+        self.traffic = torch.zeros(2, dtype=torch.int64).share_memory_()
+        self._pending: Optional[_PendingRound] = None
+        buffers = [torch.zeros(t.shape, dtype=torch.float32) for t in templates]
+        super().__init__(
+            buffers,
+            dht,
+            start=True,
+            prefix=group_prefix(run_id, stage_index, num_stages),
+            initial_group_bits=round_bits(0),
+            target_group_size=cfg.target_group_size,
+            min_group_size=cfg.min_group_size,
+            min_matchmaking_time=cfg.matchmaking_time_s,
+            request_timeout=cfg.request_timeout_s,
+            allreduce_timeout=cfg.allreduce_timeout_s,
+            next_chunk_timeout=cfg.next_chunk_timeout_s,
+            compression=_CODECS[cfg.compression](),
+            allow_state_sharing=False,
+            shutdown_timeout=5,
+        )
+
+    # ---- runs in the averager's background process -------------------------------------------------
+    async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
+        """Check that every groupmate is on our round, then replace the buffers with the exact average."""
+        rounds = [self.serializer.loads(self.serializer.loads(g)[2])["round"] for g in group_info.gathered]
+        my_round = rounds[group_info.peer_ids.index(self.peer_id)]
+        if any(r != my_round for r in rounds):
+            raise AllreduceException(f"groupmates are on rounds {rounds}, expected all on round {my_round}")
+        group_id = group_info.group_id if group_id is None else group_id
+        runner = ExactAllReduceRunner(
+            traffic=self.traffic,
+            p2p=self._p2p,
+            servicer_type=type(self),
+            prefix=self.prefix,
+            tensors=tensors,
+            group_id=group_id,
+            ordered_peer_ids=group_info.peer_ids,
+            **kwargs,
+        )
+        assert group_id in self._running_groups, f"group {group_id} was not registered"
+        self._running_groups[group_id].set_result(runner)
+        averaged = [average async for average in runner]
+        failed = runner.tensor_part_container.failed_size
+        if failed:
+            # some reducer vanished: part of the result is our own values, so the round is not an average
+            raise AllreduceException(f"{failed} of {runner.tensor_part_container.total_size} values were not averaged")
+        for tensor, average in zip(tensors, averaged):
+            tensor.copy_(average)
+
+    async def _set_target_group_size(self, size: Optional[int], future) -> None:
+        self._matchmaking.target_group_size = size
+        self._matchmaking.potential_leaders.target_group_size = size
+        future.set_result(None)
+
+    # ---- called from the training process -----------------------------------------------------------
+    def set_expected_group_size(self, size: Optional[int]) -> None:
+        """Assemble the group as soon as ``size`` peers joined (the live peers of this stage), else wait."""
+        from hivemind.utils import MPFuture
+
+        size = self.cfg.target_group_size if size is None or size < 2 else size
+        future = MPFuture()
+        self._outer_pipe.send(("_set_target_group_size", [], dict(size=size, future=future)))
+        future.result(timeout=10)
+
+    def start_round(self, contribution: Sequence[torch.Tensor], round_index: int, weight: float) -> None:
+        """Start averaging ``contribution`` in the background. The previous round must be finished."""
+        assert self._pending is None, "finish the previous round before starting another"
+        assert weight > 0, "a contribution needs a positive weight (tokens trained on)"
+        with self.get_tensors() as buffers:
+            for buffer, tensor in zip(buffers, contribution):
+                buffer.copy_(tensor.detach().to(dtype=torch.float32, device="cpu"))
+        self.set_group_bits(round_bits(round_index))
+        control = self.step(
+            gather=dict(round=round_index, tokens=float(weight)),
+            weight=float(weight),
+            timeout=self.cfg.round_timeout_s,
+            allow_retries=True,
+            wait=False,
+        )
+        traffic = (int(self.traffic[BYTES_SENT]), int(self.traffic[BYTES_RECEIVED]))
+        self._pending = _PendingRound(round_index, control, time.monotonic(), traffic)
+
+    @property
+    def round_in_flight(self) -> Optional[int]:
+        return None if self._pending is None else self._pending.round_index
+
+    def finish_round(self, timeout: Optional[float] = None) -> RoundResult:
+        """Wait for the round in flight (at most ``timeout`` s, default: the configured bounds) and return it."""
+        assert self._pending is not None, "no round in flight"
+        pending, self._pending = self._pending, None
+        if timeout is None:
+            timeout = self.cfg.round_timeout_s + self.cfg.allreduce_timeout_s + 5
+        result = RoundResult(round_index=pending.round_index, averaged=None)
+        try:
+            gathered = pending.control.result(timeout=timeout)
+            rounds = {info["round"] for info in gathered.values()}
+            if rounds != {pending.round_index}:
+                raise AllreduceException(f"groupmates reported rounds {sorted(rounds)}")
+            with self.get_tensors() as buffers:
+                result.averaged = [buffer.clone() for buffer in buffers]
+            result.group_size = len(gathered)
+            result.group_tokens = float(sum(info["tokens"] for info in gathered.values()))
+            result.peer_ids = sorted(str(peer_id) for peer_id in gathered)
+        except Exception as e:  # network failures of every kind end in a fallback, never in a crash
+            pending.control.cancel()
+            result.error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        result.duration_s = time.monotonic() - pending.started_at
+        result.bytes_sent = int(self.traffic[BYTES_SENT]) - pending.traffic_at_start[0]
+        result.bytes_received = int(self.traffic[BYTES_RECEIVED]) - pending.traffic_at_start[1]
+        return result
+
+    def cancel_round(self) -> None:
+        """Abandon the round in flight, if any (shutdown path)."""
+        if self._pending is not None:
+            self._pending.control.cancel()
+            self._pending = None

@@ -1,0 +1,74 @@
+"""Starting a hivemind DHT node from a :class:`DHTConfig`, with errors a user can act on.
+
+Called by the peer and bootstrap commands and by tests. No network code of our own: the node is
+hivemind's, running its own p2pd daemon.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+
+from p2p_diloco.config import DHTConfig
+from p2p_diloco.swarm.errors import SwarmError
+from p2p_diloco.swarm.identity import ensure_identity
+
+logger = logging.getLogger(__name__)
+
+
+def start_dht(cfg: DHTConfig, record_validators: Iterable = (), check_identity_free: bool = True):
+    """Start a DHT node in a background process and wait until it is ready.
+
+    Args:
+        cfg: the ``[dht]`` section.
+        record_validators: hivemind record validators (signatures, schemas) for this node.
+        check_identity_free: refuse an identity that a running node of the swarm already holds.
+
+    Returns:
+        A running ``hivemind.DHT``; the caller must ``shutdown()`` it.
+
+    Raises:
+        SwarmError: the daemon could not start, or no initial peer could be reached.
+    """
+    import hivemind
+
+    identity_path = None
+    if cfg.identity_path:
+        peer_id, created = ensure_identity(cfg.identity_path)
+        identity_path = str(cfg.identity_path)
+        logger.info(f"{'Created' if created else 'Using'} identity {identity_path} (peer id {peer_id})")
+    try:
+        dht = hivemind.DHT(
+            initial_peers=list(cfg.initial_peers) or None,
+            host_maddrs=list(cfg.host_maddrs),
+            announce_maddrs=list(cfg.announce_maddrs) or None,
+            identity_path=identity_path,
+            client_mode=cfg.client_mode,
+            use_relay=cfg.use_relay,
+            use_auto_relay=cfg.use_auto_relay,
+            startup_timeout=cfg.startup_timeout_s,
+            check_if_identity_free=check_identity_free,
+            record_validators=list(record_validators),
+            start=True,
+            await_ready=True,
+        )
+    except Exception as e:
+        raise SwarmError(_explain_start_failure(e, cfg.initial_peers)) from None
+    return dht
+
+
+def _explain_start_failure(error: Exception, initial_peers: Sequence[str]) -> str:
+    text = str(error).strip().splitlines()[-1] if str(error).strip() else repr(error)
+    if "bootstrap peers" in text:
+        return (
+            f"could not reach any initial peer ({', '.join(initial_peers)}): check the addresses, that the "
+            "nodes are running and that their ports are reachable from here"
+        )
+    if "already taken" in text:
+        return f"{text}: another running node uses this identity; give each node its own --identity-path"
+    return f"the DHT node failed to start: {text}"
+
+
+def visible_maddrs(dht) -> list[str]:
+    """Multiaddrs others can use to reach this node, as strings."""
+    return [str(maddr) for maddr in dht.get_visible_maddrs()]

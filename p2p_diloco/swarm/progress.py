@@ -1,0 +1,121 @@
+"""Progress records in the DHT: who is training in a run, on which stage and round, how fast.
+
+Every stage process publishes one record under ``<run_id>_progress`` (subkey: its own DHT peer id) that
+expires unless refreshed. Peers read them to know how many groupmates to expect in a round (so a group
+is assembled as soon as everyone is in, and a peer alone skips the network); ``p2p-diloco swarm`` and
+``status`` read them to show the swarm. Called by the trainer and the CLI.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass, fields
+from typing import Optional
+
+logger = logging.getLogger(__name__)
+
+
+def progress_key(run_id: str) -> str:
+    return f"{run_id}_progress"
+
+
+@dataclass
+class ProgressRecord:
+    """One stage process's latest progress."""
+
+    peer: str
+    """The peer this stage belongs to (peer id of its stage 0)."""
+    stage: int
+    num_stages: int
+    round: int
+    inner_step: int
+    tokens_per_s: float
+    loss: float
+    time: float
+    """Wall-clock time (DHT time) of the record."""
+    node: str = ""
+    """DHT peer id of the stage process that wrote it (the subkey)."""
+    expiration: float = 0.0
+
+
+def publish_progress(dht, run_id: str, record: ProgressRecord, ttl_s: float) -> None:
+    """Store (or refresh) this node's record without waiting for the DHT."""
+    from hivemind.utils import get_dht_time
+
+    value = {f.name: getattr(record, f.name) for f in fields(record) if f.name not in ("node", "expiration")}
+    dht.store(progress_key(run_id), subkey=dht.peer_id.to_base58(), value=value,
+              expiration_time=get_dht_time() + ttl_s, return_future=True)
+
+
+def fetch_progress(dht, run_id: str, timeout_s: float = 10.0) -> list[ProgressRecord]:
+    """All unexpired records of a run; malformed ones are skipped with a debug log."""
+    try:
+        found = dht.get(progress_key(run_id), latest=True, return_future=True).result(timeout=timeout_s)
+    except Exception as e:  # a slow or broken DHT must not stop training: no records means "alone"
+        logger.debug(f"Could not read progress records: {e!r}")
+        return []
+    if found is None or not isinstance(found.value, dict):
+        return []
+    records = []
+    for subkey, entry in found.value.items():
+        try:
+            record = ProgressRecord(**entry.value, node=str(subkey), expiration=float(entry.expiration_time))
+            records.append(record)
+        except (TypeError, AttributeError) as e:
+            logger.debug(f"Skipping a malformed progress record from {subkey!r}: {e!r}")
+    return records
+
+
+def live_group_size(records: list[ProgressRecord], stage: int, num_stages: int, my_node: str,
+                    max_round_lag: Optional[int] = None, my_round: int = 0) -> int:
+    """How many stage processes (this one included) can join this stage's next averaging round."""
+    others = {
+        r.node for r in records
+        if r.stage == stage and r.num_stages == num_stages and r.node != my_node
+        and (max_round_lag is None or abs(r.round - my_round) <= max_round_lag)
+    }
+    return 1 + len(others)
+
+
+def record_as_dict(record: ProgressRecord) -> dict:
+    return asdict(record)
+
+
+class SwarmLink:
+    """A stage process's view of the swarm: publishes its progress, counts its live groupmates.
+
+    Args:
+        dht: this stage process's running DHT.
+        run_id: the swarm's run id.
+        peer_name: the peer this stage belongs to (peer id of its stage 0).
+        publish_every_s: refresh the record at most this often (rounds always refresh it).
+        ttl_s: a record expires this long after it was written unless refreshed.
+    """
+
+    def __init__(self, dht, run_id: str, peer_name: str, publish_every_s: float = 10.0, ttl_s: float = 120.0):
+        self.dht, self.run_id, self.peer_name = dht, run_id, peer_name
+        self.node = dht.peer_id.to_base58()
+        self.publish_every_s, self.ttl_s = publish_every_s, ttl_s
+        self._last_publish = float("-inf")
+
+    def publish(self, stage, loss: float, tokens_per_s: float, force: bool = False) -> None:
+        import time
+
+        from hivemind.utils import get_dht_time
+
+        now = time.monotonic()
+        if not force and now - self._last_publish < self.publish_every_s:
+            return
+        self._last_publish = now
+        record = ProgressRecord(peer=self.peer_name, stage=stage.stage_index, num_stages=stage.num_stages,
+                                round=stage.round_index, inner_step=stage.inner_step,
+                                tokens_per_s=float(tokens_per_s), loss=float(loss), time=get_dht_time())
+        try:
+            publish_progress(self.dht, self.run_id, record, self.ttl_s)
+        except Exception as e:  # the DHT process may be shutting down; progress is best effort
+            logger.debug(f"Could not publish progress: {e!r}")
+
+    def expected_group_size(self, stage) -> int:
+        records = fetch_progress(self.dht, self.run_id)
+        return live_group_size(records, stage.stage_index, stage.num_stages, self.node,
+                               max_round_lag=1, my_round=stage.round_index)

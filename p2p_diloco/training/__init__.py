@@ -1,0 +1,34 @@
+"""Training: the stage's DiLoCo state and round, the inner schedule, the outer optimizer, executors,
+the training loop, metrics and checkpoints."""
+
+from p2p_diloco.training.checkpoint import (
+    Checkpoint,
+    CheckpointError,
+    load_latest_checkpoint,
+    read_checkpoint,
+    save_checkpoint,
+)
+from p2p_diloco.training.executor import LocalExecutor
+from p2p_diloco.training.metrics import MetricsWriter, read_metrics
+from p2p_diloco.training.outer import OuterOptimizer
+from p2p_diloco.training.schedule import inner_lr
+from p2p_diloco.training.stage import RoundReport, Stage
+from p2p_diloco.training.trainer import Trainer, TrainSummary, anchor_digest
+
+__all__ = [
+    "Checkpoint",
+    "CheckpointError",
+    "LocalExecutor",
+    "MetricsWriter",
+    "OuterOptimizer",
+    "RoundReport",
+    "Stage",
+    "TrainSummary",
+    "Trainer",
+    "anchor_digest",
+    "inner_lr",
+    "load_latest_checkpoint",
+    "read_checkpoint",
+    "read_metrics",
+    "save_checkpoint",
+]

@@ -1,0 +1,134 @@
+"""Crash-safe checkpoints of one stage: safetensors data plus a JSON manifest with its checksum.
+
+A checkpoint ``round-000012`` is two files: ``round-000012.safetensors`` (every tensor, no pickle) and
+``round-000012.json`` (format, round, sha256 and size of the data file, and the non-tensor state). Both
+are written to a temporary name, fsynced and renamed; the manifest goes last and is the commit mark,
+so a crash at any point leaves the previous checkpoint intact. Loading verifies the checksum and falls
+back to the previous checkpoint, with a warning, when the latest is truncated or corrupt. The last
+``keep`` checkpoints are kept. Called by the trainer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "p2p-diloco-checkpoint"
+VERSION = 1
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used; the message names the file and the problem."""
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    round_index: int
+    tensors: dict[str, torch.Tensor]
+    meta: dict[str, Any]
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(folder: str | Path, round_index: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any],
+                    keep: int) -> Path:
+    """Write a checkpoint atomically and prune old ones; returns the manifest path."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    name = f"round-{round_index:06d}"
+    data_path, manifest_path = folder / f"{name}.safetensors", folder / f"{name}.json"
+    tmp_data = folder / f".{name}.safetensors.tmp"
+    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp_data))
+    _fsync_file(tmp_data)
+    manifest = {
+        "format": FORMAT, "version": VERSION, "round": round_index, "file": data_path.name,
+        "sha256": _sha256(tmp_data), "size": tmp_data.stat().st_size, "meta": meta,
+    }
+    os.replace(tmp_data, data_path)
+    tmp_manifest = folder / f".{name}.json.tmp"
+    with open(tmp_manifest, "w") as f:
+        json.dump(manifest, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp_manifest, manifest_path)
+    _fsync_dir(folder)
+    _prune(folder, keep)
+    return manifest_path
+
+
+def _prune(folder: Path, keep: int) -> None:
+    for manifest_path in list_checkpoints(folder)[keep:]:
+        (folder / manifest_path.with_suffix(".safetensors").name).unlink(missing_ok=True)
+        manifest_path.unlink(missing_ok=True)
+
+
+def list_checkpoints(folder: str | Path) -> list[Path]:
+    """Manifests in ``folder``, newest round first."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    return sorted(folder.glob("round-*.json"), reverse=True)
+
+
+def read_checkpoint(manifest_path: str | Path) -> Checkpoint:
+    """Load one checkpoint, verifying format, size and checksum."""
+    from safetensors.torch import load_file
+
+    manifest_path = Path(manifest_path)
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"checkpoint manifest {manifest_path} is unreadable: {e}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+        raise CheckpointError(f"{manifest_path} is not a {FORMAT} v{VERSION} manifest")
+    data_path = manifest_path.parent / str(manifest.get("file", ""))
+    if not data_path.is_file():
+        raise CheckpointError(f"checkpoint data {data_path} is missing")
+    if data_path.stat().st_size != manifest.get("size") or _sha256(data_path) != manifest.get("sha256"):
+        raise CheckpointError(f"checkpoint data {data_path} is truncated or corrupt (checksum mismatch)")
+    try:
+        tensors = load_file(str(data_path))
+    except Exception as e:
+        raise CheckpointError(f"checkpoint data {data_path} cannot be read: {e}") from None
+    return Checkpoint(manifest_path, int(manifest["round"]), tensors, dict(manifest.get("meta", {})))
+
+
+def load_latest_checkpoint(folder: str | Path) -> Optional[Checkpoint]:
+    """The newest checkpoint that loads; corrupt ones are skipped with a warning. None if there is none."""
+    for manifest_path in list_checkpoints(folder):
+        try:
+            return read_checkpoint(manifest_path)
+        except CheckpointError as e:
+            logger.warning(f"{e}; falling back to the previous checkpoint")
+    return None

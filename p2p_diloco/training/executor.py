@@ -1,0 +1,78 @@
+"""How one inner step's forward and backward run: :class:`LocalExecutor` runs the whole model in this
+process (P = 1); the pipeline executor (``p2p_diloco.pipeline``) runs one stage of P.
+
+Both split the batch into microbatches and leave the gradients of the mean loss in the parameters, so
+the same data gives the same update whatever P is. On CUDA the forward runs under bf16 autocast.
+Called by :class:`p2p_diloco.training.trainer.Trainer`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from p2p_diloco.model import loss_fn
+
+
+def autocast_for(device: torch.device):
+    """bf16 autocast on CUDA; nothing on CPU (fp32 is faster there and exact)."""
+    if device.type == "cuda":
+        return torch.autocast(device_type="cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+class LocalExecutor:
+    """Runs the whole model in this process.
+
+    Args:
+        model: the full model, on ``device``.
+        device: where the model lives.
+        microbatches: gradient-accumulation steps per inner step (must divide the batch size).
+    """
+
+    is_last_stage = True
+    is_first_stage = True
+
+    def __init__(self, model: nn.Module, device: torch.device, microbatches: int = 1):
+        self.model, self.device, self.microbatches = model, device, microbatches
+
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        """Accumulate gradients of the mean loss over the batch; returns that loss."""
+        self.model.train()
+        total = 0.0
+        for x, y in zip(inputs.chunk(self.microbatches), targets.chunk(self.microbatches)):
+            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+            with autocast_for(self.device):
+                logits = self.model(x)  # (B, T, V)
+            loss = loss_fn(logits, y) / self.microbatches
+            loss.backward()
+            total += loss.item()
+        return total
+
+    def any_stage(self, flag: bool) -> bool:
+        """Whether any stage of the peer raised ``flag``: there is only this one."""
+        return flag
+
+    def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """Sum over the peer's stages: there is only this one."""
+        return value
+
+    @torch.no_grad()
+    def evaluate(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """Mean loss over ``batches`` with the current weights."""
+        if not batches:
+            return float("nan")
+        self.model.eval()
+        losses = []
+        for x, y in batches:
+            with autocast_for(self.device):
+                logits = self.model(x.to(self.device))
+            losses.append(loss_fn(logits, y.to(self.device)).item())
+        self.model.train()
+        return sum(losses) / len(losses)
+
+    def barrier(self) -> None:
+        """Wait for the peer's other stages: there are none."""
