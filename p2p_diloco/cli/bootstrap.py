@@ -41,9 +41,10 @@ def run(args: argparse.Namespace, overrides: list[tuple[str, str]]) -> int:
         else [("dht.identity_path", DEFAULT_IDENTITY)]
     cfg = config_from_args(args, overrides, extra=extra)
     configure_logging(cfg.run.log_level)
+    dht = start_dht(cfg.dht)
+    # handlers go in after the DHT process is forked: a child must keep the default (die on SIGTERM)
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
-    dht = start_dht(cfg.dht)
     try:
         maddrs = visible_maddrs(dht)
         print(f"Bootstrap node {dht.peer_id.to_base58()} is up. Peers join with:", flush=True)

@@ -4,6 +4,7 @@ the training loop, metrics and checkpoints."""
 from p2p_diloco.training.checkpoint import (
     Checkpoint,
     CheckpointError,
+    list_checkpoints,
     load_latest_checkpoint,
     read_checkpoint,
     save_checkpoint,
@@ -27,6 +28,7 @@ __all__ = [
     "Trainer",
     "anchor_digest",
     "inner_lr",
+    "list_checkpoints",
     "load_latest_checkpoint",
     "read_checkpoint",
     "read_metrics",

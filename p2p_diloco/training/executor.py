@@ -56,9 +56,9 @@ class LocalExecutor:
         """Whether any stage of the peer raised ``flag``: there is only this one."""
         return flag
 
-    def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
-        """Sum over the peer's stages: there is only this one."""
-        return value
+    def gather_across_stages(self, values: torch.Tensor) -> torch.Tensor:
+        """Concatenate a 1-D tensor over the peer's stages in stage order: there is only this one."""
+        return values
 
     @torch.no_grad()
     def evaluate(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float:

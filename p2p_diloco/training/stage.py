@@ -10,7 +10,6 @@ calls :meth:`Stage.end_round` every H steps. Called by :class:`p2p_diloco.traini
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -71,25 +70,33 @@ class Stage:
         self.round_index = 0
 
     # ---- inner steps --------------------------------------------------------------------------------
-    def grad_sq_norm(self) -> torch.Tensor:
-        """Sum of squared gradient entries of this stage (fp32 scalar on the stage's device)."""
+    def grad_norms(self) -> torch.Tensor:
+        """Per-tensor gradient norms of this stage, in parameter order (fp32, as ``clip_grad_norm_`` computes them).
+
+        The peer's total norm is the norm of all stages' per-tensor norms concatenated in stage order, so it
+        is bit-identical whatever P is.
+        """
         grads = [p.grad for p in self.params if p.grad is not None]
         if not grads:
-            return torch.zeros((), dtype=torch.float32, device=self.params[0].device)
-        return torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum()
+            return torch.zeros(0, dtype=torch.float32, device=self.params[0].device)
+        return torch.stack(torch._foreach_norm(grads, 2)).float()
 
-    def inner_update(self, global_grad_norm: float) -> float:
-        """Clip by the peer's global gradient norm, take one AdamW step and return the learning rate used."""
+    def inner_update(self, total_grad_norm: torch.Tensor) -> float:
+        """Clip by the peer's total gradient norm, take one AdamW step and return the learning rate used.
+
+        A non-finite norm (overflow, a bad batch) skips the step rather than writing NaN into the weights.
+        """
         lr = inner_lr(self.inner_step, self.inner_cfg, self.total_steps)
         for group in self.inner_optimizer.param_groups:
             group["lr"] = lr
-        max_norm = self.inner_cfg.grad_clip
-        if max_norm > 0 and math.isfinite(global_grad_norm) and global_grad_norm > max_norm:
-            scale = max_norm / (global_grad_norm + 1e-6)
-            for p in self.params:
-                if p.grad is not None:
-                    p.grad.mul_(scale)
-        self.inner_optimizer.step()
+        if torch.isfinite(total_grad_norm):
+            if self.inner_cfg.grad_clip > 0:
+                torch.nn.utils.clip_grads_with_norm_(self.params, self.inner_cfg.grad_clip,
+                                                     total_grad_norm.to(self.params[0].device))
+            self.inner_optimizer.step()
+        else:
+            logger.warning(f"Stage {self.stage_index} step {self.inner_step}: non-finite gradient norm, "
+                           "step skipped")
         self.inner_optimizer.zero_grad(set_to_none=True)
         self.inner_step += 1
         return lr

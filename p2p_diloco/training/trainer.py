@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -137,8 +136,10 @@ class Trainer:
                 return False
             inputs, targets = self.sampler.next_batch()
             loss = self.executor.forward_backward(inputs, targets)
-            grad_norm = math.sqrt(float(self.executor.all_reduce_sum(self.stage.grad_sq_norm())))
-            lr = self.stage.inner_update(grad_norm)
+            norms = self.executor.gather_across_stages(self.stage.grad_norms())  # per-tensor, all stages
+            total_norm = torch.linalg.vector_norm(norms, 2)
+            lr = self.stage.inner_update(total_norm)
+            grad_norm = float(total_norm)
             window_tokens += self.tokens_per_step
             step = self.stage.inner_step
             self._record_loss(loss)

@@ -1,0 +1,86 @@
+"""PseudoGradientAverager with real hivemind DHTs and averager processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import hivemind
+import pytest
+import torch
+
+from p2p_diloco.config import AveragingConfig
+from p2p_diloco.swarm import PseudoGradientAverager
+
+pytestmark = pytest.mark.timeout(180)
+LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
+CFG = AveragingConfig(matchmaking_time_s=3, request_timeout_s=1, round_timeout_s=8, allreduce_timeout_s=15,
+                      next_chunk_timeout_s=5)
+TEMPLATES = [torch.zeros(300, 70), torch.zeros(513), torch.zeros(3, 3, 3)]
+
+
+@pytest.fixture
+def swarm():
+    """A bootstrap DHT and three peers' DHTs; the test builds averagers on them."""
+    root = hivemind.DHT(start=True, host_maddrs=LOOPBACK)
+    initial = [str(m) for m in root.get_visible_maddrs()]
+    dhts = [hivemind.DHT(start=True, initial_peers=initial, host_maddrs=LOOPBACK) for _ in range(3)]
+    averagers = []
+    yield dhts, averagers
+    for averager in averagers:
+        averager.shutdown()
+    for dht in dhts + [root]:
+        dht.shutdown()
+
+
+def make(dhts, averagers, run_id="run", stage=0, num_stages=1, templates=TEMPLATES):
+    for dht in dhts:
+        averagers.append(PseudoGradientAverager(templates, dht, run_id=run_id, stage_index=stage,
+                                                num_stages=num_stages, cfg=CFG))
+    return averagers[-len(dhts):]
+
+
+def test_weighted_average_bit_identical_across_peers(swarm):
+    dhts, averagers = swarm
+    group = make(dhts, averagers)
+    weights = [512.0, 1024.0, 1536.0]
+    for round_index in range(3):
+        contributions = [[torch.randn_like(t) * (k + 1) for t in TEMPLATES] for k in range(3)]
+        for averager in group:
+            averager.set_expected_group_size(3)
+        for averager, contribution, weight in zip(group, contributions, weights):
+            averager.start_round(contribution, round_index, weight)
+        results = [averager.finish_round() for averager in group]
+        for result in results:
+            assert result.error == "" and result.group_size == 3 and result.group_tokens == sum(weights)
+            assert result.bytes_sent > 0 and result.bytes_received > 0
+            assert all(torch.equal(a, b) for a, b in zip(result.averaged, results[0].averaged))
+        for i in range(len(TEMPLATES)):
+            exact = sum(c[i].double() * w for c, w in zip(contributions, weights)) / sum(weights)
+            torch.testing.assert_close(results[0].averaged[i].double(), exact, rtol=0, atol=1e-6)
+
+
+def test_different_rounds_never_mix(swarm):
+    dhts, averagers = swarm
+    a, b, _ = make(dhts, averagers)
+    a.start_round([torch.ones_like(t) for t in TEMPLATES], round_index=5, weight=1.0)
+    b.start_round([torch.zeros_like(t) for t in TEMPLATES], round_index=6, weight=1.0)
+    for result in (a.finish_round(), b.finish_round()):
+        assert result.averaged is None and "could not find a group" in result.error
+        assert result.duration_s < CFG.round_timeout_s + CFG.allreduce_timeout_s + 5
+
+
+def test_other_stage_or_split_never_mix(swarm):
+    dhts, averagers = swarm
+    stage0 = make(dhts[:1], averagers, stage=0, num_stages=2)[0]
+    stage1 = make(dhts[1:2], averagers, stage=1, num_stages=2)[0]
+    other_p = make(dhts[2:], averagers, stage=0, num_stages=1)[0]
+    for averager in (stage0, stage1, other_p):
+        averager.start_round([torch.ones_like(t) for t in TEMPLATES], round_index=0, weight=1.0)
+    assert all(x.finish_round().averaged is None for x in (stage0, stage1, other_p))
+
+
+def test_alone_falls_back_within_timeout(swarm):
+    dhts, averagers = swarm
+    lone = make(dhts[:1], averagers)[0]
+    lone.start_round([torch.ones_like(t) for t in TEMPLATES], round_index=0, weight=1.0)
+    result = lone.finish_round()
+    assert result.averaged is None and result.error
+    assert result.duration_s < CFG.round_timeout_s + 5

@@ -1,0 +1,143 @@
+"""The command line as a user meets it: --help, one-line errors with non-zero exit codes, the bootstrap node's
+identity and clean exit, prepare-data."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import subprocess
+
+import pytest
+
+from tests.integration.conftest import LOOPBACK, cli, wait_for_file
+
+pytestmark = pytest.mark.timeout(180)
+FAKE_PEER = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWQRhMWEXs32iUEwckXD3ixtcp4M8THEUyqcMDAhgCsJGF"
+
+
+def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(cli(*args), capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("command", [[], ["peer"], ["bootstrap"], ["swarm"], ["prepare-data"]])
+def test_help(command):
+    result = run(*command, "--help")
+    assert result.returncode == 0, result.stderr
+    assert "usage: p2p-diloco" in result.stdout
+
+
+def test_help_config_lists_keys():
+    result = run("peer", "--help-config")
+    assert result.returncode == 0 and "diloco.inner_steps" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["peer", "--inner.no_such_key", "1"], "inner.no_such_key: unknown key"),
+        (["peer", "--diloco.inner_steps", "0"], "diloco.inner_steps: must be a positive integer"),
+        (["peer", "--inner.lr", "fast"], "inner.lr: expected a number"),
+        (["peer", "--initial-peers", "/ip4/300.1.2.3/tcp/31337"], "dht.initial_peers: malformed multiaddr"),
+        (["peer", "--initial-peers", "not-an-address"], "dht.initial_peers: malformed multiaddr"),
+        (["bootstrap", "--host-maddrs", "/ip4/127.0.0.1/tcp/notaport"], "dht.host_maddrs: malformed multiaddr"),
+        (["peer", "--config", "/nonexistent/peer.toml"], "does not exist"),
+        (["swarm", "--peers", "0"], "--peers: must be at least 1"),
+        (["peer", "--data.path", "/nonexistent/shards", "--host-maddrs", LOOPBACK],
+         "data.path: /nonexistent/shards does not exist"),
+    ],
+)
+def test_bad_input_is_one_line_error(args, expected):
+    result = run(*args)
+    assert result.returncode != 0
+    assert_one_line_error(result.stderr, expected)
+    assert "Traceback" not in result.stdout
+
+
+def assert_one_line_error(stderr: str, expected: str) -> None:
+    """The last line is the error, it is the only one, and no traceback came before it (logs may)."""
+    lines = stderr.strip().splitlines()
+    assert [line for line in lines if line.startswith("error: ")] == lines[-1:], stderr
+    assert expected in lines[-1], lines[-1]
+    assert "Traceback" not in stderr
+
+
+def test_unreachable_initial_peer_is_one_line_error(tmp_path):
+    result = run("peer", "--initial-peers", FAKE_PEER, "--host-maddrs", LOOPBACK, "--output-dir", str(tmp_path))
+    assert result.returncode == 1
+    assert_one_line_error(result.stderr, "could not reach any initial peer")
+
+
+def start_bootstrap(tmp_path, identity):
+    maddrs_file = tmp_path / "maddrs"
+    maddrs_file.unlink(missing_ok=True)
+    proc = subprocess.Popen(cli("bootstrap", "--host-maddrs", LOOPBACK, "--identity-path", str(identity),
+                                "--maddrs-file", str(maddrs_file)),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return proc, wait_for_file(maddrs_file, proc).split()
+
+
+def test_bootstrap_identity_created_0600_and_reused_and_clean_exit(tmp_path):
+    identity = tmp_path / "bootstrap.id"
+    proc, maddrs = start_bootstrap(tmp_path, identity)
+    assert stat.S_IMODE(identity.stat().st_mode) == 0o600
+    peer_id = maddrs[0].rsplit("/p2p/", 1)[1]
+    os.killpg(proc.pid, signal.SIGTERM)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert "--initial-peers " + maddrs[0] in out
+    assert "Traceback" not in err
+
+    proc, maddrs_again = start_bootstrap(tmp_path, identity)  # restart: same identity, same peer id
+    assert maddrs_again[0].rsplit("/p2p/", 1)[1] == peer_id
+    os.killpg(proc.pid, signal.SIGINT)
+    proc.communicate(timeout=30)
+    assert proc.returncode == 0
+
+
+@pytest.mark.parametrize("damage", ["garbage", "world_readable", "missing_folder"])
+def test_bootstrap_refuses_bad_identity(tmp_path, damage):
+    identity = tmp_path / "id"
+    if damage == "garbage":
+        identity.write_bytes(b"not a key")
+        identity.chmod(0o600)
+        expected = "does not hold a libp2p private key"
+    elif damage == "world_readable":
+        run_ok = subprocess.Popen(cli("bootstrap", "--host-maddrs", LOOPBACK, "--identity-path", str(identity),
+                                      "--maddrs-file", str(tmp_path / "m")), start_new_session=True)
+        wait_for_file(tmp_path / "m", run_ok)
+        os.killpg(run_ok.pid, signal.SIGTERM)
+        run_ok.wait(timeout=30)
+        identity.chmod(0o644)
+        expected = "accessible by other users"
+    else:
+        identity = tmp_path / "no" / "such" / "id"
+        expected = "does not exist"
+    before = identity.read_bytes() if identity.exists() else None
+    result = run("bootstrap", "--host-maddrs", LOOPBACK, "--identity-path", str(identity))
+    assert result.returncode == 1
+    assert_one_line_error(result.stderr, expected)
+    assert (identity.read_bytes() if identity.exists() else None) == before  # nothing overwritten
+
+
+def test_prepare_data_and_train_on_it(tmp_path):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(30):
+        (docs / f"doc{i}.txt").write_text(f"The quick brown fox {i} jumps over the lazy dog.\n" * 50)
+    out = tmp_path / "shards"
+    result = run("prepare-data", str(docs), "--output", str(out), "--eval-fraction", "0.1")
+    assert result.returncode == 0, result.stderr
+    assert (out / "meta.json").exists()
+    result = run("peer", "--data.path", str(out), "--host-maddrs", LOOPBACK, "--output-dir", str(tmp_path / "p"),
+                 "--train.num_rounds", "2", "--diloco.inner_steps", "5", "--data.batch_size", "4",
+                 "--data.seq_len", "32", "--train.progress", "false", "--run.num_threads", "1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert '"rounds_completed": 2' in result.stdout
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    result = run("prepare-data", str(empty), "--output", str(out))
+    assert result.returncode == 1
+    assert_one_line_error(result.stderr, "error: ")
+    assert (out / "meta.json").exists()  # the failed prepare left the existing shards alone

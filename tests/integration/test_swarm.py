@@ -1,0 +1,90 @@
+"""A bootstrap node and real peer processes on 127.0.0.1: rounds, anchor agreement, run isolation, churn."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from p2p_diloco.training import read_metrics
+from tests.integration.conftest import FAST_AVERAGING, LOOPBACK, TINY_TRAINING
+
+pytestmark = pytest.mark.timeout(420)
+
+
+def peer_args(tmp_path, name: str, maddrs: list[str], run_id: str, rounds: int, h: int, *extra: str) -> list[str]:
+    return ["peer", "--initial-peers", *maddrs, "--host-maddrs", LOOPBACK, "--run-id", run_id,
+            "--output-dir", str(tmp_path / name), "--train.num_rounds", str(rounds), "--diloco.inner_steps", str(h),
+            *TINY_TRAINING, *FAST_AVERAGING, *extra]
+
+
+def events(tmp_path, name: str, kind: str, stage: int = 0) -> list[dict]:
+    return [e for e in read_metrics(tmp_path / name / f"metrics-stage{stage}.jsonl") if e["kind"] == kind]
+
+
+def summary(tmp_path, name: str, stage: int = 0) -> dict:
+    return json.loads((tmp_path / name / f"summary-stage{stage}.json").read_text())
+
+
+def test_three_peers_identical_anchors_and_runs_never_mix(tmp_path, processes, bootstrap):
+    """3 peers of run A train 4 rounds next to 2 peers of run B: A averages in groups of exactly 3, B of 2,
+    every A peer holds the bit-identical anchor after every round, and eval loss falls."""
+    rounds = 4
+    run_a, run_b = ["a0", "a1", "a2"], ["b0", "b1"]
+    for name in run_a:
+        processes.start(name, *peer_args(tmp_path, name, bootstrap, "run-a", rounds, 10))
+    for name in run_b:
+        processes.start(name, *peer_args(tmp_path, name, bootstrap, "run-b", rounds, 10))
+    for name in run_a + run_b:
+        assert processes.wait(name, timeout=360) == 0, processes.log(name)[-3000:]
+
+    for run, names in (("a", run_a), ("b", run_b)):
+        per_peer = [events(tmp_path, name, "round") for name in names]
+        for name, rounds_seen in zip(names, per_peer):
+            assert [e["round_index"] for e in rounds_seen] == list(range(rounds)), name
+            assert all(e["averaged"] and e["group_size"] == len(names) for e in rounds_seen), (name, rounds_seen)
+        for r in range(rounds):  # bit-identical anchors after every round
+            assert len({p[r]["anchor_sha256"] for p in per_peer}) == 1, (run, r)
+        # weights are tokens; bytes were really exchanged
+        assert all(e["bytes_sent"] > 0 and e["bytes_received"] > 0 for p in per_peer for e in p)
+    a_digests = {e["anchor_sha256"] for e in events(tmp_path, "a0", "round")}
+    b_digests = {e["anchor_sha256"] for e in events(tmp_path, "b0", "round")}
+    assert not a_digests & b_digests
+
+    for name in run_a:
+        s = summary(tmp_path, name)
+        assert s["rounds_completed"] == rounds and s["fallback_rounds"] == 0
+        assert s["eval_loss_final"] < s["eval_loss_start"] - 1.0, s
+        assert s["last_loss"] < s["first_loss"]
+        assert s["allreduce_bytes_equivalent"] > 5 * s["bytes_sent"]
+
+
+def test_killed_peer_does_not_stop_the_other(tmp_path, processes, bootstrap):
+    """2 peers; one is killed (SIGKILL) after its first round: the survivor finishes every round, falling back
+    to its own pseudo-gradient, without crashing or hanging past the configured timeouts."""
+    rounds = 5
+    survivor = processes.start("survivor", *peer_args(tmp_path, "survivor", bootstrap, "churn", rounds, 10))
+    victim = processes.start("victim", *peer_args(tmp_path, "victim", bootstrap, "churn", rounds, 10))
+    deadline = time.monotonic() + 240
+    while not events(tmp_path, "victim", "round"):
+        assert time.monotonic() < deadline and victim.poll() is None, processes.log("victim")[-3000:]
+        time.sleep(0.2)
+    os.killpg(victim.pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+
+    assert processes.wait("survivor", timeout=300) == 0, processes.log("survivor")[-3000:]
+    elapsed = time.monotonic() - killed_at
+    assert survivor.returncode == 0
+    rounds_seen = events(tmp_path, "survivor", "round")
+    assert [e["round_index"] for e in rounds_seen] == list(range(rounds))
+    assert rounds_seen[0]["averaged"] and rounds_seen[0]["group_size"] == 2
+    fallbacks = [e for e in rounds_seen if not e["averaged"]]
+    assert fallbacks, rounds_seen
+    # a failed round costs at most round_timeout + allreduce_timeout (20 + 20 s), never more
+    assert all(e["averaging_s"] < 45 for e in rounds_seen), rounds_seen
+    assert elapsed < (rounds - 1) * 45 + 60
+    s = summary(tmp_path, "survivor")
+    assert s["rounds_completed"] == rounds and s["fallback_rounds"] == len(fallbacks)

@@ -1,0 +1,111 @@
+"""Unit tests of checkpoints: atomic files with checksums, pruning, corrupt-latest fallback, exact resume."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+from p2p_diloco.config import load_config
+from p2p_diloco.data import ShardDataset, WindowSampler
+from p2p_diloco.model import ModelArgs, Transformer
+from p2p_diloco.training import (
+    CheckpointError,
+    LocalExecutor,
+    Stage,
+    Trainer,
+    list_checkpoints,
+    load_latest_checkpoint,
+    read_checkpoint,
+    save_checkpoint,
+)
+from tests.helpers import TINY_ARGS, make_shards
+
+
+def tensors(value: float) -> dict[str, torch.Tensor]:
+    return {"a": torch.full((3, 4), value), "b": torch.arange(5, dtype=torch.float32) * value}
+
+
+def test_round_trip_and_pruning(tmp_path):
+    for r in range(1, 5):
+        save_checkpoint(tmp_path, r, tensors(r), {"round": r, "note": "x"}, keep=3)
+    manifests = list_checkpoints(tmp_path)
+    assert [m.name for m in manifests] == ["round-000004.json", "round-000003.json", "round-000002.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [f"round-00000{r}.{ext}" for r in (2, 3, 4) for ext in ("json", "safetensors")])
+    latest = load_latest_checkpoint(tmp_path)
+    assert latest.round_index == 4 and latest.meta == {"round": 4, "note": "x"}
+    assert torch.equal(latest.tensors["a"], tensors(4)["a"])
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "garbage_manifest", "missing_data"])
+def test_corrupt_latest_falls_back_to_previous(tmp_path, damage, caplog):
+    save_checkpoint(tmp_path, 1, tensors(1), {}, keep=3)
+    manifest = save_checkpoint(tmp_path, 2, tensors(2), {}, keep=3)
+    data = manifest.with_suffix(".safetensors")
+    if damage == "truncate":
+        data.write_bytes(data.read_bytes()[:-10])
+    elif damage == "flip":
+        raw = bytearray(data.read_bytes())
+        raw[-1] ^= 0xFF
+        data.write_bytes(bytes(raw))
+    elif damage == "garbage_manifest":
+        manifest.write_text("{not json")
+    else:
+        data.unlink()
+    with pytest.raises(CheckpointError):
+        read_checkpoint(manifest)
+    with caplog.at_level(logging.WARNING):
+        latest = load_latest_checkpoint(tmp_path)
+    assert latest.round_index == 1
+    assert "falling back to the previous checkpoint" in caplog.text
+
+
+def test_other_format_is_refused(tmp_path):
+    manifest = save_checkpoint(tmp_path, 1, tensors(1), {}, keep=1)
+    manifest.write_text(json.dumps({"format": "something-else", "version": 1}))
+    with pytest.raises(CheckpointError, match="not a p2p-diloco-checkpoint"):
+        read_checkpoint(manifest)
+    assert load_latest_checkpoint(tmp_path) is None
+
+
+def _trainer(tmp_path, dataset, num_rounds: int, output: str):
+    cfg = load_config(None, [("diloco.inner_steps", "4"), ("train.num_rounds", str(num_rounds)),
+                             ("data.batch_size", "4"), ("train.eval_every_rounds", "0"),
+                             ("checkpoint.every_rounds", "1"), ("inner.total_steps", "24"),
+                             ("run.output_dir", str(tmp_path / output))])
+    model = Transformer(ModelArgs(**TINY_ARGS))
+    stage = Stage(model, stage_index=0, num_stages=1, inner_cfg=cfg.inner, diloco_cfg=cfg.diloco,
+                  total_steps=24)
+    sampler = WindowSampler(dataset, 16, 4, seed=5)
+    return Trainer(cfg, stage, LocalExecutor(model, torch.device("cpu")), sampler, [],
+                   output_dir=tmp_path / output, peer_name="p")
+
+
+def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path):
+    dataset = ShardDataset(make_shards(tmp_path / "data"), "train")
+    straight = _trainer(tmp_path, dataset, 6, "straight")
+    straight.run()
+
+    first = _trainer(tmp_path, dataset, 2, "resumed")  # same schedule (inner.total_steps), stops after 2 rounds
+    first.run()
+    assert first.stage.round_index == 2
+    second = _trainer(tmp_path, dataset, 6, "resumed")
+    second.run()
+    assert second.stage.inner_step == 24 and second.stage.round_index == 6
+    for a, b in zip(second.stage.anchor, straight.stage.anchor):
+        assert torch.equal(a, b)
+    for a, b in zip(second.stage.params, straight.stage.params):
+        assert torch.equal(a, b)
+
+
+def test_stage_refuses_checkpoint_of_other_shape(tmp_path):
+    cfg = load_config()
+    small = Stage(Transformer(ModelArgs(**TINY_ARGS)), stage_index=0, num_stages=1, inner_cfg=cfg.inner,
+                  diloco_cfg=cfg.diloco, total_steps=10)
+    other = Stage(Transformer(ModelArgs(**dict(TINY_ARGS, dim=64, n_heads=8))), stage_index=0, num_stages=1,
+                  inner_cfg=cfg.inner, diloco_cfg=cfg.diloco, total_steps=10)
+    with pytest.raises(ValueError, match="has shape"):
+        other.load_state(small.state_tensors(), small.state_meta())
