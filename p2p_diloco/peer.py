@@ -1,13 +1,16 @@
 """Building and running one stage process of a peer from a :class:`Config`.
 
-:func:`run_stage` is the whole life of a stage process: data, model slice, DHT node, averager, stage
-state, executor, trainer, and a shutdown that always runs. With P = 1 a peer is one such process.
-Called by the ``peer`` command (and the pipeline launcher, one call per stage process).
+:func:`run_stage` is the whole life of a stage process: data, model slice, DHT node, config check against
+the swarm, averager, stage state, executor, trainer, and a shutdown that always runs. With P = 1 a peer is
+one such process holding the whole model; with P > 1 each of its P processes runs this with its
+:class:`~p2p_diloco.pipeline.PipelineContext`. Called by the ``peer`` command.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,9 +18,9 @@ from typing import Optional
 
 import torch
 
-from p2p_diloco.config import Config, ConfigError, dump_config
+from p2p_diloco.config import Config, ConfigError, DHTConfig, dump_config
 from p2p_diloco.data import ShardDataset, WindowSampler, eval_batches, resolve_data_path, seed_from_peer_id
-from p2p_diloco.model import build_stage_model, check_split, model_args_from_config
+from p2p_diloco.model import balanced_split, build_stage_model, check_split, model_args_from_config
 from p2p_diloco.training.executor import LocalExecutor
 from p2p_diloco.training.stage import Stage
 from p2p_diloco.training.trainer import Reporter, Trainer, TrainSummary
@@ -54,46 +57,62 @@ def load_data(cfg: Config, max_seq_len: int) -> StageData:
 
 def resolve_split(cfg: Config, model_args) -> list[int]:
     """Blocks per stage: the configured split, or one balanced by parameter count."""
-    from p2p_diloco.model import balanced_split
-
     if cfg.pipeline.stage_layers is not None:
         check_split(model_args, cfg.pipeline.stage_layers)
         return list(cfg.pipeline.stage_layers)
     return balanced_split(model_args, cfg.pipeline.stages)
 
 
-def run_stage(cfg: Config, *, stage_index: int = 0, executor_factory: Optional[Callable] = None,
-              peer_name: Optional[str] = None, reporter: Optional[Reporter] = None,
+def stage_dht_config(cfg: DHTConfig, stage_index: int, num_stages: int) -> DHTConfig:
+    """Stage j of a P-stage peer runs its own DHT node: its own identity file and, for fixed ports, port + j."""
+    if num_stages == 1:
+        return cfg
+
+    def shift(maddr: str) -> str:
+        return re.sub(r"/(tcp|udp)/(\d+)", lambda m: f"/{m[1]}/{int(m[2]) + stage_index if int(m[2]) else 0}",
+                      maddr)
+
+    return dataclasses.replace(
+        cfg, host_maddrs=[shift(m) for m in cfg.host_maddrs], announce_maddrs=[shift(m) for m in cfg.announce_maddrs],
+        identity_path=f"{cfg.identity_path}.stage{stage_index}" if cfg.identity_path else None,
+    )
+
+
+def run_stage(cfg: Config, *, pipeline=None, reporter: Optional[Reporter] = None,
               on_trainer: Optional[Callable[[Trainer], None]] = None, dht=None) -> TrainSummary:
     """Run one stage process to the end of training (or until its trainer is asked to stop).
 
     Args:
         cfg: validated config.
-        stage_index: which stage of the peer's pipeline this process runs.
-        executor_factory: builds the executor from (model, device); default: the whole model in-process.
-        peer_name: the peer's name (peer id of its stage 0); default: this process's DHT peer id.
+        pipeline: this process's :class:`PipelineContext` when the peer has P > 1 stages, else None.
         reporter: console progress.
         on_trainer: called with the trainer before training starts (signal handlers hook in here).
         dht: a running DHT to use instead of starting one (it is not shut down here).
     """
     from p2p_diloco.swarm import PseudoGradientAverager, SwarmLink, start_dht, visible_maddrs
+    from p2p_diloco.swarm.fingerprint import check_fingerprint, config_fingerprint
 
-    device = select_device(cfg.run.device)
+    stage_index = pipeline.stage_index if pipeline is not None else 0
+    device = pipeline.device if pipeline is not None else select_device(cfg.run.device)
     output_dir = Path(cfg.run.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / "config.toml").write_text(dump_config(cfg))
+    if stage_index == 0:
+        (output_dir / "config.toml").write_text(dump_config(cfg))
 
     data = load_data(cfg, max_seq_len=_max_seq_len(cfg))
     model_args = model_args_from_config(cfg.model, data.train.vocab_size)
     split = resolve_split(cfg, model_args)
     model = build_stage_model(model_args, split, stage_index).to(device)
+    fingerprint = config_fingerprint(model_args, split, data.train.meta)
 
     own_dht = dht is None
-    dht = start_dht(cfg.dht) if own_dht else dht
+    dht = start_dht(stage_dht_config(cfg.dht, stage_index, len(split))) if own_dht else dht
     stage = None
     try:
-        logger.info(f"DHT node up; others can join through: {' '.join(visible_maddrs(dht))}")
-        peer_name = peer_name or dht.peer_id.to_base58()
+        logger.info(f"Stage {stage_index}: DHT node up; others can join through: {' '.join(visible_maddrs(dht))}")
+        check_fingerprint(dht, cfg.run.run_id, fingerprint)
+        own_name = dht.peer_id.to_base58()
+        peer_name = pipeline.broadcast_object(own_name) if pipeline is not None else own_name
         averager = PseudoGradientAverager(
             [p for p in model.parameters() if p.requires_grad], dht, run_id=cfg.run.run_id,
             stage_index=stage_index, num_stages=len(split), cfg=cfg.averaging,
@@ -105,8 +124,8 @@ def run_stage(cfg: Config, *, stage_index: int = 0, executor_factory: Optional[C
         sampler = WindowSampler(data.train, data.seq_len, cfg.data.batch_size, seed)
         eval_data = eval_batches(data.eval, data.seq_len, cfg.data.batch_size, cfg.data.eval_batches) \
             if data.eval is not None else []
-        executor = (executor_factory or _local_executor(cfg))(model, device)
-        swarm = SwarmLink(dht, cfg.run.run_id, peer_name)
+        executor = _make_executor(cfg, pipeline, model, device)
+        swarm = SwarmLink(dht, cfg.run.run_id, peer_name, fingerprint=fingerprint)
         trainer = Trainer(cfg, stage, executor, sampler, eval_data, swarm=swarm, output_dir=output_dir,
                           peer_name=peer_name, reporter=reporter)
         if on_trainer is not None:
@@ -119,8 +138,12 @@ def run_stage(cfg: Config, *, stage_index: int = 0, executor_factory: Optional[C
             dht.shutdown()
 
 
-def _local_executor(cfg: Config) -> Callable:
-    return lambda model, device: LocalExecutor(model, device, cfg.pipeline.microbatches)
+def _make_executor(cfg: Config, pipeline, model, device):
+    if pipeline is None:
+        return LocalExecutor(model, device, cfg.pipeline.microbatches)
+    from p2p_diloco.pipeline.executor import PipelineExecutor
+
+    return PipelineExecutor(pipeline, model, cfg.pipeline)
 
 
 def _max_seq_len(cfg: Config) -> int:

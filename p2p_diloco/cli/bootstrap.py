@@ -62,12 +62,14 @@ def run(args: argparse.Namespace, overrides: list[tuple[str, str]]) -> int:
     return 0
 
 
-def _count_peers(dht) -> int:
-    async def count(_dht, node) -> int:
-        return len(await node.p2p.list_peers())
+async def _list_peers(_dht, node) -> int:
+    """Runs inside the DHT process (so it must be a module-level function, to be pickled there)."""
+    return len(await node.p2p.list_peers())
 
+
+def _count_peers(dht) -> int:
     try:
-        return dht.run_coroutine(count)
+        return dht.run_coroutine(_list_peers)
     except Exception:  # a liveness line must never kill the node
         return -1
 

@@ -57,7 +57,7 @@ class ConsoleReporter:
         if self.bar is not None:
             self.bar.write(text)
         else:
-            self._log.info(text)
+            self._log.info(f"{self.label}: {text}" if self.label else text)
 
     def close(self) -> None:
         if self.bar is not None:

@@ -51,10 +51,11 @@ def configure_logging(level: str = "INFO") -> None:
 def user_errors() -> tuple[type[BaseException], ...]:
     from p2p_diloco.config import ConfigError
     from p2p_diloco.data import DataError
+    from p2p_diloco.pipeline import PipelineError
     from p2p_diloco.swarm import SwarmError
     from p2p_diloco.training import CheckpointError
 
-    return ConfigError, DataError, SwarmError, CheckpointError
+    return ConfigError, DataError, SwarmError, CheckpointError, PipelineError
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 
 from p2p_diloco.cli.common import CONFIG_HELP, GracefulStop, add_config_arguments, config_from_args
 
@@ -41,24 +42,40 @@ def pipeline_overrides(args: argparse.Namespace) -> list[tuple[str, str]]:
 
 
 def run(args: argparse.Namespace, overrides: list[tuple[str, str]]) -> int:
-    from p2p_diloco.cli.console import ConsoleReporter
     from p2p_diloco.cli.main import configure_logging
     from p2p_diloco.config import dump_config
+    from p2p_diloco.pipeline import launched_as_stage
+    from p2p_diloco.pipeline.launch import LAUNCHED_BY_US
 
     cfg = config_from_args(args, overrides, extra=pipeline_overrides(args))
     configure_logging(cfg.run.log_level)
-    logger.info("Resolved config:\n" + dump_config(cfg))
     if cfg.run.num_threads:
         import torch
 
         torch.set_num_threads(cfg.run.num_threads)
-    if cfg.pipeline.stages > 1:
-        from p2p_diloco.cli.pipeline_launch import run_pipeline_peer
+    if cfg.pipeline.stages > 1 and not launched_as_stage():
+        from p2p_diloco.pipeline.launch import run_local_stages
 
-        return run_pipeline_peer(cfg)
+        logger.info("Resolved config:\n" + dump_config(cfg))
+        return run_local_stages(cfg)
+    if not launched_as_stage() or (os.environ.get("RANK") == "0" and os.environ.get(LAUNCHED_BY_US) != "1"):
+        logger.info("Resolved config:\n" + dump_config(cfg))
+    return _run_this_stage(cfg)
+
+
+def _run_this_stage(cfg) -> int:
+    """Run this process's stage: the whole model (P = 1) or stage RANK of P (launched as a pipeline stage)."""
+    from p2p_diloco.cli.console import ConsoleReporter
     from p2p_diloco.peer import run_stage
+    from p2p_diloco.pipeline import PipelineContext
+    from p2p_diloco.pipeline.launch import LAUNCHED_BY_US
 
-    reporter = ConsoleReporter(enabled=cfg.train.progress, label=f"peer {cfg.run.run_id}")
+    context = None
+    if cfg.pipeline.stages > 1:
+        context = PipelineContext.from_environment(cfg.pipeline.stages, cfg.run.device, cfg.pipeline.timeout_s)
+    is_last = context is None or context.is_last
+    label = f"stage {context.stage_index}" if context is not None else f"peer {cfg.run.run_id}"
+    reporter = ConsoleReporter(enabled=cfg.train.progress and is_last, label=label)
     stopper = None
 
     def hook(trainer) -> None:
@@ -66,9 +83,13 @@ def run(args: argparse.Namespace, overrides: list[tuple[str, str]]) -> int:
         stopper = GracefulStop(trainer.request_stop).__enter__()
 
     try:
-        summary = run_stage(cfg, reporter=reporter, on_trainer=hook)
+        summary = run_stage(cfg, pipeline=context, reporter=reporter, on_trainer=hook)
     finally:
         if stopper is not None:
             stopper.__exit__(None, None, None)
-    print(json.dumps({"summary": {k: v for k, v in summary.__dict__.items() if k != "group_sizes"}}))
+        if context is not None:
+            context.close()
+    if os.environ.get(LAUNCHED_BY_US) != "1":  # our launcher prints the whole peer's summary
+        fields = {k: v for k, v in summary.__dict__.items() if k != "group_sizes"}
+        print(json.dumps({"summary": fields}), flush=True)
     return 0

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from pathlib import Path
 
 from p2p_diloco.cli.common import CONFIG_HELP
 from p2p_diloco.config import ConfigError, dump_config, load_config
+from p2p_diloco.process import die_with_parent, stop_groups
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ def _start_bootstrap(root: Path) -> subprocess.Popen:
     return subprocess.Popen(
         _command("bootstrap", "--host-maddrs", LOOPBACK, "--identity-path", str(root / "bootstrap.id"),
                  "--maddrs-file", str(root / "bootstrap.maddrs")),
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent,
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent,
     )
 
 
@@ -130,7 +130,7 @@ def _start_peer(root: Path, index: int, config_path: Path, maddrs: list[str], th
     return subprocess.Popen(
         _command("peer", "--config", str(config_path), "--initial-peers", *maddrs,
                  "--output-dir", str(peer_dir), "--run.num_threads", str(threads)),
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent,
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent,
     )
 
 
@@ -161,30 +161,4 @@ def _follow(root: Path, processes: dict[str, subprocess.Popen], cfg, timeout_s: 
 
 def _stop_all(processes: dict[str, subprocess.Popen], grace_s: float = 60.0) -> None:
     """SIGTERM every process still running (peers checkpoint and exit), then SIGKILL what remains."""
-    for process in processes.values():
-        if process.poll() is None:
-            _signal_group(process, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for process in processes.values():
-        try:
-            process.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            _signal_group(process, signal.SIGKILL)
-            process.wait()
-
-
-def _signal_group(process: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(process.pid, sig)
-    except ProcessLookupError:
-        pass
-
-
-def _die_with_parent() -> None:
-    """Runs in the child before exec: get SIGTERM when the swarm process dies, even by SIGKILL (Linux)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+    stop_groups(list(processes.values()), grace_s)

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import tomllib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
-
-import tomllib
 
 from p2p_diloco.config.errors import ConfigError
 from p2p_diloco.config.sections import (
@@ -57,6 +56,13 @@ class Config:
             raise ConfigError(
                 f"pipeline.microbatches: {self.pipeline.microbatches} does not divide data.batch_size "
                 f"{self.data.batch_size}"
+            )
+        round_bound = self.averaging.round_timeout_s + self.averaging.allreduce_timeout_s
+        if self.pipeline.stages > 1 and self.pipeline.timeout_s <= round_bound:
+            raise ConfigError(
+                f"pipeline.timeout_s: {self.pipeline.timeout_s} s is not above the longest round end "
+                f"(averaging.round_timeout_s + averaging.allreduce_timeout_s = {round_bound} s), during which the "
+                "other stages wait"
             )
         if self.model.tie_embeddings and self.pipeline.stages > 1:
             raise ConfigError(

@@ -286,12 +286,15 @@ class PipelineConfig:
     """Pipeline schedule: 'gpipe' or '1f1b'."""
     microbatches: int = 1
     """Microbatches per inner step (must divide data.batch_size)."""
+    timeout_s: float = 1800.0
+    """Give up on a stage of this peer that does not answer for this long (a dead one is noticed at once)."""
 
     def validate(self) -> None:
         _require(self.stages >= 1, "pipeline.stages", f"must be a positive integer, got {self.stages!r}")
         _require(self.schedule in SCHEDULES, "pipeline.schedule",
                  f"must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         _require(self.microbatches >= 1, "pipeline.microbatches", f"must be >= 1, got {self.microbatches!r}")
+        _positive(self.timeout_s, "pipeline.timeout_s")
         if self.stage_layers is not None:
             _require(len(self.stage_layers) == self.stages, "pipeline.stage_layers",
                      f"has {len(self.stage_layers)} entries but pipeline.stages is {self.stages}")

@@ -88,12 +88,14 @@ class SwarmLink:
         dht: this stage process's running DHT.
         run_id: the swarm's run id.
         peer_name: the peer this stage belongs to (peer id of its stage 0).
+        fingerprint: this peer's config fingerprint, republished with every forced progress record.
         publish_every_s: refresh the record at most this often (rounds always refresh it).
         ttl_s: a record expires this long after it was written unless refreshed.
     """
 
-    def __init__(self, dht, run_id: str, peer_name: str, publish_every_s: float = 10.0, ttl_s: float = 120.0):
-        self.dht, self.run_id, self.peer_name = dht, run_id, peer_name
+    def __init__(self, dht, run_id: str, peer_name: str, fingerprint: Optional[dict] = None,
+                 publish_every_s: float = 10.0, ttl_s: float = 120.0):
+        self.dht, self.run_id, self.peer_name, self.fingerprint = dht, run_id, peer_name, fingerprint
         self.node = dht.peer_id.to_base58()
         self.publish_every_s, self.ttl_s = publish_every_s, ttl_s
         self._last_publish = float("-inf")
@@ -112,6 +114,10 @@ class SwarmLink:
                                 tokens_per_s=float(tokens_per_s), loss=float(loss), time=get_dht_time())
         try:
             publish_progress(self.dht, self.run_id, record, self.ttl_s)
+            if self.fingerprint is not None and force:
+                from p2p_diloco.swarm.fingerprint import publish_fingerprint
+
+                publish_fingerprint(self.dht, self.run_id, self.fingerprint, self.ttl_s)
         except Exception as e:  # the DHT process may be shutting down; progress is best effort
             logger.debug(f"Could not publish progress: {e!r}")
 

@@ -4,6 +4,7 @@ the training loop, metrics and checkpoints."""
 from p2p_diloco.training.checkpoint import (
     Checkpoint,
     CheckpointError,
+    checkpoint_steps,
     list_checkpoints,
     load_latest_checkpoint,
     read_checkpoint,
@@ -27,6 +28,7 @@ __all__ = [
     "TrainSummary",
     "Trainer",
     "anchor_digest",
+    "checkpoint_steps",
     "inner_lr",
     "list_checkpoints",
     "load_latest_checkpoint",

@@ -1,7 +1,8 @@
 """Crash-safe checkpoints of one stage: safetensors data plus a JSON manifest with its checksum.
 
-A checkpoint ``round-000012`` is two files: ``round-000012.safetensors`` (every tensor, no pickle) and
-``round-000012.json`` (format, round, sha256 and size of the data file, and the non-tensor state). Both
+A checkpoint ``step-00000120`` (named by the inner step it holds) is two files: ``step-00000120.safetensors``
+(every tensor, no pickle) and ``step-00000120.json`` (format, step, sha256 and size of the data file, and the
+non-tensor state). Both
 are written to a temporary name, fsynced and renamed; the manifest goes last and is the commit mark,
 so a crash at any point leaves the previous checkpoint intact. Loading verifies the checksum and falls
 back to the previous checkpoint, with a warning, when the latest is truncated or corrupt. The last
@@ -33,7 +34,7 @@ class CheckpointError(ValueError):
 @dataclass
 class Checkpoint:
     path: Path
-    round_index: int
+    step: int
     tensors: dict[str, torch.Tensor]
     meta: dict[str, Any]
 
@@ -59,20 +60,20 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def save_checkpoint(folder: str | Path, round_index: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any],
+def save_checkpoint(folder: str | Path, step: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any],
                     keep: int) -> Path:
-    """Write a checkpoint atomically and prune old ones; returns the manifest path."""
+    """Write the checkpoint of inner step ``step`` atomically and prune old ones; returns the manifest path."""
     from safetensors.torch import save_file
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    name = f"round-{round_index:06d}"
+    name = checkpoint_name(step)
     data_path, manifest_path = folder / f"{name}.safetensors", folder / f"{name}.json"
     tmp_data = folder / f".{name}.safetensors.tmp"
     save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp_data))
     _fsync_file(tmp_data)
     manifest = {
-        "format": FORMAT, "version": VERSION, "round": round_index, "file": data_path.name,
+        "format": FORMAT, "version": VERSION, "step": step, "file": data_path.name,
         "sha256": _sha256(tmp_data), "size": tmp_data.stat().st_size, "meta": meta,
     }
     os.replace(tmp_data, data_path)
@@ -93,12 +94,16 @@ def _prune(folder: Path, keep: int) -> None:
         manifest_path.unlink(missing_ok=True)
 
 
+def checkpoint_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
 def list_checkpoints(folder: str | Path) -> list[Path]:
-    """Manifests in ``folder``, newest round first."""
+    """Manifests in ``folder``, newest step first."""
     folder = Path(folder)
     if not folder.is_dir():
         return []
-    return sorted(folder.glob("round-*.json"), reverse=True)
+    return sorted(folder.glob("step-*.json"), reverse=True)
 
 
 def read_checkpoint(manifest_path: str | Path) -> Checkpoint:
@@ -121,14 +126,22 @@ def read_checkpoint(manifest_path: str | Path) -> Checkpoint:
         tensors = load_file(str(data_path))
     except Exception as e:
         raise CheckpointError(f"checkpoint data {data_path} cannot be read: {e}") from None
-    return Checkpoint(manifest_path, int(manifest["round"]), tensors, dict(manifest.get("meta", {})))
+    return Checkpoint(manifest_path, int(manifest["step"]), tensors, dict(manifest.get("meta", {})))
 
 
-def load_latest_checkpoint(folder: str | Path) -> Optional[Checkpoint]:
-    """The newest checkpoint that loads; corrupt ones are skipped with a warning. None if there is none."""
+def load_latest_checkpoint(folder: str | Path, at_most_step: Optional[int] = None) -> Optional[Checkpoint]:
+    """The newest checkpoint that loads (of a step <= ``at_most_step`` if given); corrupt ones are skipped with a
+    warning. None if there is none."""
     for manifest_path in list_checkpoints(folder):
+        if at_most_step is not None and int(manifest_path.stem.split("-")[1]) > at_most_step:
+            continue
         try:
             return read_checkpoint(manifest_path)
         except CheckpointError as e:
             logger.warning(f"{e}; falling back to the previous checkpoint")
     return None
+
+
+def checkpoint_steps(folder: str | Path) -> list[int]:
+    """Steps of the checkpoints in ``folder`` (by name; not verified), newest first."""
+    return [int(path.stem.split("-")[1]) for path in list_checkpoints(folder)]

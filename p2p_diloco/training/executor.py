@@ -76,3 +76,7 @@ class LocalExecutor:
 
     def barrier(self) -> None:
         """Wait for the peer's other stages: there are none."""
+
+    def common_value(self, value):
+        """Every stage's ``value``, in stage order: here, only this one's."""
+        return [value]

@@ -19,7 +19,7 @@ from typing import Optional, Protocol
 import torch
 
 from p2p_diloco.config import Config
-from p2p_diloco.training.checkpoint import load_latest_checkpoint, save_checkpoint
+from p2p_diloco.training.checkpoint import CheckpointError, checkpoint_steps, load_latest_checkpoint, save_checkpoint
 from p2p_diloco.training.metrics import MetricsWriter
 from p2p_diloco.training.stage import RoundReport, Stage
 
@@ -117,14 +117,17 @@ class Trainer:
         if self.summary.eval_loss_start is None:
             self.summary.eval_loss_start = self._evaluate()
             self.metrics.write("eval", round=0, inner_step=0, eval_loss=self.summary.eval_loss_start)
+        failed = True
         try:
             while self.stage.round_index < num_rounds and not self.stop_requested:
                 if not self._train_round(H):
                     break  # stopped mid-round: the partial round is checkpointed, not averaged
                 self._after_round()
+            failed = False
         finally:
             self.summary.stopped_early = self.stage.round_index < num_rounds
-            self._finish(started)
+            # after a failure the step in progress may be half-applied on some stage: keep the last checkpoint
+            self._finish(started, save=not failed)
         return self.summary
 
     def _train_round(self, H: int) -> bool:
@@ -208,18 +211,31 @@ class Trainer:
         meta = dict(self.stage.state_meta(), sampler=self.sampler.state_dict(), run_id=self.cfg.run.run_id,
                     summary=asdict(self.summary))
         tensors = dict(self.stage.state_tensors(), **{"rng/torch": torch.get_rng_state()})
-        path = save_checkpoint(self.checkpoint_dir, self.stage.round_index, tensors, meta, self.cfg.checkpoint.keep)
+        path = save_checkpoint(self.checkpoint_dir, self.stage.inner_step, tensors, meta, self.cfg.checkpoint.keep)
         logger.info(f"Saved checkpoint {path}")
 
     def _maybe_resume(self) -> None:
-        checkpoint = load_latest_checkpoint(self.checkpoint_dir)
-        if checkpoint is None:
+        # every stage of the peer must resume from the same inner step: the newest one they all have
+        steps = self.executor.common_value(checkpoint_steps(self.checkpoint_dir))
+        common = set(steps[0]).intersection(*steps[1:])
+        if not common:
+            if any(steps):
+                logger.warning(f"The stages' checkpoints have no inner step in common ({steps}): starting fresh")
             return
+        checkpoint = load_latest_checkpoint(self.checkpoint_dir, at_most_step=max(common))
+        loaded = self.executor.common_value(None if checkpoint is None else checkpoint.step)
+        if checkpoint is None or len(set(loaded)) != 1:
+            raise CheckpointError(f"the stages of this peer could not agree on a checkpoint to resume from "
+                             f"(they would load steps {loaded}); use --no-resume or remove the newer checkpoints")
         if checkpoint.meta.get("run_id") != self.cfg.run.run_id:
-            raise ValueError(f"checkpoint {checkpoint.path} belongs to run {checkpoint.meta.get('run_id')!r}, "
-                             f"not {self.cfg.run.run_id!r}; use another checkpoint folder or --no-resume")
-        self.stage.load_state(checkpoint.tensors, checkpoint.meta)
-        self.sampler.load_state_dict(checkpoint.meta["sampler"])
+            raise CheckpointError(f"checkpoint {checkpoint.path} belongs to run {checkpoint.meta.get('run_id')!r}, "
+                                  f"not {self.cfg.run.run_id!r}; use another checkpoint folder or --no-resume")
+        try:
+            self.stage.load_state(checkpoint.tensors, checkpoint.meta)
+            self.sampler.load_state_dict(checkpoint.meta["sampler"])
+        except (ValueError, KeyError) as e:
+            raise CheckpointError(f"checkpoint {checkpoint.path} does not fit this peer: {e}; "
+                                  "use another checkpoint folder or --no-resume") from None
         torch.set_rng_state(checkpoint.tensors["rng/torch"])
         previous = checkpoint.meta.get("summary", {})
         for key in ("rounds_completed", "averaged_rounds", "fallback_rounds", "bytes_sent", "bytes_received",
@@ -230,13 +246,13 @@ class Trainer:
         self.metrics.write("resume", round=self.stage.round_index, inner_step=self.stage.inner_step,
                            checkpoint=str(checkpoint.path))
 
-    def _finish(self, started: float) -> None:
+    def _finish(self, started: float, save: bool) -> None:
         s = self.summary
         s.inner_steps = self.stage.inner_step
         s.tokens = s.inner_steps * self.tokens_per_step
         s.anchor_sha256 = anchor_digest(self.stage.anchor)
         s.wall_s = time.monotonic() - started
-        if self.stage.inner_step > 0:
+        if save and self.stage.inner_step > 0:
             self._save_checkpoint()  # mid-round too: phi, phi0 and the sampler position resume the round
         self.metrics.write("summary", **asdict(s))
         self.metrics.close()

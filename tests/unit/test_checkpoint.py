@@ -32,11 +32,11 @@ def test_round_trip_and_pruning(tmp_path):
     for r in range(1, 5):
         save_checkpoint(tmp_path, r, tensors(r), {"round": r, "note": "x"}, keep=3)
     manifests = list_checkpoints(tmp_path)
-    assert [m.name for m in manifests] == ["round-000004.json", "round-000003.json", "round-000002.json"]
+    assert [m.name for m in manifests] == ["step-00000004.json", "step-00000003.json", "step-00000002.json"]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        [f"round-00000{r}.{ext}" for r in (2, 3, 4) for ext in ("json", "safetensors")])
+        [f"step-0000000{r}.{ext}" for r in (2, 3, 4) for ext in ("json", "safetensors")])
     latest = load_latest_checkpoint(tmp_path)
-    assert latest.round_index == 4 and latest.meta == {"round": 4, "note": "x"}
+    assert latest.step == 4 and latest.meta == {"round": 4, "note": "x"}
     assert torch.equal(latest.tensors["a"], tensors(4)["a"])
 
 
@@ -59,7 +59,7 @@ def test_corrupt_latest_falls_back_to_previous(tmp_path, damage, caplog):
         read_checkpoint(manifest)
     with caplog.at_level(logging.WARNING):
         latest = load_latest_checkpoint(tmp_path)
-    assert latest.round_index == 1
+    assert latest.step == 1
     assert "falling back to the previous checkpoint" in caplog.text
 
 

@@ -1,0 +1,117 @@
+"""The torch.distributed process group that joins the P stage processes of one peer.
+
+A stage process finds its place from the torchrun-style environment (RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR, MASTER_PORT), set by ``torchrun`` across the nodes of a cluster or by our local launcher
+(:mod:`p2p_diloco.pipeline.launch`). gloo on CPU, NCCL on CUDA. Every collective that fails because a
+stage of the peer died becomes a :class:`PipelineError` with a message saying so. Only stages of one peer
+talk through this group; between peers, only hivemind.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+class PipelineError(RuntimeError):
+    """A stage of this peer stopped answering (died, or its link broke): the whole peer must stop."""
+
+
+def launched_as_stage() -> bool:
+    """Whether this process was started as one stage of a pipeline (by torchrun or our launcher)."""
+    return all(key in os.environ for key in ENV_KEYS)
+
+
+@dataclass
+class PipelineContext:
+    """This stage process's place in its peer's pipeline and the process group joining the stages."""
+
+    stage_index: int
+    num_stages: int
+    local_rank: int
+    device: torch.device
+
+    @classmethod
+    def from_environment(cls, num_stages: int, device_spec: str, timeout_s: float) -> PipelineContext:
+        """Join the peer's process group (blocks until all P stages are up, at most ``timeout_s``)."""
+        from p2p_diloco.config import ConfigError
+
+        rank, world, local_rank = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+        if world != num_stages:
+            raise ConfigError(f"pipeline.stages: is {num_stages} but {world} stage processes were launched "
+                              "(torchrun --nproc-per-node x --nnodes must equal the number of stages)")
+        device = _stage_device(device_spec, local_rank)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        try:
+            dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+        except Exception as e:
+            raise PipelineError(f"stage {rank} could not join its peer's other stages: {e}") from None
+        return cls(rank, world, local_rank, device)
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage_index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage_index == self.num_stages - 1
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """``obj`` of stage ``src`` on every stage."""
+        box = [obj]
+        self._guard(dist.broadcast_object_list, box, src=src)
+        return box[0]
+
+    def all_gather_objects(self, obj: Any) -> list[Any]:
+        out = [None] * self.num_stages
+        self._guard(dist.all_gather_object, out, obj)
+        return out
+
+    def gather_1d(self, values: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        """Concatenate each stage's 1-D ``values`` (stage j has ``sizes[j]`` entries) in stage order."""
+        width = max(sizes)
+        padded = torch.zeros(width, dtype=values.dtype, device=self.device)
+        padded[: values.numel()] = values
+        parts = [torch.empty_like(padded) for _ in range(self.num_stages)]
+        self._guard(dist.all_gather, parts, padded)
+        return torch.cat([part[:n] for part, n in zip(parts, sizes)])
+
+    def any_flag(self, flag: bool) -> bool:
+        value = torch.tensor([1.0 if flag else 0.0], device=self.device)
+        self._guard(dist.all_reduce, value, op=dist.ReduceOp.MAX)
+        return bool(value.item() > 0)
+
+    def barrier(self) -> None:
+        self._guard(dist.barrier)
+
+    def _guard(self, fn, *args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except (RuntimeError, dist.DistError) as e:
+            raise PipelineError(f"stage {self.stage_index}: another stage of this peer is gone ({_short(e)})") from None
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _stage_device(spec: str, local_rank: int) -> torch.device:
+    if spec == "auto":
+        spec = "cuda" if torch.cuda.is_available() else "cpu"
+    if spec == "cuda":
+        return torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
+    return torch.device(spec)
+
+
+def _short(error: Exception) -> str:
+    text = str(error).strip().splitlines()
+    return text[0][:200] if text else type(error).__name__

@@ -1,0 +1,55 @@
+"""Process lifetime helpers: no process of ours outlives the one that started it.
+
+Used by the launchers (swarm, pipeline stages) and by the hivemind processes a peer forks (DHT node,
+averager), so that a peer killed with SIGKILL does not leave orphans behind.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import time
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """Ask the kernel to send ``sig`` to this process when its parent dies (Linux; a no-op elsewhere)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig))
+    except (OSError, AttributeError):
+        pass
+
+
+def signal_group(process: subprocess.Popen, sig: int) -> None:
+    """Send ``sig`` to the process group led by ``process`` (started with ``start_new_session=True``)."""
+    try:
+        os.killpg(process.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def stop_groups(processes: list[subprocess.Popen], grace_s: float) -> None:
+    """SIGTERM every process group still running, wait up to ``grace_s``, then SIGKILL what is left (and
+    always SIGKILL the groups afterwards, which removes children orphaned by a killed leader)."""
+    for process in processes:
+        if process.poll() is None:
+            signal_group(process, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for process in processes:
+        try:
+            process.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for process in processes:
+        signal_group(process, signal.SIGKILL)
+        process.wait()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]

@@ -1,0 +1,73 @@
+"""The run's config fingerprint in the DHT: what every peer of a swarm must share to average together.
+
+Model shape, pipeline stages and split, vocabulary and data format. Each stage process publishes its
+fingerprint under ``<run_id>_config`` (subkey: its DHT peer id) and, before training, compares it with the
+live ones: a peer whose stages would not line up with the swarm's is refused with a message naming each
+key that differs. (The averager's group key and tensor schema keep mismatched peers apart anyway; this
+turns a silent "never finds a group" into a clear error.) Called by :func:`p2p_diloco.peer.run_stage`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from p2p_diloco.swarm.errors import SwarmError
+
+logger = logging.getLogger(__name__)
+FINGERPRINT_VERSION = 1
+
+
+def config_key(run_id: str) -> str:
+    return f"{run_id}_config"
+
+
+def config_fingerprint(model_args, stage_layers: list[int], data_meta: dict[str, Any]) -> dict[str, Any]:
+    """What peers of one run must agree on, keyed by the config key a user would change."""
+    return {
+        "version": FINGERPRINT_VERSION,
+        "model.dim": model_args.dim, "model.n_layers": model_args.n_layers, "model.n_heads": model_args.n_heads,
+        "model.n_kv_heads": model_args.n_kv_heads, "model.ffn_dim": model_args.ffn_dim,
+        "model.vocab_size": model_args.vocab_size, "model.max_seq_len": model_args.max_seq_len,
+        "model.tie_embeddings": model_args.tie_embeddings, "model.init_seed": model_args.init_seed,
+        "pipeline.stages": len(stage_layers), "pipeline.stage_layers": list(stage_layers),
+        "data.vocab_size": data_meta.get("vocab_size"), "data.dtype": data_meta.get("dtype"),
+        "data.tokenizer": data_meta.get("tokenizer"),
+    }
+
+
+def differences(mine: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
+    """Human-readable differences, e.g. ``pipeline.stage_layers is [2, 2] here but [3, 1] in the swarm``."""
+    keys = sorted(set(mine) | set(theirs))
+    return [f"{key} is {mine.get(key)!r} here but {theirs.get(key)!r} in the swarm"
+            for key in keys if mine.get(key) != theirs.get(key)]
+
+
+def check_fingerprint(dht, run_id: str, fingerprint: dict[str, Any], timeout_s: float = 15.0) -> None:
+    """Refuse to join if a live peer of ``run_id`` published a different fingerprint.
+
+    Raises:
+        SwarmError: naming every key that differs from the swarm's.
+    """
+    try:
+        found = dht.get(config_key(run_id), latest=True, return_future=True).result(timeout=timeout_s)
+    except Exception as e:  # an unreadable DHT is not a reason to refuse; averaging keeps peers apart anyway
+        logger.warning(f"Could not read the swarm's config fingerprint ({e!r}); not checked")
+        return
+    if found is None or not isinstance(found.value, dict):
+        return
+    me = dht.peer_id.to_base58()
+    for subkey, entry in found.value.items():
+        if str(subkey) == me or not isinstance(getattr(entry, "value", None), dict):
+            continue
+        diff = differences(fingerprint, entry.value)
+        if diff:
+            raise SwarmError(f"this peer's config does not fit the swarm of run {run_id!r}: " + "; ".join(diff)
+                             + ". Use the swarm's settings, or another --run-id")
+
+
+def publish_fingerprint(dht, run_id: str, fingerprint: dict[str, Any], ttl_s: float) -> None:
+    from hivemind.utils import get_dht_time
+
+    dht.store(config_key(run_id), subkey=dht.peer_id.to_base58(), value=fingerprint,
+              expiration_time=get_dht_time() + ttl_s, return_future=True)

@@ -1,0 +1,148 @@
+"""Pipeline-parallel peers (P stage processes joined by gloo) with per-stage averaging, as real processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from p2p_diloco.config import load_config
+from p2p_diloco.model import Transformer, model_args_from_config
+from tests.integration.conftest import LOOPBACK, TINY_TRAINING
+from tests.integration.test_swarm import FAST_AVERAGING, events, summary
+
+pytestmark = pytest.mark.timeout(420)
+
+
+def pipeline_peer(tmp_path: Path, name: str, *extra: str, maddrs: list[str] = (), rounds: int = 3) -> list[str]:
+    initial = ["--initial-peers", *maddrs] if maddrs else []
+    return ["peer", *initial, "--host-maddrs", LOOPBACK, "--output-dir", str(tmp_path / name),
+            "--train.num_rounds", str(rounds), "--diloco.inner_steps", "8", *TINY_TRAINING, *FAST_AVERAGING,
+            "--microbatches", "2", *extra]
+
+
+def final_anchor(folder: Path) -> dict[str, torch.Tensor]:
+    """Every stage's anchor from its newest checkpoint, keyed by parameter name."""
+    anchor = {}
+    for stage_dir in sorted((folder / "checkpoints").iterdir()):
+        newest = sorted(stage_dir.glob("step-*.safetensors"))[-1]
+        anchor.update({k.split("/", 1)[1]: v for k, v in load_file(newest).items() if k.startswith("anchor/")})
+    return anchor
+
+
+def test_two_stages_compute_what_one_process_computes(tmp_path, processes):
+    """Same seed, data and config: P=2 (GPipe and 1F1B) ends 2 rounds with the anchor of P=1 (rtol 1e-5)."""
+    common = ["--data.seed", "7", "--train.num_rounds", "2"]
+    runs = {"p1": ["--stages", "1"], "gpipe": ["--stages", "2", "--schedule", "gpipe"],
+            "onef1b": ["--stages", "2", "--schedule", "1f1b", "--stage-layers", "3,1"]}
+    for name, extra in runs.items():
+        processes.start(name, *pipeline_peer(tmp_path, name, *common, *extra, rounds=2))
+        assert processes.wait(name, timeout=240) == 0, processes.log(name)[-3000:]
+    reference = final_anchor(tmp_path / "p1")
+    assert len(reference) == 2 + 4 * 9 + 1  # embedding, 4 blocks of 9 tensors, norm, head
+    for name in ("gpipe", "onef1b"):
+        anchor = final_anchor(tmp_path / name)
+        assert anchor.keys() == reference.keys()
+        for key, value in reference.items():
+            torch.testing.assert_close(anchor[key], value, rtol=1e-5, atol=1e-7, msg=f"{name} {key}")
+    init = Transformer(model_args_from_config(load_config().model, vocab_size=257)).state_dict()
+    assert max((reference[k] - init[k]).abs().max().item() for k in reference) > 1e-2  # training moved it
+
+
+def test_two_peers_of_two_stages_average_per_stage(tmp_path, processes, bootstrap):
+    """2 peers x 2 stages (4 stage processes) and a bootstrap node: after every round each stage's anchor is
+    identical across the two peers, the stages average separately, and the loss falls."""
+    rounds = 3
+    for name in ("a", "b"):
+        processes.start(name, *pipeline_peer(tmp_path, name, "--stages", "2", maddrs=bootstrap, rounds=rounds))
+    for name in ("a", "b"):
+        assert processes.wait(name, timeout=360) == 0, processes.log(name)[-3000:]
+    for stage in (0, 1):
+        a, b = events(tmp_path, "a", "round", stage), events(tmp_path, "b", "round", stage)
+        assert len(a) == len(b) == rounds
+        for ea, eb in zip(a, b):
+            assert ea["averaged"] and eb["averaged"] and ea["group_size"] == 2
+            assert ea["anchor_sha256"] == eb["anchor_sha256"]
+    stage0 = {e["anchor_sha256"] for e in events(tmp_path, "a", "round", 0)}
+    stage1 = {e["anchor_sha256"] for e in events(tmp_path, "a", "round", 1)}
+    assert not stage0 & stage1
+    last = summary(tmp_path, "a", 1)
+    assert last["eval_loss_final"] < last["eval_loss_start"] - 1.0 and last["last_loss"] < last["first_loss"]
+    assert summary(tmp_path, "a", 0)["bytes_sent"] > 0 and summary(tmp_path, "a", 1)["bytes_sent"] > 0
+
+
+def _stage_pid(launcher_pid: int, rank: int) -> int | None:
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if ppid == launcher_pid and f"RANK={rank}".encode() in environ:
+            return int(entry.name)
+    return None
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if text.encode() in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def test_killing_one_stage_stops_its_peer_cleanly(tmp_path, processes, bootstrap):
+    """Kill stage 1 of peer b (SIGKILL): b's other stage stops, its launcher exits with a message naming the
+    stage, no process of b is left; peer a keeps training to the end."""
+    rounds = 6
+    processes.start("a", *pipeline_peer(tmp_path, "a", "--stages", "2", maddrs=bootstrap, rounds=rounds))
+    b = processes.start("b", *pipeline_peer(tmp_path, "b", "--stages", "2", maddrs=bootstrap, rounds=rounds))
+    deadline = time.monotonic() + 240
+    while not events(tmp_path, "b", "round", 1):
+        assert time.monotonic() < deadline and b.poll() is None, processes.log("b")[-3000:]
+        time.sleep(0.2)
+    victim = _stage_pid(b.pid, rank=1)
+    assert victim is not None
+    os.kill(victim, signal.SIGKILL)
+
+    assert processes.wait("b", timeout=120) == 1
+    log = processes.log("b")
+    assert "error: stage 1 of this peer was killed by signal 9" in log, log[-3000:]
+    time.sleep(1)
+    left = _processes_mentioning(str(tmp_path / "b") + "/")
+    assert left == [], [(Path(f"/proc/{p}/stat").read_text()[:80], Path(f"/proc/{p}/cmdline").read_bytes()[:300])
+                        for p in left]  # no stage, DHT or averager process of b is left
+
+    assert processes.wait("a", timeout=360) == 0, processes.log("a")[-3000:]
+    rounds_a = events(tmp_path, "a", "round", 1)
+    assert len(rounds_a) == rounds and rounds_a[0]["averaged"]
+    assert not rounds_a[-1]["averaged"]  # b is gone: a falls back, and finishes
+
+
+@pytest.mark.parametrize("theirs, mine, expected", [
+    (["--stages", "2", "--stage-layers", "3,1"], ["--stages", "2", "--stage-layers", "2,2"],
+     "pipeline.stage_layers is [2, 2] here but [3, 1] in the swarm"),
+    (["--stages", "2"], ["--stages", "1"], "pipeline.stages is 1 here but 2 in the swarm"),
+])
+def test_mismatched_split_is_refused(tmp_path, processes, bootstrap, theirs, mine, expected):
+    running = processes.start("running", *pipeline_peer(tmp_path, "running", *theirs, maddrs=bootstrap, rounds=50))
+    deadline = time.monotonic() + 120
+    while not events(tmp_path, "running", "step", 0):
+        assert time.monotonic() < deadline and running.poll() is None, processes.log("running")[-3000:]
+        time.sleep(0.2)
+    processes.start("newcomer", *pipeline_peer(tmp_path, "newcomer", *mine, maddrs=bootstrap))
+    assert processes.wait("newcomer", timeout=120) != 0
+    log = processes.log("newcomer")
+    assert expected in log and "does not fit the swarm" in log, log[-3000:]
+    assert "Traceback" not in log
