@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import resource
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -67,6 +68,10 @@ class TrainSummary:
     allreduce_bytes_equivalent: int = 0
     """Bytes a per-step fp32 ring AllReduce of this stage would have sent over the same inner steps."""
     anchor_sha256: str = ""
+    state_bytes: dict[str, int] = field(default_factory=dict)
+    """Bytes held for parameters, inner optimizer state and outer state (anchor + momentum) by this stage."""
+    max_rss_mb: float = 0.0
+    """Peak resident memory of this stage process."""
     wall_s: float = 0.0
     stopped_early: bool = False
     group_sizes: list[int] = field(default_factory=list)
@@ -251,6 +256,8 @@ class Trainer:
         s.inner_steps = self.stage.inner_step
         s.tokens = s.inner_steps * self.tokens_per_step
         s.anchor_sha256 = anchor_digest(self.stage.anchor)
+        s.state_bytes = self.stage.num_state_bytes()
+        s.max_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         s.wall_s = time.monotonic() - started
         if save and self.stage.inner_step > 0:
             self._save_checkpoint()  # mid-round too: phi, phi0 and the sampler position resume the round

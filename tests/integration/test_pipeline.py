@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -13,6 +15,7 @@ from safetensors.torch import load_file
 
 from p2p_diloco.config import load_config
 from p2p_diloco.model import Transformer, model_args_from_config
+from p2p_diloco.process import free_port
 from tests.integration.conftest import LOOPBACK, TINY_TRAINING
 from tests.integration.test_swarm import FAST_AVERAGING, events, summary
 
@@ -146,3 +149,17 @@ def test_mismatched_split_is_refused(tmp_path, processes, bootstrap, theirs, min
     log = processes.log("newcomer")
     assert expected in log and "does not fit the swarm" in log, log[-3000:]
     assert "Traceback" not in log
+
+
+def test_torchrun_launch_script(tmp_path):
+    """peers/launch-torchrun.sh starts the stages through torchrun (here: one node, two stage processes)."""
+    script = Path(__file__).resolve().parents[2] / "peers" / "launch-torchrun.sh"
+    env = dict(os.environ, NPROC_PER_NODE="2", PYTHON=sys.executable, MASTER_PORT=str(free_port()))
+    result = subprocess.run([str(script), "--host-maddrs", LOOPBACK, "--output-dir", str(tmp_path / "peer"),
+                             "--train.num_rounds", "1", "--diloco.inner_steps", "3", *TINY_TRAINING],
+                            env=env, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert summary(tmp_path, "peer", 0)["rounds_completed"] == 1
+    assert summary(tmp_path, "peer", 1)["rounds_completed"] == 1
+    alone = subprocess.run([str(script)], env=dict(env, NPROC_PER_NODE="1"), capture_output=True, text=True)
+    assert alone.returncode == 2 and "at least 2 stages" in alone.stderr

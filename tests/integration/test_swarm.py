@@ -88,3 +88,26 @@ def test_killed_peer_does_not_stop_the_other(tmp_path, processes, bootstrap):
     assert elapsed < (rounds - 1) * 45 + 60
     s = summary(tmp_path, "survivor")
     assert s["rounds_completed"] == rounds and s["fallback_rounds"] == len(fallbacks)
+
+
+def test_swarm_command_summary_and_plot(tmp_path):
+    """`p2p-diloco swarm` starts a bootstrap node and N peers, and ends with the summary, JSON and plot."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "swarm"
+    result = subprocess.run(
+        [sys.executable, "-m", "p2p_diloco", "swarm", "--peers", "2", "--output-dir", str(out),
+         "--train.num_rounds", "2", "--diloco.inner_steps", "6", "--data.batch_size", "8", "--data.seq_len", "64",
+         "--data.eval_batches", "2", *FAST_AVERAGING],
+        capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "anchors identical across peers: yes" in result.stdout
+    swarm = json.loads((out / "swarm-summary.json").read_text())
+    assert swarm["ok"] and swarm["anchors_identical"] and len(swarm["peers"]) == 2
+    for row in swarm["peers"]:
+        assert row["rounds"] == 2 and row["averaged_rounds"] == 2
+        assert row["eval_loss_final"] < row["eval_loss_start"]
+        assert row["allreduce_bytes"] > row["bytes_sent"] > 0
+    assert (out / "loss.png").stat().st_size > 10_000
+    assert "/p2p/" in (out / "bootstrap.maddrs").read_text()

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Start this node's stage processes of a pipeline-parallel peer whose P stages span several machines.
+#
+# Every node of the volunteer cluster runs this script with the same arguments; torchrun starts
+# NPROC_PER_NODE stage processes here (one per GPU) and joins them with the other nodes' into one peer of
+# P = NNODES x NPROC_PER_NODE stages (NCCL on GPUs, gloo on CPUs). Stage j = NODE_RANK x NPROC_PER_NODE +
+# local rank. If a stage process dies, torchrun stops the others on every node.
+#
+#   # node 0 (also the rendezvous host):
+#   NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 peers/launch-torchrun.sh --config peers/peer.toml \
+#       --initial-peers /ip4/203.0.113.7/tcp/31337/p2p/Qm...
+#   # node 1:
+#   NNODES=2 NODE_RANK=1 MASTER_ADDR=10.0.0.1 peers/launch-torchrun.sh --config peers/peer.toml \
+#       --initial-peers /ip4/203.0.113.7/tcp/31337/p2p/Qm...
+#
+# Each stage process runs its own DHT node: a fixed port in --host-maddrs becomes port + stage index, and
+# --identity-path FILE becomes FILE.stage<j>. Everything after the environment goes to `p2p-diloco peer`.
+set -euo pipefail
+
+NNODES="${NNODES:-1}"
+NODE_RANK="${NODE_RANK:-0}"
+NPROC_PER_NODE="${NPROC_PER_NODE:-1}"
+MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"
+MASTER_PORT="${MASTER_PORT:-29500}"
+STAGES=$((NNODES * NPROC_PER_NODE))
+PYTHON="${PYTHON:-python3}"
+
+if [ "$STAGES" -lt 2 ]; then
+    echo "error: a pipeline needs at least 2 stages (NNODES x NPROC_PER_NODE = $STAGES); run 'p2p-diloco peer' instead" >&2
+    exit 2
+fi
+
+exec "$PYTHON" -m torch.distributed.run \
+    --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$NPROC_PER_NODE" \
+    --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" \
+    -m p2p_diloco peer --stages "$STAGES" "$@"
