@@ -18,6 +18,7 @@ Called by :class:`p2p_diloco.training.stage.Stage`.
 from __future__ import annotations
 
 import logging
+import signal
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from hivemind.averaging.allreduce import AllreduceException
 from hivemind.compression import Float16Compression, NoCompression
 
 from p2p_diloco.config import AveragingConfig
+from p2p_diloco.process import die_with_parent
 from p2p_diloco.swarm.allreduce import BYTES_RECEIVED, BYTES_SENT, ExactAllReduceRunner
 
 logger = logging.getLogger(__name__)
@@ -105,6 +107,10 @@ class PseudoGradientAverager(DecentralizedAverager):
         )
 
     # ---- runs in the averager's background process -------------------------------------------------
+    def run(self) -> None:
+        die_with_parent(signal.SIGKILL)  # a peer killed with SIGKILL leaves no averager behind
+        super().run()
+
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
         """Check that every groupmate is on our round, then replace the buffers with the exact average."""
         rounds = [self.serializer.loads(self.serializer.loads(g)[2])["round"] for g in group_info.gathered]

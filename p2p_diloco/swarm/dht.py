@@ -7,13 +7,25 @@ hivemind's, running its own p2pd daemon.
 from __future__ import annotations
 
 import logging
+import signal
 from collections.abc import Iterable, Sequence
 
+import hivemind
+
 from p2p_diloco.config import DHTConfig
+from p2p_diloco.process import die_with_parent
 from p2p_diloco.swarm.errors import SwarmError
 from p2p_diloco.swarm.identity import ensure_identity
 
 logger = logging.getLogger(__name__)
+
+
+class _DHT(hivemind.DHT):
+    """hivemind's DHT process, which also dies when the process that started it is killed (no orphans)."""
+
+    def run(self) -> None:
+        die_with_parent(signal.SIGKILL)
+        super().run()
 
 
 def start_dht(cfg: DHTConfig, record_validators: Iterable = (), check_identity_free: bool = True):
@@ -30,15 +42,13 @@ def start_dht(cfg: DHTConfig, record_validators: Iterable = (), check_identity_f
     Raises:
         SwarmError: the daemon could not start, or no initial peer could be reached.
     """
-    import hivemind
-
     identity_path = None
     if cfg.identity_path:
         peer_id, created = ensure_identity(cfg.identity_path)
         identity_path = str(cfg.identity_path)
         logger.info(f"{'Created' if created else 'Using'} identity {identity_path} (peer id {peer_id})")
     try:
-        dht = hivemind.DHT(
+        dht = _DHT(
             initial_peers=list(cfg.initial_peers) or None,
             host_maddrs=list(cfg.host_maddrs),
             announce_maddrs=list(cfg.announce_maddrs) or None,

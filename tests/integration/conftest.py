@@ -43,6 +43,19 @@ def _descendants(pid: int) -> list[int]:
     return children + [d for c in children for d in _descendants(c)]
 
 
+def processes_mentioning(text: str) -> list[int]:
+    """Processes whose command line contains ``text`` (e.g. a peer's output folder)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if text.encode() in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
 def _command_name(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/comm").read_text().strip()

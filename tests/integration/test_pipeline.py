@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from p2p_diloco.config import load_config
 from p2p_diloco.model import Transformer, model_args_from_config
 from p2p_diloco.process import free_port
-from tests.integration.conftest import LOOPBACK, TINY_TRAINING
+from tests.integration.conftest import LOOPBACK, TINY_TRAINING, processes_mentioning
 from tests.integration.test_swarm import FAST_AVERAGING, events, summary
 
 pytestmark = pytest.mark.timeout(420)
@@ -93,18 +93,6 @@ def _stage_pid(launcher_pid: int, rank: int) -> int | None:
     return None
 
 
-def _processes_mentioning(text: str) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if text.encode() in (entry / "cmdline").read_bytes():
-                    found.append(int(entry.name))
-            except OSError:
-                continue
-    return found
-
-
 def test_killing_one_stage_stops_its_peer_cleanly(tmp_path, processes, bootstrap):
     """Kill stage 1 of peer b (SIGKILL): b's other stage stops, its launcher exits with a message naming the
     stage, no process of b is left; peer a keeps training to the end."""
@@ -123,7 +111,7 @@ def test_killing_one_stage_stops_its_peer_cleanly(tmp_path, processes, bootstrap
     log = processes.log("b")
     assert "error: stage 1 of this peer was killed by signal 9" in log, log[-3000:]
     time.sleep(1)
-    left = _processes_mentioning(str(tmp_path / "b") + "/")
+    left = processes_mentioning(str(tmp_path / "b") + "/")
     assert left == [], [(Path(f"/proc/{p}/stat").read_text()[:80], Path(f"/proc/{p}/cmdline").read_bytes()[:300])
                         for p in left]  # no stage, DHT or averager process of b is left
 

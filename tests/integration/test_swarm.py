@@ -10,13 +10,14 @@ import time
 import pytest
 
 from p2p_diloco.training import read_metrics
-from tests.integration.conftest import FAST_AVERAGING, LOOPBACK, TINY_TRAINING
+from tests.integration.conftest import FAST_AVERAGING, LOOPBACK, TINY_TRAINING, processes_mentioning
 
 pytestmark = pytest.mark.timeout(420)
 
 
 def peer_args(tmp_path, name: str, maddrs: list[str], run_id: str, rounds: int, h: int, *extra: str) -> list[str]:
-    return ["peer", "--initial-peers", *maddrs, "--host-maddrs", LOOPBACK, "--run-id", run_id,
+    initial = ["--initial-peers", *maddrs] if maddrs else []
+    return ["peer", *initial, "--host-maddrs", LOOPBACK, "--run-id", run_id,
             "--output-dir", str(tmp_path / name), "--train.num_rounds", str(rounds), "--diloco.inner_steps", str(h),
             *TINY_TRAINING, *FAST_AVERAGING, *extra]
 
@@ -111,3 +112,19 @@ def test_swarm_command_summary_and_plot(tmp_path):
         assert row["allreduce_bytes"] > row["bytes_sent"] > 0
     assert (out / "loss.png").stat().st_size > 10_000
     assert "/p2p/" in (out / "bootstrap.maddrs").read_text()
+
+
+def test_peer_killed_with_sigkill_leaves_no_process_behind(tmp_path, processes):
+    """Only the peer's main process gets SIGKILL: its DHT node, averager and p2pd daemon go with it."""
+    peer = processes.start("peer", *peer_args(tmp_path, "alone", [], "solo", 100, 10))
+    deadline = time.monotonic() + 120
+    while not events(tmp_path, "alone", "step"):
+        assert time.monotonic() < deadline and peer.poll() is None, processes.log("peer")[-3000:]
+        time.sleep(0.2)
+    marker = str(tmp_path / "alone")
+    assert len(processes_mentioning(marker)) >= 3  # main, DHT node and averager processes
+    os.kill(peer.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while processes_mentioning(marker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert processes_mentioning(marker) == []
