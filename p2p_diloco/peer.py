@@ -23,7 +23,8 @@ from p2p_diloco.data import ShardDataset, WindowSampler, eval_batches, resolve_d
 from p2p_diloco.model import balanced_split, build_stage_model, check_split, model_args_from_config
 from p2p_diloco.training.executor import LocalExecutor
 from p2p_diloco.training.stage import Stage
-from p2p_diloco.training.trainer import Reporter, Trainer, TrainSummary
+from p2p_diloco.training.summary import Reporter, TrainSummary
+from p2p_diloco.training.trainer import Trainer
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +126,8 @@ def run_stage(cfg: Config, *, pipeline=None, reporter: Optional[Reporter] = None
         eval_data = eval_batches(data.eval, data.seq_len, cfg.data.batch_size, cfg.data.eval_batches) \
             if data.eval is not None else []
         executor = _make_executor(cfg, pipeline, model, device)
-        swarm = SwarmLink(dht, cfg.run.run_id, peer_name, fingerprint=fingerprint)
+        swarm = SwarmLink(dht, cfg.run.run_id, peer_name, fingerprint=fingerprint,
+                          joined_swarm=bool(cfg.dht.initial_peers))
         trainer = Trainer(cfg, stage, executor, sampler, eval_data, swarm=swarm, output_dir=output_dir,
                           peer_name=peer_name, reporter=reporter)
         if on_trainer is not None:

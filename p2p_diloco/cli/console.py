@@ -20,6 +20,19 @@ def format_bytes(num_bytes: float) -> str:
     raise AssertionError("unreachable")
 
 
+def describe_round(report: RoundReport) -> str:
+    """One line: which round's average was applied, and how it went."""
+    if report.applied_round is None:
+        return f"round {report.round_index}: averaging it in the background while round {report.round_index + 1} trains"
+    which = f"round {report.applied_round}" if report.applied_round == report.round_index \
+        else f"round {report.round_index} ended; applied round {report.applied_round}"
+    if report.averaged:
+        wait = f", waited {report.waited_s:.1f} s" if report.applied_round != report.round_index else ""
+        return (f"{which}: averaged with {report.group_size - 1} other peer(s) in {report.averaging_s:.1f} s, "
+                f"sent {format_bytes(report.bytes_sent)}{wait}")
+    return f"{which}: own pseudo-gradient only ({report.fallback_reason})"
+
+
 class ConsoleReporter:
     """Progress bar when ``enabled`` and attached to a terminal (else plain log lines), plus round lines."""
 
@@ -42,12 +55,7 @@ class ConsoleReporter:
             self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
 
     def on_round(self, report: RoundReport) -> None:
-        if report.averaged:
-            text = (f"round {report.round_index}: averaged with {report.group_size - 1} other peer(s) in "
-                    f"{report.averaging_s:.1f} s, sent {format_bytes(report.bytes_sent)}")
-        else:
-            text = f"round {report.round_index}: own pseudo-gradient only ({report.fallback_reason})"
-        self._write(text)
+        self._write(describe_round(report))
 
     def on_eval(self, round_index: int, loss: float) -> None:
         if loss is not None:

@@ -68,10 +68,10 @@ class SwarmProgress:
                 bar = self.bars[name]
                 bar.update(state["step"] - bar.n)
                 bar.set_postfix(round=state["round"], loss=f"{state['loss']:.3f}", refresh=False)
-        elif event["kind"] == "round":
+        elif event["kind"] == "round" and event.get("applied_round") is not None:
             text = f"averaged in a group of {event['group_size']}" if event["averaged"] \
                 else f"fell back to its own pseudo-gradient ({event['fallback_reason']})"
-            self.note(f"{name} round {event['round_index']}: {text}")
+            self.note(f"{name} round {event['applied_round']} applied: {text}")
         elif event["kind"] == "eval" and event.get("eval_loss") is not None:
             self.note(f"{name} round {event['round']}: eval loss {float(event['eval_loss']):.4f}")
 

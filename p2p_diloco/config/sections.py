@@ -164,8 +164,10 @@ class DiLoCoConfig:
     """Momentum of the outer SGD."""
     nesterov: bool = True
     """Use Nesterov momentum in the outer step."""
-    mode: str = "none"
-    """How averaging overlaps training: 'none' (blocking DiLoCo)."""
+    mode: str = "delayed"
+    """How averaging overlaps training: 'none' (blocking DiLoCo), 'delayed' (one-step delay: the average of round r
+    is applied at the end of round r+1) or 'eager' (delayed, with this peer's stale contribution replaced by its
+    fresh one in its working parameters)."""
 
     def validate(self) -> None:
         _require(self.inner_steps > 0, "diloco.inner_steps", f"must be a positive integer, got {self.inner_steps!r}")
@@ -174,7 +176,6 @@ class DiLoCoConfig:
                  f"must be in [0, 1), got {self.outer_momentum!r}")
         _require(self.mode in AVERAGING_MODES, "diloco.mode",
                  f"must be one of {', '.join(AVERAGING_MODES)}, got {self.mode!r}")
-        _require(self.mode == "none", "diloco.mode", f"{self.mode!r} is not available yet; use 'none'")
 
 
 @dataclass

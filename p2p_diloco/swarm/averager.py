@@ -176,11 +176,13 @@ class PseudoGradientAverager(DecentralizedAverager):
         return None if self._pending is None else self._pending.round_index
 
     def finish_round(self, timeout: Optional[float] = None) -> RoundResult:
-        """Wait for the round in flight (at most ``timeout`` s, default: the configured bounds) and return it."""
+        """Wait for the round in flight and return it: at most ``timeout`` s, by default what is left of the
+        round's own bounds (matchmaking + all-reduce timeouts, counted from its start)."""
         assert self._pending is not None, "no round in flight"
         pending, self._pending = self._pending, None
         if timeout is None:
-            timeout = self.cfg.round_timeout_s + self.cfg.allreduce_timeout_s + 5
+            bound = self.cfg.round_timeout_s + self.cfg.allreduce_timeout_s + 5
+            timeout = max(1.0, bound - (time.monotonic() - pending.started_at))
         result = RoundResult(round_index=pending.round_index, averaged=None)
         try:
             gathered = pending.control.result(timeout=timeout)

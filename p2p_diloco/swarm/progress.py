@@ -91,11 +91,13 @@ class SwarmLink:
         fingerprint: this peer's config fingerprint, republished with every forced progress record.
         publish_every_s: refresh the record at most this often (rounds always refresh it).
         ttl_s: a record expires this long after it was written unless refreshed.
+        joined_swarm: this node was started with initial peers (it did not start a new swarm).
     """
 
     def __init__(self, dht, run_id: str, peer_name: str, fingerprint: Optional[dict] = None,
-                 publish_every_s: float = 10.0, ttl_s: float = 120.0):
+                 publish_every_s: float = 10.0, ttl_s: float = 120.0, joined_swarm: bool = True):
         self.dht, self.run_id, self.peer_name, self.fingerprint = dht, run_id, peer_name, fingerprint
+        self.joined_swarm = joined_swarm
         self.node = dht.peer_id.to_base58()
         self.publish_every_s, self.ttl_s = publish_every_s, ttl_s
         self._last_publish = float("-inf")
@@ -121,7 +123,13 @@ class SwarmLink:
         except Exception as e:  # the DHT process may be shutting down; progress is best effort
             logger.debug(f"Could not publish progress: {e!r}")
 
-    def expected_group_size(self, stage) -> int:
+    def expected_group_size(self, stage) -> int | None:
+        """Live peers of this stage (this one included); None when unknown: nobody is visible yet, but this is
+        the first round of a peer that joined a swarm, whose peers started at the same time may not have
+        published their records yet (then a lone peer pays one matchmaking timeout, once)."""
         records = fetch_progress(self.dht, self.run_id)
-        return live_group_size(records, stage.stage_index, stage.num_stages, self.node,
+        size = live_group_size(records, stage.stage_index, stage.num_stages, self.node,
                                max_round_lag=1, my_round=stage.round_index)
+        if size <= 1 and stage.round_index == 0 and self.joined_swarm:
+            return None
+        return size

@@ -15,7 +15,9 @@ from p2p_diloco.training.metrics import MetricsWriter, read_metrics
 from p2p_diloco.training.outer import OuterOptimizer
 from p2p_diloco.training.schedule import inner_lr
 from p2p_diloco.training.stage import RoundReport, Stage
-from p2p_diloco.training.trainer import Trainer, TrainSummary, anchor_digest
+from p2p_diloco.training.stage_state import load_state, state_meta, state_tensors
+from p2p_diloco.training.summary import TrainSummary, anchor_digest
+from p2p_diloco.training.trainer import Trainer
 
 __all__ = [
     "Checkpoint",
@@ -31,8 +33,11 @@ __all__ = [
     "checkpoint_steps",
     "inner_lr",
     "list_checkpoints",
+    "load_state",
     "load_latest_checkpoint",
     "read_checkpoint",
     "read_metrics",
     "save_checkpoint",
+    "state_meta",
+    "state_tensors",
 ]

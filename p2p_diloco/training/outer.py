@@ -43,6 +43,20 @@ class OuterOptimizer:
             theta.sub_(update, alpha=self.lr)
         self.num_steps += 1
 
+    @torch.no_grad()
+    def peek(self, pseudo_gradient: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The anchor that :meth:`step` would give for ``pseudo_gradient``, changing nothing (eager mode)."""
+        result = []
+        for theta, buf, grad in zip(self.anchor, self.momentum_buffers, pseudo_gradient):
+            grad = grad.to(dtype=theta.dtype, device=theta.device)
+            if self.momentum == 0:
+                result.append(theta.sub(grad, alpha=self.lr))
+                continue
+            new_buf = buf * self.momentum + grad
+            update = grad.add(new_buf, alpha=self.momentum) if self.nesterov else new_buf
+            result.append(theta.sub(update, alpha=self.lr))
+        return result
+
     def state_tensors(self) -> list[torch.Tensor]:
         return self.momentum_buffers
 

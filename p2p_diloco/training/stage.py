@@ -10,9 +10,10 @@ calls :meth:`Stage.end_round` every H steps. Called by :class:`p2p_diloco.traini
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -26,16 +27,42 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class RoundReport:
-    """What happened in one round on one stage, for metrics and the console."""
+    """What one round end did on one stage, for metrics and the console.
+
+    In ``none`` mode the round that ended is also the round applied; in ``delayed``/``eager`` the round
+    applied is the previous one (``applied_round`` is None at the end of the first round: nothing to apply).
+    """
 
     round_index: int
-    averaged: bool
-    group_size: int
-    bytes_sent: int
-    bytes_received: int
-    averaging_s: float
-    delta_norm: float
+    applied_round: int | None = None
+    averaged: bool = False
+    group_size: int = 1
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    averaging_s: float = 0.0
+    waited_s: float = 0.0
+    """How long the training loop waited for the network at this round end."""
+    delta_norm: float = 0.0
     fallback_reason: str = ""
+
+
+@dataclass
+class PendingRound:
+    """A round's contribution whose average has not been applied yet (delayed/eager modes)."""
+
+    round_index: int
+    contribution: list[torch.Tensor]
+    weight: float
+    in_flight: bool = False
+    """Its averaging is running in the background."""
+    settled: bool = False
+    """Its outcome is known: ``averaged`` holds the group's average, or ``reason`` says why there is none."""
+    averaged: list[torch.Tensor] | None = None
+    group_size: int = 1
+    group_tokens: float = 0.0
+    reason: str = ""
+    stats: dict = field(default_factory=dict)
+    """bytes_sent, bytes_received, averaging_s of its averaging."""
 
 
 class Stage:
@@ -61,7 +88,10 @@ class Stage:
         self.param_names = [name for name, _ in named]
         self.params = [p for _, p in named]
         self.anchor = [p.detach().to(device="cpu", dtype=torch.float32, copy=True) for p in self.params]
-        self.round_start = self.anchor  # phi0; in blocking mode every round starts from the anchor
+        self.mode = diloco_cfg.mode
+        # phi0: in blocking mode every round starts from the anchor; with overlap, from the rebased params
+        self.round_start = self.anchor if self.mode == "none" else [t.clone() for t in self.anchor]
+        self.pending: PendingRound | None = None
         self.inner_optimizer = _make_adamw(named, inner_cfg)
         self.outer_optimizer = OuterOptimizer(
             self.anchor, lr=diloco_cfg.outer_lr, momentum=diloco_cfg.outer_momentum, nesterov=diloco_cfg.nesterov
@@ -103,82 +133,126 @@ class Stage:
 
     # ---- the round ----------------------------------------------------------------------------------
     @torch.no_grad()
-    def end_round(self, tokens: int, expected_group_size: int) -> RoundReport:
+    def end_round(self, tokens: int, expected_group_size: int | None) -> RoundReport:
         """Steps 2-6 of DESIGN.md's round: pseudo-gradient, averaging, outer step, new starting point.
 
         Args:
             tokens: tokens this peer trained on in the round (the averaging weight).
-            expected_group_size: live peers of this stage in the swarm, this one included; 1 skips the network.
+            expected_group_size: live peers of this stage in the swarm, this one included; 1 skips the network,
+                None (unknown) tries it anyway.
         """
         delta = [start - p.detach().to(device="cpu", dtype=torch.float32)
                  for start, p in zip(self.round_start, self.params)]  # 2. this round's local progress
-        contribution = delta  # 3. compression plugs in here (identity: fp32 or the wire codec)
-        averaged, report = self._average(contribution, tokens, expected_group_size)  # 4. + 5.
-        self.outer_optimizer.step(averaged)  # 6. theta = outer_step(theta, avg)
-        for p, theta in zip(self.params, self.anchor):  # blocking mode: phi = theta
-            p.copy_(theta)
+        contribution = delta  # 3. compression plugs in here (identity: the wire codec does the rest)
+        report = RoundReport(self.round_index, delta_norm=float(torch.sqrt(sum(d.pow(2).sum() for d in delta))))
+        if self.mode == "none":
+            self._start(self.round_index, contribution, tokens, expected_group_size)  # 4.
+            averaged = self._collect(report)  # 5. this round's average
+            self.outer_optimizer.step(averaged)  # 6. theta = outer_step(theta, avg); phi = theta
+            self._set_params(self.anchor)
+        else:
+            previous = self.pending
+            averaged = self._collect(report)  # 5. the previous round's average (bounded wait)
+            eager_params = None
+            if averaged is not None:
+                if self.mode == "eager":  # phi only: the anchor below gets the plain average, as everywhere
+                    eager_params = self.outer_optimizer.peek(self._eager_gradient(averaged, previous, contribution))
+                self.outer_optimizer.step(averaged)  # 6. theta = outer_step(theta, avg_prev)
+            self._start(self.round_index, contribution, tokens, expected_group_size)  # 4. in the background
+            if eager_params is not None:
+                self._set_params(eager_params)
+            else:  # rebase: the new anchor plus the local progress not yet averaged
+                self._set_params([theta - d for theta, d in zip(self.anchor, delta)])
+            self.round_start = [p.detach().to(device="cpu", dtype=torch.float32, copy=True) for p in self.params]
         self.round_index += 1
-        report.delta_norm = float(torch.sqrt(sum(d.pow(2).sum() for d in delta)))
         return report
 
-    def _average(self, contribution: list[torch.Tensor], tokens: int, expected_group_size: int):
-        report = RoundReport(self.round_index, False, 1, 0, 0, 0.0, 0.0)
-        if self.averager is None:
-            return contribution, report
-        if expected_group_size <= 1:
-            report.fallback_reason = "no other live peer of this stage in the swarm"
-            return contribution, report
-        self.averager.set_expected_group_size(expected_group_size)
-        self.averager.start_round(contribution, self.round_index, weight=float(tokens))
-        result = self.averager.finish_round()
-        report.bytes_sent, report.bytes_received = result.bytes_sent, result.bytes_received
-        report.averaging_s, report.group_size = result.duration_s, result.group_size
-        if result.averaged is None:
-            report.fallback_reason = result.error or "averaging failed"
-            logger.warning(f"Stage {self.stage_index} round {self.round_index}: averaging failed "
-                           f"({report.fallback_reason}); applying this peer's own pseudo-gradient")
-            return contribution, report
-        report.averaged = True
-        return result.averaged, report
-
-    # ---- checkpoint state ---------------------------------------------------------------------------
-    def state_tensors(self) -> dict[str, torch.Tensor]:
-        """Every tensor a resume needs: working params, anchor, outer momentum, inner AdamW moments."""
-        tensors = {}
-        for name, p, theta, m in zip(self.param_names, self.params, self.anchor,
-                                     self.outer_optimizer.momentum_buffers):
-            tensors[f"param/{name}"] = p.detach()
-            tensors[f"anchor/{name}"] = theta
-            tensors[f"outer_momentum/{name}"] = m
-            for key, value in self.inner_optimizer.state.get(p, {}).items():
-                if torch.is_tensor(value) and value.dim() > 0:
-                    tensors[f"adam_{key}/{name}"] = value
-        return tensors
-
-    def state_meta(self) -> dict:
-        adam_steps = [float(self.inner_optimizer.state.get(p, {}).get("step", 0)) for p in self.params]
-        return {"inner_step": self.inner_step, "round": self.round_index, "outer_steps": self.outer_optimizer.num_steps,
-                "adam_step": adam_steps[0] if adam_steps else 0.0, "stage": self.stage_index,
-                "num_stages": self.num_stages}
-
     @torch.no_grad()
-    def load_state(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
-        """Restore from :meth:`state_tensors` / :meth:`state_meta`; ValueError naming the first mismatch."""
-        if (meta.get("stage"), meta.get("num_stages")) != (self.stage_index, self.num_stages):
-            raise ValueError(f"checkpoint is of stage {meta.get('stage')} of {meta.get('num_stages')}, "
-                             f"this is stage {self.stage_index} of {self.num_stages}")
-        for name, p, theta, m in zip(self.param_names, self.params, self.anchor,
-                                     self.outer_optimizer.momentum_buffers):
-            for prefix, target in (("param", p), ("anchor", theta), ("outer_momentum", m)):
-                _copy_checked(tensors, f"{prefix}/{name}", target)
-            if f"adam_exp_avg/{name}" in tensors:
-                state = self.inner_optimizer.state[p]
-                state["step"] = torch.tensor(float(meta["adam_step"]))
-                for key in ("exp_avg", "exp_avg_sq"):
-                    state[key] = torch.zeros_like(p)
-                    _copy_checked(tensors, f"adam_{key}/{name}", state[key])
-        self.inner_step, self.round_index = int(meta["inner_step"]), int(meta["round"])
-        self.outer_optimizer.num_steps = int(meta["outer_steps"])
+    def flush(self) -> RoundReport | None:
+        """Apply the round still pending (delayed/eager) at the end of training: nothing is left unaveraged."""
+        if self.pending is None:
+            return None
+        report = RoundReport(self.round_index - 1)
+        progress = [start - p.detach().to(device="cpu", dtype=torch.float32)
+                    for start, p in zip(self.round_start, self.params)]  # of a round stopped half-way
+        self.outer_optimizer.step(self._collect(report))
+        self._set_params([theta - d for theta, d in zip(self.anchor, progress)])
+        self.round_start = [p.detach().to(device="cpu", dtype=torch.float32, copy=True) for p in self.params]
+        return report
+
+    def settle(self) -> None:
+        """Wait (bounded) for the round in flight and keep its average for the next round end, without applying
+        it: before a shutdown, so that the checkpoint holds it and a resume continues exactly."""
+        if self.pending is not None:
+            self._settle(self.pending)
+
+    def restart_pending(self, expected_group_size: int | None) -> None:
+        """After a resume from a checkpoint written while a round was in flight: average that contribution again
+        (the swarm may have finished the round meanwhile, and then it falls back like any failed round)."""
+        pending = self.pending
+        if pending is not None and not pending.settled:
+            self._start(pending.round_index, pending.contribution, pending.weight, expected_group_size)
+
+    def _start(self, round_index: int, contribution: list[torch.Tensor], tokens: float,
+               expected_group_size: int | None) -> None:
+        """Step 4: start averaging a round's contribution (or note why the network is skipped)."""
+        pending = PendingRound(round_index, contribution, float(tokens))
+        if self.averager is None:
+            pending.settled, pending.reason = True, "training without a swarm"
+        elif expected_group_size is not None and expected_group_size <= 1:
+            pending.settled, pending.reason = True, "no other live peer of this stage in the swarm"
+        else:
+            self.averager.set_expected_group_size(expected_group_size)
+            self.averager.start_round(contribution, round_index, weight=float(tokens))
+            pending.in_flight = True
+        self.pending = pending
+
+    def _settle(self, pending: PendingRound) -> float:
+        """Wait for ``pending``'s averaging (at most what is left of its own timeouts); returns the wait."""
+        if not pending.in_flight:
+            return 0.0
+        started = time.monotonic()
+        result = self.averager.finish_round()
+        waited = time.monotonic() - started
+        pending.in_flight, pending.settled = False, True
+        pending.stats = dict(bytes_sent=result.bytes_sent, bytes_received=result.bytes_received,
+                             averaging_s=result.duration_s)
+        pending.group_size, pending.group_tokens = result.group_size, result.group_tokens
+        if result.averaged is None:
+            pending.reason = result.error or "averaging failed"
+            logger.warning(f"Stage {self.stage_index} round {pending.round_index}: averaging failed "
+                           f"({pending.reason}); applying this peer's own pseudo-gradient")
+        pending.averaged = result.averaged
+        return waited
+
+    def _collect(self, report: RoundReport) -> list[torch.Tensor] | None:
+        """Step 5: the pending round's average, or its own contribution if that round failed; None if nothing
+        is pending."""
+        pending = self.pending
+        if pending is None:
+            return None
+        report.waited_s = self._settle(pending)
+        self.pending = None
+        report.applied_round = pending.round_index
+        report.bytes_sent = pending.stats.get("bytes_sent", 0)
+        report.bytes_received = pending.stats.get("bytes_received", 0)
+        report.averaging_s = pending.stats.get("averaging_s", 0.0)
+        report.group_size = pending.group_size
+        if pending.averaged is None:
+            report.fallback_reason = pending.reason
+            return pending.contribution
+        report.averaged = True
+        return pending.averaged
+
+    def _eager_gradient(self, averaged, previous: PendingRound, fresh) -> list[torch.Tensor]:
+        """The previous average with this peer's stale contribution replaced by its fresh one (same weight)."""
+        group_tokens = previous.group_tokens if previous.averaged is not None else previous.weight
+        share = previous.weight / group_tokens
+        return [avg + share * (new - old) for avg, new, old in zip(averaged, fresh, previous.contribution)]
+
+    def _set_params(self, values: list[torch.Tensor]) -> None:
+        for p, value in zip(self.params, values):
+            p.copy_(value)
 
     # ---- helpers ------------------------------------------------------------------------------------
     @contextmanager
@@ -217,12 +291,3 @@ def _make_adamw(named_params: list[tuple[str, nn.Parameter]], cfg: InnerConfig) 
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                              eps=cfg.eps)
-
-
-def _copy_checked(tensors: dict[str, torch.Tensor], key: str, target: torch.Tensor) -> None:
-    if key not in tensors:
-        raise ValueError(f"checkpoint has no tensor {key!r}")
-    value = tensors[key]
-    if value.shape != target.shape:
-        raise ValueError(f"checkpoint tensor {key!r} has shape {tuple(value.shape)}, expected {tuple(target.shape)}")
-    target.copy_(value)

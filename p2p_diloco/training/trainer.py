@@ -2,79 +2,30 @@
 
 Reads like the algorithm: for each inner step, forward/backward through the executor, clip by the
 peer's global gradient norm, AdamW step; every H steps ``stage.end_round()`` (pseudo-gradient, averaging,
-outer step). Around it: metrics (JSONL), progress records in the DHT, checkpoints, a clean stop on
-request, and a summary for ``p2p-diloco swarm``. Called by :mod:`p2p_diloco.peer`.
+outer step; with overlap, the previous round's average is applied while this round's averages in the
+background). At the end ``stage.flush()`` applies the round still in flight. Around it: metrics (JSONL),
+progress records in the DHT, checkpoints, a clean stop on request, and a summary for ``p2p-diloco
+swarm``. Called by :mod:`p2p_diloco.peer`.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import resource
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
-from typing import Optional, Protocol
 
 import torch
 
 from p2p_diloco.config import Config
-from p2p_diloco.training.checkpoint import CheckpointError, checkpoint_steps, load_latest_checkpoint, save_checkpoint
 from p2p_diloco.training.metrics import MetricsWriter
+from p2p_diloco.training.persist import resume_stage, save_stage
 from p2p_diloco.training.stage import RoundReport, Stage
+from p2p_diloco.training.summary import NullReporter, Reporter, TrainSummary, anchor_digest
 
 logger = logging.getLogger(__name__)
-
-
-class Reporter(Protocol):
-    """Where the loop reports progress (the CLI's console, or nothing)."""
-
-    def on_start(self, total_steps: int, done_steps: int) -> None: ...
-    def on_step(self, step: int, loss: float, tokens_per_s: float) -> None: ...
-    def on_round(self, report: RoundReport) -> None: ...
-    def on_eval(self, round_index: int, loss: float) -> None: ...
-    def close(self) -> None: ...
-
-
-class NullReporter:
-    def on_start(self, total_steps: int, done_steps: int) -> None: ...
-    def on_step(self, step: int, loss: float, tokens_per_s: float) -> None: ...
-    def on_round(self, report: RoundReport) -> None: ...
-    def on_eval(self, round_index: int, loss: float) -> None: ...
-    def close(self) -> None: ...
-
-
-@dataclass
-class TrainSummary:
-    """What one stage process did, written to ``summary-stage<j>.json`` at the end."""
-
-    peer: str
-    run_id: str
-    stage: int
-    num_stages: int
-    num_params: int
-    rounds_completed: int = 0
-    inner_steps: int = 0
-    tokens: int = 0
-    averaged_rounds: int = 0
-    fallback_rounds: int = 0
-    first_loss: Optional[float] = None
-    last_loss: Optional[float] = None
-    eval_loss_start: Optional[float] = None
-    eval_loss_final: Optional[float] = None
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    allreduce_bytes_equivalent: int = 0
-    """Bytes a per-step fp32 ring AllReduce of this stage would have sent over the same inner steps."""
-    anchor_sha256: str = ""
-    state_bytes: dict[str, int] = field(default_factory=dict)
-    """Bytes held for parameters, inner optimizer state and outer state (anchor + momentum) by this stage."""
-    max_rss_mb: float = 0.0
-    """Peak resident memory of this stage process."""
-    wall_s: float = 0.0
-    stopped_early: bool = False
-    group_sizes: list[int] = field(default_factory=list)
 
 
 class Trainer:
@@ -93,7 +44,7 @@ class Trainer:
     """
 
     def __init__(self, cfg: Config, stage: Stage, executor, sampler, eval_data: list, *, swarm=None,
-                 output_dir: Path, peer_name: str, reporter: Optional[Reporter] = None):
+                 output_dir: Path, peer_name: str, reporter: Reporter | None = None):
         self.cfg, self.stage, self.executor, self.sampler = cfg, stage, executor, sampler
         self.eval_data, self.swarm, self.output_dir = eval_data, swarm, Path(output_dir)
         self.reporter = reporter or NullReporter()
@@ -105,17 +56,18 @@ class Trainer:
         ckpt_root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.output_dir / "checkpoints"
         self.checkpoint_dir = ckpt_root / f"stage{stage.stage_index}of{stage.num_stages}"
         num_params = sum(p.numel() for p in stage.params)
-        self.summary = TrainSummary(peer_name, cfg.run.run_id, stage.stage_index, stage.num_stages, num_params)
+        self.summary = TrainSummary(peer_name, cfg.run.run_id, stage.stage_index, stage.num_stages, num_params,
+                                    mode=stage.mode)
 
     def request_stop(self) -> None:
-        """Finish the current inner step, write a checkpoint and return (called from signal handlers)."""
+        """Finish the current inner step, apply the round in flight, checkpoint and return (signal handlers)."""
         self.stop_requested = True
 
     # ---- the loop -----------------------------------------------------------------------------------
     def run(self) -> TrainSummary:
         started = time.monotonic()
         if self.cfg.checkpoint.resume:
-            self._maybe_resume()
+            self._resume()
         H, num_rounds = self.cfg.diloco.inner_steps, self.cfg.train.num_rounds
         self.reporter.on_start(num_rounds * H, self.stage.inner_step)
         self._publish(loss=float("nan"), tokens_per_s=0.0, force=True)
@@ -128,6 +80,10 @@ class Trainer:
                 if not self._train_round(H):
                     break  # stopped mid-round: the partial round is checkpointed, not averaged
                 self._after_round()
+            if self.stage.round_index < num_rounds:
+                self.stage.settle()  # a stop: keep the average in flight for the checkpoint, resume continues
+            else:
+                self._flush()  # the end: apply the last round's average
             failed = False
         finally:
             self.summary.stopped_early = self.stage.round_index < num_rounds
@@ -142,19 +98,20 @@ class Trainer:
             if self.executor.any_stage(self.stop_requested):
                 self.stop_requested = True  # every stage of the peer stops after the same inner step
                 return False
+            step_started = time.monotonic()
             inputs, targets = self.sampler.next_batch()
             loss = self.executor.forward_backward(inputs, targets)
             norms = self.executor.gather_across_stages(self.stage.grad_norms())  # per-tensor, all stages
             total_norm = torch.linalg.vector_norm(norms, 2)
             lr = self.stage.inner_update(total_norm)
-            grad_norm = float(total_norm)
+            self.summary.train_s += time.monotonic() - step_started
             window_tokens += self.tokens_per_step
-            step = self.stage.inner_step
             self._record_loss(loss)
+            step = self.stage.inner_step
             if step % self.cfg.train.log_every == 0 or step % H == 0:
                 tokens_per_s = window_tokens / max(time.monotonic() - window_start, 1e-9)
                 self.metrics.write("step", inner_step=step, round=self.stage.round_index, loss=loss, lr=lr,
-                                   grad_norm=grad_norm, tokens_per_s=tokens_per_s)
+                                   grad_norm=float(total_norm), tokens_per_s=tokens_per_s)
                 self.reporter.on_step(step, loss, tokens_per_s)
                 self._publish(loss, tokens_per_s)
                 window_start, window_tokens = time.monotonic(), 0
@@ -163,35 +120,34 @@ class Trainer:
     def _after_round(self) -> None:
         tokens = self.cfg.diloco.inner_steps * self.tokens_per_step
         expected = self.swarm.expected_group_size(self.stage) if self.swarm else 1
+        round_started = time.monotonic()
         report = self.stage.end_round(tokens, expected)
-        self._account_round(report)
-        self.reporter.on_round(report)
+        self.summary.train_s += time.monotonic() - round_started
+        self.summary.rounds_completed += 1
+        self._record_round(report)
         round_index = self.stage.round_index
         every = self.cfg.train.eval_every_rounds
-        if (every and round_index % every == 0) or round_index == self.cfg.train.num_rounds:
-            loss = self._evaluate()
-            self.metrics.write("eval", round=round_index, inner_step=self.stage.inner_step, eval_loss=loss)
-            self.reporter.on_eval(round_index, loss)
-            self.summary.eval_loss_final = loss
+        if every and round_index % every == 0 and round_index < self.cfg.train.num_rounds:
+            self._evaluate_and_log(round_index)
         every = self.cfg.checkpoint.every_rounds
         if every and round_index % every == 0:
             self._save_checkpoint()
         self._publish(self.summary.last_loss or float("nan"), 0.0, force=True)
 
-    def _account_round(self, report: RoundReport) -> None:
-        s = self.summary
-        s.rounds_completed += 1
-        s.bytes_sent += report.bytes_sent
-        s.bytes_received += report.bytes_received
-        s.group_sizes.append(report.group_size)
-        if report.averaged:
-            s.averaged_rounds += 1
-            g = report.group_size
-            s.allreduce_bytes_equivalent += int(self.cfg.diloco.inner_steps * 2 * (g - 1) / g * 4 * s.num_params)
-        else:
-            s.fallback_rounds += 1
+    def _flush(self) -> None:
+        """Apply the round still in flight (overlap modes), then evaluate the final anchor."""
+        report = self.stage.flush()
+        if report is not None:
+            self._record_round(report, flush=True)
+        if self.stage.round_index == self.cfg.train.num_rounds:
+            self._evaluate_and_log(self.stage.round_index)
+
+    def _record_round(self, report: RoundReport, flush: bool = False) -> None:
+        self.summary.account(report, self.cfg.diloco.inner_steps)
         digest = anchor_digest(self.stage.anchor) if self.cfg.train.anchor_digest else ""
-        self.metrics.write("round", **asdict(report), inner_step=self.stage.inner_step, anchor_sha256=digest)
+        self.metrics.write("round", **asdict(report), inner_step=self.stage.inner_step, anchor_sha256=digest,
+                           flush=flush)
+        self.reporter.on_round(report)
 
     # ---- pieces -------------------------------------------------------------------------------------
     def _record_loss(self, loss: float) -> None:
@@ -201,55 +157,37 @@ class Trainer:
             self.summary.first_loss = loss
         self.summary.last_loss = loss
 
-    def _evaluate(self) -> Optional[float]:
+    def _evaluate(self) -> float | None:
         if not self.eval_data:
             return None
         with self.stage.anchor_weights():
             loss = self.executor.evaluate(self.eval_data)
         return loss if self.executor.is_last_stage else None
 
+    def _evaluate_and_log(self, round_index: int) -> None:
+        loss = self._evaluate()
+        self.metrics.write("eval", round=round_index, inner_step=self.stage.inner_step, eval_loss=loss)
+        self.reporter.on_eval(round_index, loss)
+        self.summary.eval_loss_final = loss
+
     def _publish(self, loss: float, tokens_per_s: float, force: bool = False) -> None:
         if self.swarm is not None:
             self.swarm.publish(self.stage, loss, tokens_per_s, force=force)
 
     def _save_checkpoint(self) -> None:
-        meta = dict(self.stage.state_meta(), sampler=self.sampler.state_dict(), run_id=self.cfg.run.run_id,
-                    summary=asdict(self.summary))
-        tensors = dict(self.stage.state_tensors(), **{"rng/torch": torch.get_rng_state()})
-        path = save_checkpoint(self.checkpoint_dir, self.stage.inner_step, tensors, meta, self.cfg.checkpoint.keep)
-        logger.info(f"Saved checkpoint {path}")
+        save_stage(self.checkpoint_dir, self.stage, self.sampler, self.summary, self.cfg.run.run_id,
+                   self.cfg.checkpoint.keep)
 
-    def _maybe_resume(self) -> None:
-        # every stage of the peer must resume from the same inner step: the newest one they all have
-        steps = self.executor.common_value(checkpoint_steps(self.checkpoint_dir))
-        common = set(steps[0]).intersection(*steps[1:])
-        if not common:
-            if any(steps):
-                logger.warning(f"The stages' checkpoints have no inner step in common ({steps}): starting fresh")
+    def _resume(self) -> None:
+        path = resume_stage(self.checkpoint_dir, self.stage, self.sampler, self.summary, self.cfg.run.run_id,
+                            self.executor)
+        if path is None:
             return
-        checkpoint = load_latest_checkpoint(self.checkpoint_dir, at_most_step=max(common))
-        loaded = self.executor.common_value(None if checkpoint is None else checkpoint.step)
-        if checkpoint is None or len(set(loaded)) != 1:
-            raise CheckpointError(f"the stages of this peer could not agree on a checkpoint to resume from "
-                             f"(they would load steps {loaded}); use --no-resume or remove the newer checkpoints")
-        if checkpoint.meta.get("run_id") != self.cfg.run.run_id:
-            raise CheckpointError(f"checkpoint {checkpoint.path} belongs to run {checkpoint.meta.get('run_id')!r}, "
-                                  f"not {self.cfg.run.run_id!r}; use another checkpoint folder or --no-resume")
-        try:
-            self.stage.load_state(checkpoint.tensors, checkpoint.meta)
-            self.sampler.load_state_dict(checkpoint.meta["sampler"])
-        except (ValueError, KeyError) as e:
-            raise CheckpointError(f"checkpoint {checkpoint.path} does not fit this peer: {e}; "
-                                  "use another checkpoint folder or --no-resume") from None
-        torch.set_rng_state(checkpoint.tensors["rng/torch"])
-        previous = checkpoint.meta.get("summary", {})
-        for key in ("rounds_completed", "averaged_rounds", "fallback_rounds", "bytes_sent", "bytes_received",
-                    "allreduce_bytes_equivalent", "first_loss", "eval_loss_start", "group_sizes"):
-            if key in previous:
-                setattr(self.summary, key, previous[key])
-        logger.info(f"Resumed from {checkpoint.path} at round {self.stage.round_index}")
         self.metrics.write("resume", round=self.stage.round_index, inner_step=self.stage.inner_step,
-                           checkpoint=str(checkpoint.path))
+                           checkpoint=str(path))
+        if self.stage.pending is not None:
+            expected = self.swarm.expected_group_size(self.stage) if self.swarm else 1
+            self.stage.restart_pending(expected)
 
     def _finish(self, started: float, save: bool) -> None:
         s = self.summary
@@ -267,11 +205,3 @@ class Trainer:
         tmp.write_text(json.dumps(asdict(s), indent=2))
         tmp.replace(self.summary_path)
         self.reporter.close()
-
-
-def anchor_digest(anchor: list[torch.Tensor]) -> str:
-    """sha256 of the anchor's bytes: equal digests mean bit-identical anchors."""
-    digest = hashlib.sha256()
-    for tensor in anchor:
-        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
-    return digest.hexdigest()

@@ -17,7 +17,7 @@ from p2p_diloco.config import load_config
 from p2p_diloco.model import Transformer, model_args_from_config
 from p2p_diloco.process import free_port
 from tests.integration.conftest import LOOPBACK, TINY_TRAINING, processes_mentioning
-from tests.integration.test_swarm import FAST_AVERAGING, events, summary
+from tests.integration.test_swarm import FAST_AVERAGING, applied, events, summary
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -66,13 +66,13 @@ def test_two_peers_of_two_stages_average_per_stage(tmp_path, processes, bootstra
     for name in ("a", "b"):
         assert processes.wait(name, timeout=360) == 0, processes.log(name)[-3000:]
     for stage in (0, 1):
-        a, b = events(tmp_path, "a", "round", stage), events(tmp_path, "b", "round", stage)
-        assert len(a) == len(b) == rounds
+        a, b = applied(tmp_path, "a", stage), applied(tmp_path, "b", stage)
+        assert [e["applied_round"] for e in a] == [e["applied_round"] for e in b] == list(range(rounds))
         for ea, eb in zip(a, b):
             assert ea["averaged"] and eb["averaged"] and ea["group_size"] == 2
             assert ea["anchor_sha256"] == eb["anchor_sha256"]
-    stage0 = {e["anchor_sha256"] for e in events(tmp_path, "a", "round", 0)}
-    stage1 = {e["anchor_sha256"] for e in events(tmp_path, "a", "round", 1)}
+    stage0 = {e["anchor_sha256"] for e in applied(tmp_path, "a", 0)}
+    stage1 = {e["anchor_sha256"] for e in applied(tmp_path, "a", 1)}
     assert not stage0 & stage1
     last = summary(tmp_path, "a", 1)
     assert last["eval_loss_final"] < last["eval_loss_start"] - 1.0 and last["last_loss"] < last["first_loss"]
@@ -100,7 +100,7 @@ def test_killing_one_stage_stops_its_peer_cleanly(tmp_path, processes, bootstrap
     processes.start("a", *pipeline_peer(tmp_path, "a", "--stages", "2", maddrs=bootstrap, rounds=rounds))
     b = processes.start("b", *pipeline_peer(tmp_path, "b", "--stages", "2", maddrs=bootstrap, rounds=rounds))
     deadline = time.monotonic() + 240
-    while not events(tmp_path, "b", "round", 1):
+    while not applied(tmp_path, "b", 1):
         assert time.monotonic() < deadline and b.poll() is None, processes.log("b")[-3000:]
         time.sleep(0.2)
     victim = _stage_pid(b.pid, rank=1)
@@ -116,8 +116,8 @@ def test_killing_one_stage_stops_its_peer_cleanly(tmp_path, processes, bootstrap
                         for p in left]  # no stage, DHT or averager process of b is left
 
     assert processes.wait("a", timeout=360) == 0, processes.log("a")[-3000:]
-    rounds_a = events(tmp_path, "a", "round", 1)
-    assert len(rounds_a) == rounds and rounds_a[0]["averaged"]
+    rounds_a = applied(tmp_path, "a", 1)
+    assert [e["applied_round"] for e in rounds_a] == list(range(rounds)) and rounds_a[0]["averaged"]
     assert not rounds_a[-1]["averaged"]  # b is gone: a falls back, and finishes
 
 

@@ -18,8 +18,11 @@ from p2p_diloco.training import (
     Trainer,
     list_checkpoints,
     load_latest_checkpoint,
+    load_state,
     read_checkpoint,
     save_checkpoint,
+    state_meta,
+    state_tensors,
 )
 from tests.helpers import TINY_ARGS, make_shards
 
@@ -71,34 +74,50 @@ def test_other_format_is_refused(tmp_path):
     assert load_latest_checkpoint(tmp_path) is None
 
 
-def _trainer(tmp_path, dataset, num_rounds: int, output: str):
-    cfg = load_config(None, [("diloco.inner_steps", "4"), ("train.num_rounds", str(num_rounds)),
+class StopAfter(WindowSampler):
+    """A sampler that asks its trainer to stop (as SIGTERM would) once it has served ``limit`` batches."""
+
+    trainer = None
+    limit = 10**9
+
+    def next_batch(self):
+        if self.num_batches + 1 >= self.limit:
+            self.trainer.request_stop()
+        return super().next_batch()
+
+
+def _trainer(tmp_path, dataset, output: str, mode: str, stop_after: int = 10**9):
+    cfg = load_config(None, [("diloco.inner_steps", "4"), ("train.num_rounds", "6"), ("diloco.mode", mode),
                              ("data.batch_size", "4"), ("train.eval_every_rounds", "0"),
-                             ("checkpoint.every_rounds", "1"), ("inner.total_steps", "24"),
-                             ("run.output_dir", str(tmp_path / output))])
+                             ("checkpoint.every_rounds", "1"), ("run.output_dir", str(tmp_path / output))])
     model = Transformer(ModelArgs(**TINY_ARGS))
-    stage = Stage(model, stage_index=0, num_stages=1, inner_cfg=cfg.inner, diloco_cfg=cfg.diloco,
-                  total_steps=24)
-    sampler = WindowSampler(dataset, 16, 4, seed=5)
-    return Trainer(cfg, stage, LocalExecutor(model, torch.device("cpu")), sampler, [],
-                   output_dir=tmp_path / output, peer_name="p")
+    stage = Stage(model, stage_index=0, num_stages=1, inner_cfg=cfg.inner, diloco_cfg=cfg.diloco, total_steps=24)
+    sampler = StopAfter(dataset, 16, 4, seed=5)
+    trainer = Trainer(cfg, stage, LocalExecutor(model, torch.device("cpu")), sampler, [],
+                      output_dir=tmp_path / output, peer_name="p")
+    sampler.trainer, sampler.limit = trainer, stop_after
+    return trainer
 
 
-def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("mode", ["none", "delayed", "eager"])
+@pytest.mark.parametrize("stop_after", [8, 10])
+def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path, mode, stop_after):
+    """Stopped at a round boundary (8) or half-way through a round (10), then resumed: the same anchor and
+    weights as a run that was never interrupted, in every mode."""
     dataset = ShardDataset(make_shards(tmp_path / "data"), "train")
-    straight = _trainer(tmp_path, dataset, 6, "straight")
+    straight = _trainer(tmp_path, dataset, "straight", mode)
     straight.run()
-
-    first = _trainer(tmp_path, dataset, 2, "resumed")  # same schedule (inner.total_steps), stops after 2 rounds
+    first = _trainer(tmp_path, dataset, "resumed", mode, stop_after=stop_after)
     first.run()
-    assert first.stage.round_index == 2
-    second = _trainer(tmp_path, dataset, 6, "resumed")
+    assert first.stage.inner_step == stop_after and first.summary.stopped_early
+    second = _trainer(tmp_path, dataset, "resumed", mode)
     second.run()
     assert second.stage.inner_step == 24 and second.stage.round_index == 6
     for a, b in zip(second.stage.anchor, straight.stage.anchor):
         assert torch.equal(a, b)
     for a, b in zip(second.stage.params, straight.stage.params):
         assert torch.equal(a, b)
+    assert second.summary.fallback_rounds == straight.summary.fallback_rounds == 6  # alone: own deltas
 
 
 def test_stage_refuses_checkpoint_of_other_shape(tmp_path):
@@ -108,4 +127,4 @@ def test_stage_refuses_checkpoint_of_other_shape(tmp_path):
     other = Stage(Transformer(ModelArgs(**dict(TINY_ARGS, dim=64, n_heads=8))), stage_index=0, num_stages=1,
                   inner_cfg=cfg.inner, diloco_cfg=cfg.diloco, total_steps=10)
     with pytest.raises(ValueError, match="has shape"):
-        other.load_state(small.state_tensors(), small.state_meta())
+        load_state(other, state_tensors(small), state_meta(small))

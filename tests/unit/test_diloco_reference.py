@@ -42,7 +42,12 @@ def config(tmp_path: Path, mode_overrides=()):
 
 
 def reference_diloco(cfg, dataset: ShardDataset, seeds: list[int]) -> list[torch.Tensor]:
-    """Plain DiLoCo: K workers, H AdamW steps each, exact mean of pseudo-gradients, Nesterov outer SGD."""
+    """DiLoCo with K workers as DESIGN.md states it: H AdamW steps, exact mean of pseudo-gradients, Nesterov outer
+    SGD; in ``delayed`` mode round r's mean is applied at the end of round r+1 and each worker continues from the
+    new global parameters minus its own not yet averaged progress; ``eager`` does the same for the global
+    parameters, while each worker continues from an outer step (on a copy) whose gradient is that mean with the
+    worker's stale pseudo-gradient replaced by its fresh one."""
+    mode = cfg.diloco.mode
     base = Transformer(ModelArgs(**ARGS))
     global_params = [p.detach().clone().requires_grad_(True) for p in base.parameters()]
     outer = torch.optim.SGD(global_params, lr=cfg.diloco.outer_lr, momentum=cfg.diloco.outer_momentum,
@@ -53,26 +58,64 @@ def reference_diloco(cfg, dataset: ShardDataset, seeds: list[int]) -> list[torch
          {"params": [p for p in w.parameters() if p.dim() < 2], "weight_decay": 0.0}],
         lr=cfg.inner.lr, betas=(cfg.inner.beta1, cfg.inner.beta2), eps=cfg.inner.eps) for w in workers]
     samplers = [WindowSampler(dataset, SEQ, BATCH, seed) for seed in seeds]
-    total = ROUNDS * H
+    starts = [[g.detach().clone() for g in global_params] for _ in seeds]
+    previous = None
     for r in range(ROUNDS):
         deltas = []
-        for worker, opt, sampler in zip(workers, optimizers, samplers):
-            with torch.no_grad():
-                for p, g in zip(worker.parameters(), global_params):
-                    p.copy_(g)
+        for k, (worker, opt, sampler) in enumerate(zip(workers, optimizers, samplers)):
             for step in range(r * H, (r + 1) * H):
                 for group in opt.param_groups:
-                    group["lr"] = _reference_lr(step, cfg.inner, total)
+                    group["lr"] = _reference_lr(step, cfg.inner, ROUNDS * H)
                 x, y = sampler.next_batch()
                 loss_fn(worker(x), y).backward()
                 torch.nn.utils.clip_grad_norm_(worker.parameters(), cfg.inner.grad_clip)
                 opt.step()
                 opt.zero_grad()
-            deltas.append([g.detach() - p.detach() for g, p in zip(global_params, worker.parameters())])
-        for i, g in enumerate(global_params):  # exact averaging: the mean in float64, rounded once
-            g.grad = torch.stack([d[i] for d in deltas]).double().mean(dim=0).float()
+            deltas.append([s - p.detach() for s, p in zip(starts[k], worker.parameters())])
+        to_apply = deltas if mode == "none" else previous
+        eager = None
+        if mode == "eager" and previous is not None:
+            eager = [_sgd_peek(global_params, outer, [m + (new - old) / len(seeds) for m, new, old in
+                                                      zip(_exact_mean(previous), deltas[k], previous[k])])
+                     for k in range(len(seeds))]
+        if to_apply is not None:
+            for g, mean in zip(global_params, _exact_mean(to_apply)):
+                g.grad = mean
+            outer.step()
+        for k, worker in enumerate(workers):
+            with torch.no_grad():
+                for i, p in enumerate(worker.parameters()):
+                    if mode == "none":
+                        p.copy_(global_params[i])
+                    elif eager is not None:
+                        p.copy_(eager[k][i])
+                    else:
+                        p.copy_(global_params[i].detach() - deltas[k][i])
+            starts[k] = [p.detach().clone() for p in worker.parameters()]
+        previous = deltas
+    if mode != "none":  # the end of training applies the last round's mean
+        for g, mean in zip(global_params, _exact_mean(previous)):
+            g.grad = mean
         outer.step()
     return [g.detach() for g in global_params]
+
+
+def _exact_mean(deltas: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+    """Exact averaging: the mean in float64, rounded once."""
+    return [torch.stack([d[i] for d in deltas]).double().mean(dim=0).float() for i in range(len(deltas[0]))]
+
+
+def _sgd_peek(params, optimizer, grads) -> list[torch.Tensor]:
+    """The parameters torch's SGD would produce with ``grads``, on copies (the real ones are not touched)."""
+    copies = [p.detach().clone().requires_grad_(True) for p in params]
+    peek = torch.optim.SGD(copies, **{k: optimizer.defaults[k] for k in ("lr", "momentum", "nesterov")})
+    for copy_, original, grad in zip(copies, params, grads):
+        state = optimizer.state.get(original, {})
+        if "momentum_buffer" in state:
+            peek.state[copy_]["momentum_buffer"] = state["momentum_buffer"].clone()
+        copy_.grad = grad
+    peek.step()
+    return [c.detach() for c in copies]
 
 
 def _reference_lr(step: int, inner, total: int) -> float:
@@ -110,7 +153,7 @@ class _View:
         total = sum(w for _, w in slots)
         averaged = [(sum(c[i].double() * w for c, w in slots) / total).float() for i in range(len(slots[0][0]))]
         self.shared.barrier.wait()  # nobody overwrites a slot before everyone has read the round
-        return RoundResult(self.pending, averaged, group_size=len(slots))
+        return RoundResult(self.pending, averaged, group_size=len(slots), group_tokens=total)
 
     def cancel_round(self) -> None: ...
     def shutdown(self) -> None: ...
@@ -156,9 +199,10 @@ def test_schedule_matches_reference():
         assert inner_lr(step, cfg.inner, ROUNDS * H) == pytest.approx(_reference_lr(step, cfg.inner, ROUNDS * H))
 
 
-def test_trainer_matches_plain_diloco_simulation(dataset, tmp_path):
+@pytest.mark.parametrize("mode", ["none", "delayed", "eager"])
+def test_trainer_matches_plain_diloco_simulation(dataset, tmp_path, mode):
     torch.manual_seed(0)
-    cfg = config(tmp_path)
+    cfg = config(tmp_path, [("diloco.mode", mode)])
     seeds = [11, 22, 33]
     expected = reference_diloco(cfg, dataset, seeds)
     stages = run_trainers(cfg, dataset, seeds, tmp_path)
@@ -172,3 +216,12 @@ def test_trainer_matches_plain_diloco_simulation(dataset, tmp_path):
     # the simulation is not trivially satisfied: the anchor moved away from its init
     init = list(Transformer(ModelArgs(**ARGS)).parameters())
     assert max((a - b).abs().max().item() for a, b in zip(first, init)) > 1e-3
+
+
+def test_the_three_modes_are_different_algorithms(dataset, tmp_path):
+    """Guards the test above: the modes must not coincide, or matching them would prove nothing."""
+    anchors = {mode: reference_diloco(config(tmp_path, [("diloco.mode", mode)]), dataset, [11, 22, 33])
+               for mode in ("none", "delayed", "eager")}
+    for a, b in (("none", "delayed"), ("delayed", "eager"), ("none", "eager")):
+        gap = max((x - y).abs().max().item() for x, y in zip(anchors[a], anchors[b]))
+        assert gap > 1e-4, (a, b, gap)

@@ -1,0 +1,92 @@
+"""What a checkpoint holds of one stage, and how a stage is restored from it.
+
+Tensors: working params phi, anchor theta, outer momentum, inner AdamW moments, and with overlap
+(delayed/eager) the round's starting point phi0, the contribution whose average is not applied yet and,
+when it arrived before the checkpoint (a shutdown waits for it), that average. Metadata: inner step,
+round, optimizer step counts, the pending round's outcome. A stage resumed from a checkpoint written
+while its round was in flight restarts that averaging (:meth:`Stage.restart_pending`): the rest of the
+swarm may have finished the round meanwhile, and then it falls back like any failed round.
+Called by the trainer when it saves and resumes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from p2p_diloco.training.stage import PendingRound, Stage
+
+
+def state_tensors(stage: Stage) -> dict[str, torch.Tensor]:
+    """Every tensor a resume needs."""
+    tensors = {}
+    for i, (name, p) in enumerate(zip(stage.param_names, stage.params)):
+        tensors[f"param/{name}"] = p.detach()
+        tensors[f"anchor/{name}"] = stage.anchor[i]
+        tensors[f"outer_momentum/{name}"] = stage.outer_optimizer.momentum_buffers[i]
+        if stage.mode != "none":
+            tensors[f"round_start/{name}"] = stage.round_start[i]
+        if stage.pending is not None:
+            tensors[f"pending/{name}"] = stage.pending.contribution[i]
+            if stage.pending.averaged is not None:
+                tensors[f"pending_average/{name}"] = stage.pending.averaged[i]
+        for key, value in stage.inner_optimizer.state.get(p, {}).items():
+            if torch.is_tensor(value) and value.dim() > 0:
+                tensors[f"adam_{key}/{name}"] = value
+    return tensors
+
+
+def state_meta(stage: Stage) -> dict:
+    adam_steps = [float(stage.inner_optimizer.state.get(p, {}).get("step", 0)) for p in stage.params]
+    pending = stage.pending
+    return {"inner_step": stage.inner_step, "round": stage.round_index,
+            "outer_steps": stage.outer_optimizer.num_steps, "adam_step": adam_steps[0] if adam_steps else 0.0,
+            "stage": stage.stage_index, "num_stages": stage.num_stages, "mode": stage.mode,
+            "pending": None if pending is None else {
+                "round": pending.round_index, "weight": pending.weight, "settled": pending.settled,
+                "averaged": pending.averaged is not None, "group_size": pending.group_size,
+                "group_tokens": pending.group_tokens, "reason": pending.reason}}
+
+
+@torch.no_grad()
+def load_state(stage: Stage, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+    """Restore ``stage`` from :func:`state_tensors` / :func:`state_meta`; ValueError naming the first mismatch."""
+    if (meta.get("stage"), meta.get("num_stages")) != (stage.stage_index, stage.num_stages):
+        raise ValueError(f"checkpoint is of stage {meta.get('stage')} of {meta.get('num_stages')}, "
+                         f"this is stage {stage.stage_index} of {stage.num_stages}")
+    if meta.get("mode", "none") != stage.mode and (meta.get("mode") == "none" or stage.mode == "none"):
+        raise ValueError(f"checkpoint was written in diloco.mode {meta.get('mode')!r}, this peer runs {stage.mode!r}")
+    info = meta.get("pending")
+    pending = [] if info is not None else None
+    average = [] if info is not None and info["averaged"] else None
+    for i, (name, p) in enumerate(zip(stage.param_names, stage.params)):
+        for prefix, target in (("param", p), ("anchor", stage.anchor[i]),
+                               ("outer_momentum", stage.outer_optimizer.momentum_buffers[i])):
+            _copy_checked(tensors, f"{prefix}/{name}", target)
+        if stage.mode != "none":
+            _copy_checked(tensors, f"round_start/{name}", stage.round_start[i])
+        if pending is not None:
+            pending.append(torch.zeros_like(stage.anchor[i]))
+            _copy_checked(tensors, f"pending/{name}", pending[-1])
+        if average is not None:
+            average.append(torch.zeros_like(stage.anchor[i]))
+            _copy_checked(tensors, f"pending_average/{name}", average[-1])
+        if f"adam_exp_avg/{name}" in tensors:
+            state = stage.inner_optimizer.state[p]
+            state["step"] = torch.tensor(float(meta["adam_step"]))
+            for key in ("exp_avg", "exp_avg_sq"):
+                state[key] = torch.zeros_like(p)
+                _copy_checked(tensors, f"adam_{key}/{name}", state[key])
+    stage.inner_step, stage.round_index = int(meta["inner_step"]), int(meta["round"])
+    stage.outer_optimizer.num_steps = int(meta["outer_steps"])
+    stage.pending = None if pending is None else PendingRound(
+        int(info["round"]), pending, float(info["weight"]), settled=bool(info["settled"]), averaged=average,
+        group_size=int(info["group_size"]), group_tokens=float(info["group_tokens"]), reason=str(info["reason"]))
+
+
+def _copy_checked(tensors: dict[str, torch.Tensor], key: str, target: torch.Tensor) -> None:
+    if key not in tensors:
+        raise ValueError(f"checkpoint has no tensor {key!r}")
+    value = tensors[key]
+    if value.shape != target.shape:
+        raise ValueError(f"checkpoint tensor {key!r} has shape {tuple(value.shape)}, expected {tuple(target.shape)}")
+    target.copy_(value)

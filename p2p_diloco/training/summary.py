@@ -1,0 +1,99 @@
+"""What a stage process reports: the console reporter protocol and the end-of-training summary.
+
+Called by the trainer (which fills them) and the CLI (which reads them).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Optional, Protocol
+
+import torch
+
+from p2p_diloco.training.stage import RoundReport
+
+
+class Reporter(Protocol):
+    """Where the loop reports progress (the CLI's console, or nothing)."""
+
+    def on_start(self, total_steps: int, done_steps: int) -> None: ...
+    def on_step(self, step: int, loss: float, tokens_per_s: float) -> None: ...
+    def on_round(self, report: RoundReport) -> None: ...
+    def on_eval(self, round_index: int, loss: float) -> None: ...
+    def close(self) -> None: ...
+
+
+class NullReporter:
+    def on_start(self, total_steps: int, done_steps: int) -> None: ...
+    def on_step(self, step: int, loss: float, tokens_per_s: float) -> None: ...
+    def on_round(self, report: RoundReport) -> None: ...
+    def on_eval(self, round_index: int, loss: float) -> None: ...
+    def close(self) -> None: ...
+
+
+@dataclass
+class TrainSummary:
+    """What one stage process did, written to ``summary-stage<j>.json`` at the end."""
+
+    peer: str
+    run_id: str
+    stage: int
+    num_stages: int
+    num_params: int
+    mode: str = "none"
+    rounds_completed: int = 0
+    inner_steps: int = 0
+    tokens: int = 0
+    averaged_rounds: int = 0
+    """Rounds whose pseudo-gradients were averaged with other peers and applied."""
+    fallback_rounds: int = 0
+    """Rounds applied with this peer's own pseudo-gradient (nobody to average with, or averaging failed)."""
+    first_loss: Optional[float] = None
+    last_loss: Optional[float] = None
+    eval_loss_start: Optional[float] = None
+    eval_loss_final: Optional[float] = None
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    allreduce_bytes_equivalent: int = 0
+    """Bytes a per-step fp32 ring AllReduce of this stage would have sent over the same inner steps."""
+    network_wait_s: float = 0.0
+    """Time the training loop spent waiting for averaging at round ends."""
+    train_s: float = 0.0
+    """Time spent in inner steps and round ends (not start-up, evaluation or checkpoints)."""
+    anchor_sha256: str = ""
+    state_bytes: dict[str, int] = field(default_factory=dict)
+    """Bytes held for parameters, inner optimizer state and outer state (anchor + momentum) by this stage."""
+    max_rss_mb: float = 0.0
+    """Peak resident memory of this stage process."""
+    wall_s: float = 0.0
+    stopped_early: bool = False
+    group_sizes: list[int] = field(default_factory=list)
+
+    def account(self, report: RoundReport, inner_steps_per_round: int) -> None:
+        """Add one applied round (or the first round end of an overlap mode, which applies nothing)."""
+        self.bytes_sent += report.bytes_sent
+        self.bytes_received += report.bytes_received
+        self.network_wait_s += report.waited_s
+        if report.applied_round is None:
+            return
+        self.group_sizes.append(report.group_size)
+        if report.averaged:
+            self.averaged_rounds += 1
+            g = report.group_size
+            self.allreduce_bytes_equivalent += int(inner_steps_per_round * 2 * (g - 1) / g * 4 * self.num_params)
+        else:
+            self.fallback_rounds += 1
+
+
+RESUMED_FIELDS = ("rounds_completed", "averaged_rounds", "fallback_rounds", "bytes_sent", "bytes_received",
+                  "allreduce_bytes_equivalent", "first_loss", "eval_loss_start", "group_sizes", "network_wait_s",
+                  "train_s")
+
+
+def anchor_digest(anchor: list[torch.Tensor]) -> str:
+    """sha256 of the anchor's bytes: equal digests mean bit-identical anchors."""
+    digest = hashlib.sha256()
+    for tensor in anchor:
+        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
