@@ -18,7 +18,7 @@ EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from p2p_diloco.cli import bootstrap, peer, prepare, swarm
+    from p2p_diloco.cli import bootstrap, peer, plan, prepare, swarm
 
     parser = argparse.ArgumentParser(
         prog="p2p-diloco",
@@ -27,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Run `p2p-diloco COMMAND --help` for the options of a command.",
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for module in (peer, bootstrap, swarm, prepare):
+    for module in (peer, bootstrap, swarm, prepare, plan):
         module.register(subparsers)
     return parser
 

@@ -136,7 +136,9 @@ class Trainer:
 
     def _flush(self) -> None:
         """Apply the round still in flight (overlap modes), then evaluate the final anchor."""
+        flush_started = time.monotonic()
         report = self.stage.flush()
+        self.summary.train_s += time.monotonic() - flush_started  # the last round's wait counts, as all others
         if report is not None:
             self._record_round(report, flush=True)
         if self.stage.round_index == self.cfg.train.num_rounds:

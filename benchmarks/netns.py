@@ -1,0 +1,158 @@
+"""An emulated WAN on one machine: hosts in their own network namespaces, joined by a bridge, every link
+rate-limited with ``tc ... tbf`` in both directions.
+
+    with EmulatedWAN(num_hosts=3, rate_mbit=100) as wan:
+        proc = wan.popen(0, ["python", "-m", "p2p_diloco", "peer", "--host-maddrs", f"/ip4/{wan.ip(0)}/tcp/0"])
+        wan.set_rate(10)          # reshape every link between runs
+
+Needs root (ip netns, veth, bridge, tc). Only the namespaces it creates are touched; they are removed on
+exit, on SIGINT/SIGTERM and at interpreter exit, and `python benchmarks/netns.py --cleanup` removes any that a
+killed run left behind. netem is not available here: links have a rate, not an added delay.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import os
+import signal
+import subprocess
+import sys
+
+PREFIX = "p2pw"
+SUBNET = "10.88.0"
+
+
+def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(list(args), check=check, capture_output=True, text=True)
+
+
+def existing_namespaces() -> list[str]:
+    out = _run("ip", "netns", "list", check=False).stdout
+    return [line.split()[0] for line in out.splitlines() if line.startswith(PREFIX + "-")]
+
+
+def cleanup() -> None:
+    for namespace in existing_namespaces():
+        _run("ip", "netns", "pids", namespace, check=False)
+        pids = _run("ip", "netns", "pids", namespace, check=False).stdout.split()
+        for pid in pids:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except (ProcessLookupError, ValueError):
+                pass
+        _run("ip", "netns", "del", namespace, check=False)
+
+
+class EmulatedWAN:
+    """``num_hosts`` namespaces ``p2pw-h<i>`` with address 10.88.0.<i+1>, links shaped to ``rate_mbit``."""
+
+    def __init__(self, num_hosts: int, rate_mbit: float | None):
+        if os.geteuid() != 0:
+            raise SystemExit("the emulated WAN needs root (network namespaces and tc)")
+        self.num_hosts, self.rate_mbit = num_hosts, rate_mbit
+        self.core = f"{PREFIX}-core"
+        self.processes: list[subprocess.Popen] = []
+
+    def host(self, index: int) -> str:
+        return f"{PREFIX}-h{index}"
+
+    def ip(self, index: int) -> str:
+        return f"{SUBNET}.{index + 1}"
+
+    def __enter__(self) -> EmulatedWAN:
+        cleanup()
+        atexit.register(self.close)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+        _run("ip", "netns", "add", self.core)
+        _run("ip", "-n", self.core, "link", "add", "br0", "type", "bridge")
+        _run("ip", "-n", self.core, "link", "set", "br0", "up")
+        for i in range(self.num_hosts):
+            self._add_host(i)
+        self.set_rate(self.rate_mbit)
+        return self
+
+    def _add_host(self, i: int) -> None:
+        ns, inner, outer = self.host(i), f"{PREFIX}v{i}", f"{PREFIX}b{i}"
+        _run("ip", "netns", "add", ns)
+        _run("ip", "link", "add", inner, "type", "veth", "peer", "name", outer)
+        _run("ip", "link", "set", inner, "netns", ns)
+        _run("ip", "link", "set", outer, "netns", self.core)
+        _run("ip", "-n", self.core, "link", "set", outer, "master", "br0")
+        _run("ip", "-n", self.core, "link", "set", outer, "up")
+        _run("ip", "-n", ns, "addr", "add", f"{self.ip(i)}/24", "dev", inner)
+        _run("ip", "-n", ns, "link", "set", inner, "up")
+        _run("ip", "-n", ns, "link", "set", "lo", "up")
+
+    def set_rate(self, rate_mbit: float | None) -> None:
+        """Shape every host's link to ``rate_mbit`` in both directions (None: unshaped)."""
+        self.rate_mbit = rate_mbit
+        for i in range(self.num_hosts):
+            for ns, dev in ((self.host(i), f"{PREFIX}v{i}"), (self.core, f"{PREFIX}b{i}")):
+                _run("ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root", check=False)
+                if rate_mbit is not None:
+                    # burst: 10 ms at the rate (at least 32 KB); queue: 1 s of traffic before drops
+                    burst = max(32 * 1024, int(rate_mbit * 1e6 / 8 * 0.01))
+                    _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
+                         "rate", f"{rate_mbit}mbit", "burst", str(burst), "latency", "1000ms")
+
+    def interface(self, index: int) -> str:
+        return f"{PREFIX}v{index}"
+
+    def popen(self, index: int, command: list[str], **kwargs) -> subprocess.Popen:
+        """Start ``command`` inside host ``index``'s namespace (its own process group)."""
+        process = subprocess.Popen(["ip", "netns", "exec", self.host(index), *command], start_new_session=True,
+                                   **kwargs)
+        self.processes.append(process)
+        return process
+
+    def stop_processes(self) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                try:
+                    os.killpg(process.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            process.wait()
+        self.processes.clear()
+
+    def _on_signal(self, signum, _frame) -> None:
+        self.close()
+        sys.exit(128 + signum)
+
+    def close(self) -> None:
+        self.stop_processes()
+        cleanup()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cleanup", action="store_true", help="remove namespaces a killed run left behind")
+    parser.add_argument("--selftest", type=float, metavar="MBIT", help="shape two hosts and measure the rate")
+    args = parser.parse_args()
+    if args.cleanup:
+        cleanup()
+        print("removed", PREFIX, "namespaces")
+    if args.selftest:
+        with EmulatedWAN(2, args.selftest) as wan:
+            print(f"measured {measure_rate(wan):.1f} Mbit/s with tbf at {args.selftest} Mbit/s")
+
+
+def measure_rate(wan: EmulatedWAN, megabytes: float = 2.0) -> float:
+    """Throughput of one TCP stream from host 0 to host 1, in Mbit/s."""
+    server = (f"import socket,time\ns=socket.socket();s.bind(('{wan.ip(1)}',5301));s.listen(1);c,_=s.accept();n=0;t=None\n"
+              "while True:\n d=c.recv(1<<16)\n t=t or time.time()\n if not d: break\n n+=len(d)\n"
+              "print(n*8/(time.time()-t)/1e6)")
+    client = (f"import socket,time\ntime.sleep(0.5);s=socket.create_connection(('{wan.ip(1)}',5301))\n"
+              f"s.sendall(b'x'*int({megabytes}*1e6));s.close()")
+    receiver = wan.popen(1, [sys.executable, "-c", server], stdout=subprocess.PIPE, text=True)
+    wan.popen(0, [sys.executable, "-c", client]).wait(timeout=300)
+    return float(receiver.communicate(timeout=300)[0].strip())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""``p2p-diloco plan``: what a run past this machine would cost on the wire, and how much overlap hides.
+
+Reads the options, resolves the parameter count (``--params``, ``--preset`` or ``--paper``) and prints
+:func:`p2p_diloco.plan.format_plan` or, with ``--json``, one JSON object. The arithmetic lives in
+:mod:`p2p_diloco.plan`; nothing here touches the network.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from p2p_diloco.plan import PlanInputs
+
+# option dest -> PlanInputs field, for the options whose default depends on --paper
+_GIVEN = {"peers": "num_peers", "bandwidth_mbit": "bandwidth_mbit", "step_time": "step_time_s", "h": "inner_steps",
+          "bits_per_param": "bits_per_param", "allreduce_bits": "allreduce_bits", "latency_s": "latency_s",
+          "stages": "num_stages"}
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "plan", help="estimate bytes, transfer time and compute utilization of a swarm run", allow_abbrev=False,
+        description="Planning calculator for a run past this machine: bytes each peer sends per round, the "
+        "round's transfer time, the H that hides it behind compute, the compute utilization of the modes none "
+        "and delayed/eager, and the speedup over a vanilla AllReduce of fp32 gradients at every inner step. "
+        "Steady state, no stragglers; MB = 10^6 bytes, Mbit/s = 10^6 bit/s.",
+    )
+    size = parser.add_argument_group("model size (one of)")
+    size.add_argument("--params", type=float, metavar="N", help="parameter count, e.g. 107e9 or 1.1e9")
+    size.add_argument("--preset", choices=("tiny", "small", "medium", "1b"), help="a model preset's parameter count")
+    size.add_argument("--vocab-size", type=int, default=257, metavar="V",
+                      help="vocabulary size for --preset (default 257, the byte tokenizer)")
+    size.add_argument("--paper", action="store_true",
+                      help="the DiLoCoX paper's setting (107e9 parameters, 1000 Mbit/s); the options below that "
+                      "you give win, the others are stated assumptions: --peers 2 --stages 8 --step-time 10 --h 50 "
+                      "--bits-per-param 32")
+    swarm = parser.add_argument_group("swarm and training")
+    swarm.add_argument("--peers", type=int, metavar="N", help="peers per averaging group (default 2)")
+    swarm.add_argument("--stages", type=int, metavar="P",
+                       help="pipeline stages per peer (default 1); they share the link, so the bytes are the same")
+    swarm.add_argument("--bandwidth-mbit", type=float, metavar="B",
+                       help="per-peer link rate in Mbit/s, full duplex (default 1000)")
+    swarm.add_argument("--step-time", type=float, metavar="S", help="seconds of compute per inner step (default 1)")
+    swarm.add_argument("--h", type=int, metavar="H", help="inner steps per round (default 50)")
+    swarm.add_argument("--bits-per-param", type=float, metavar="b",
+                       help="bits on the wire per parameter of the pseudo-gradient (default 32 = fp32; fp16 is 16)")
+    swarm.add_argument("--allreduce-bits", type=float, metavar="b",
+                       help="bits per parameter of the per-step AllReduce baseline (default 32)")
+    swarm.add_argument("--latency-s", type=float, metavar="S",
+                       help="fixed overhead per round for matchmaking etc., in seconds (default 0.5)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object with every number")
+    parser.set_defaults(run=run, accepts_overrides=False)
+
+
+def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
+    """The :class:`p2p_diloco.plan.PlanInputs` that the options describe.
+
+    Raises:
+        ConfigError: no model size, or two of them.
+    """
+    from dataclasses import replace
+
+    from p2p_diloco.config import ConfigError
+    from p2p_diloco.plan import PlanInputs, paper_inputs, preset_num_params
+
+    given = {field: getattr(args, dest) for dest, field in _GIVEN.items() if getattr(args, dest) is not None}
+    if args.paper:
+        if args.params is not None or args.preset is not None:
+            raise ConfigError("--paper: sets the parameter count itself (107e9); drop --params/--preset")
+        return paper_inputs(given)
+    if args.params is not None and args.preset is not None:
+        raise ConfigError("--params: give either --params or --preset, not both")
+    if args.params is None and args.preset is None:
+        raise ConfigError("--params: give the model size with --params N, --preset NAME or --paper")
+    num_params = args.params if args.params is not None else preset_num_params(args.preset, args.vocab_size)
+    return replace(PlanInputs(num_params=num_params), **given)
+
+
+def run(args: argparse.Namespace, overrides: list) -> int:
+    from p2p_diloco.plan import format_plan, make_plan, plan_as_dict
+
+    plan = make_plan(inputs_from_args(args))
+    print(json.dumps(plan_as_dict(plan)) if args.json else format_plan(plan))
+    return 0

@@ -1,0 +1,352 @@
+"""Planning arithmetic for a run past this machine: bytes, transfer time and compute utilization per round.
+
+Owns the formulas behind ``p2p-diloco plan``: what one DiLoCo round costs on the wire with the butterfly
+all-reduce of :mod:`p2p_diloco.swarm.allreduce`, how much of it the overlap modes of
+:mod:`p2p_diloco.training.stage` hide, and how that compares with a vanilla data-parallel AllReduce of
+the gradients at every inner step. Pure arithmetic (no torch, no hivemind at import), so that it can
+plan a 100B-parameter run on a laptop. Who calls this: :mod:`p2p_diloco.cli.plan`.
+
+The model, in steady state (the first round and stragglers are not modelled):
+
+- Butterfly all-reduce over N peers: each peer reduces 1/N of the vector; it sends (N-1)/N of its
+  contribution to the other reducers and its reduced part's average to the N-1 others, so it sends
+  ``2 (N-1)/N * B`` and receives as much, with ``B = num_params * bits_per_param / 8`` bytes. The link is
+  full duplex: a round's transfer takes ``bytes * 8 / bandwidth + latency``.
+- P pipeline stages average their slices in parallel over the peer's one link: the per-peer total and
+  the transfer time do not depend on P.
+- Mode ``none`` waits for the transfer at each round end: utilization ``compute / (compute + transfer)``.
+  Modes ``delayed`` and ``eager`` average round r while round r+1 trains, so a round costs
+  ``max(compute, transfer)``: utilization ``compute / max(compute, transfer)``.
+- Vanilla AllReduce: a ring all-reduce of the gradients at every inner step, ``2 (N-1)/N * num_params *
+  allreduce_bits / 8`` bytes per peer per step, not overlapped with the backward pass.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+from typing import Any, Optional
+
+from p2p_diloco.config.errors import ConfigError
+
+PAPER = "DiLoCoX paper (arXiv 2506.21263)"
+PAPER_NUM_PARAMS = 107e9
+PAPER_BANDWIDTH_MBIT = 1000.0
+PAPER_SPEEDUP = 357.0
+
+# Our assumptions for what the paper does not state in a form we can use, as (field, value, why).
+# The paper's example infrastructure is 2 decentralized clusters, each PP=8 (its Figure 1), and its run
+# used 160 A800 GPUs, i.e. 80 per cluster. The step time is ours: 6 * 107e9 FLOPs per token, ~155k tokens
+# per inner step per cluster, 80 A800 at 312 TFLOP/s bf16 and 40% MFU -> ~10 s. H = 50 is this project's
+# default. Bits stay fp32 (no compression) so that the table shows what overlap alone buys; the paper's
+# 357x includes its adaptive low-rank + low-bit compression, see "bits/param that hide" for that budget.
+PAPER_ASSUMPTIONS: tuple[tuple[str, Any, str], ...] = (
+    ("num_peers", 2, "2 decentralized clusters, as in the paper's Figure 1"),
+    ("num_stages", 8, "PP = 8 per cluster, as in the paper's Figure 1 (does not change the bytes)"),
+    ("step_time_s", 10.0, "our guess: ~155k tokens per inner step on 80 A800s at 40% MFU; the paper gives none"),
+    ("inner_steps", 50, "this project's default H"),
+    ("bits_per_param", 32.0, "fp32, no compression: overlap alone; the paper's 357x also compresses"),
+)
+
+# the CLI option that sets each input, for error messages
+OPTIONS = {
+    "num_params": "--params", "num_peers": "--peers", "bandwidth_mbit": "--bandwidth-mbit",
+    "step_time_s": "--step-time", "inner_steps": "--h", "bits_per_param": "--bits-per-param",
+    "allreduce_bits": "--allreduce-bits", "latency_s": "--latency-s", "num_stages": "--stages",
+}
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """What a plan is computed from; every field has the CLI option of the same meaning."""
+
+    num_params: float
+    """Parameters of the whole model (all stages together)."""
+    num_peers: int = 2
+    """Peers in one averaging group (N)."""
+    bandwidth_mbit: float = 1000.0
+    """Per-peer link rate in Mbit/s (10^6 bit/s), full duplex."""
+    step_time_s: float = 1.0
+    """Seconds of compute per inner step."""
+    inner_steps: int = 50
+    """Inner steps per round (H)."""
+    bits_per_param: float = 32.0
+    """Bits on the wire per parameter of the pseudo-gradient (32 = fp32, 16 = fp16)."""
+    allreduce_bits: float = 32.0
+    """Bits per parameter of the per-step AllReduce baseline."""
+    latency_s: float = 0.5
+    """Fixed overhead per round (matchmaking, group assembly), added to the transfer."""
+    num_stages: int = 1
+    """Pipeline stages per peer (P); they share the peer's link."""
+    compare_to_paper: bool = False
+    """Show the DiLoCoX paper's reported speedup next to ours."""
+    notes: tuple[str, ...] = ()
+    """Assumptions to state with the result."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every number of a plan; bytes are per peer, sent (the same amount is received)."""
+
+    inputs: PlanInputs
+    nothing_to_average: bool
+    bytes_per_round: float
+    bytes_per_stage_round: float
+    transfer_s: float
+    compute_s: float
+    min_inner_steps_to_hide: int
+    hiding_bits_per_param: Optional[float]
+    utilization_none: float
+    utilization_delayed: float
+    utilization_eager: float
+    wait_per_round_s_none: float
+    wait_per_round_s_delayed: float
+    allreduce_bytes_per_step: float
+    allreduce_comm_s_per_step: float
+    utilization_allreduce: float
+    speedup_delayed: float
+    speedup_none: float
+    bytes_ratio: Optional[float]
+    paper_speedup: Optional[float] = None
+
+
+def _show(value: Any) -> str:
+    return f"{value:g}" if isinstance(value, int | float) and not isinstance(value, bool) else repr(value)
+
+
+def _require_number(inputs: PlanInputs, name: str, minimum: float, inclusive: bool) -> None:
+    value = getattr(inputs, name)
+    is_number = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if not is_number or value < minimum or (value == minimum and not inclusive):
+        kind = "a non-negative number" if inclusive and minimum == 0 else "a positive number"
+        raise ConfigError(f"{OPTIONS[name]}: must be {kind}, got {_show(value)}")
+
+
+def validate_inputs(inputs: PlanInputs) -> None:
+    """Checks that every input is a usable number.
+
+    Raises:
+        ConfigError: naming the CLI option of the first bad input.
+    """
+    for name in ("num_peers", "inner_steps", "num_stages"):
+        value = getattr(inputs, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{OPTIONS[name]}: must be an integer >= 1, got {_show(value)}")
+    for name in ("num_params", "bandwidth_mbit", "step_time_s", "bits_per_param", "allreduce_bits"):
+        _require_number(inputs, name, 0, inclusive=False)
+    _require_number(inputs, "latency_s", 0, inclusive=True)
+    if inputs.num_params < 1:
+        raise ConfigError(f"--params: must be at least 1 parameter, got {_show(inputs.num_params)}")
+
+
+def allreduce_bytes(num_params: float, num_peers: int, bits_per_param: float) -> float:
+    """Bytes one peer sends (and receives) in an all-reduce of ``num_params`` values over ``num_peers``.
+
+    Butterfly and ring all-reduce move the same amount: ``2 (N-1)/N`` times one contribution.
+    """
+    return 2 * (num_peers - 1) / num_peers * num_params * bits_per_param / 8
+
+
+def min_inner_steps_to_hide(transfer_s: float, step_time_s: float) -> int:
+    """The smallest H >= 1 with ``transfer_s <= H * step_time_s``: the round's compute covers its transfer."""
+    steps = max(1, math.ceil(transfer_s / step_time_s))
+    while steps * step_time_s < transfer_s:  # guard against rounding in the division
+        steps += 1
+    while steps > 1 and (steps - 1) * step_time_s >= transfer_s:
+        steps -= 1
+    return steps
+
+
+def hiding_bits_per_param(inputs: PlanInputs) -> Optional[float]:
+    """The most bits per parameter whose transfer fits in one round of compute; None if none does."""
+    budget_s = inputs.inner_steps * inputs.step_time_s - inputs.latency_s
+    if inputs.num_peers == 1 or budget_s <= 0:
+        return None
+    bits_per_s = inputs.bandwidth_mbit * 1e6
+    return budget_s * bits_per_s / (2 * (inputs.num_peers - 1) / inputs.num_peers * inputs.num_params)
+
+
+def make_plan(inputs: PlanInputs) -> Plan:
+    """Computes every number of the plan from its inputs.
+
+    Raises:
+        ConfigError: an input is not usable (the message names its CLI option).
+    """
+    validate_inputs(inputs)
+    bits_per_s = inputs.bandwidth_mbit * 1e6
+    alone = inputs.num_peers == 1  # no group to average with: no round traffic, no matchmaking
+    sent = allreduce_bytes(inputs.num_params, inputs.num_peers, inputs.bits_per_param)
+    transfer_s = 0.0 if alone else sent * 8 / bits_per_s + inputs.latency_s
+    compute_s = inputs.inner_steps * inputs.step_time_s
+    utilization_none = compute_s / (compute_s + transfer_s)
+    utilization_delayed = compute_s / max(compute_s, transfer_s)
+    ar_sent = allreduce_bytes(inputs.num_params, inputs.num_peers, inputs.allreduce_bits)
+    ar_comm_s = ar_sent * 8 / bits_per_s
+    utilization_allreduce = inputs.step_time_s / (inputs.step_time_s + ar_comm_s)
+    return Plan(
+        inputs=inputs,
+        nothing_to_average=alone,
+        bytes_per_round=sent,
+        bytes_per_stage_round=sent / inputs.num_stages,
+        transfer_s=transfer_s,
+        compute_s=compute_s,
+        min_inner_steps_to_hide=min_inner_steps_to_hide(transfer_s, inputs.step_time_s),
+        hiding_bits_per_param=hiding_bits_per_param(inputs),
+        utilization_none=utilization_none,
+        utilization_delayed=utilization_delayed,
+        utilization_eager=utilization_delayed,
+        wait_per_round_s_none=transfer_s,
+        wait_per_round_s_delayed=max(0.0, transfer_s - compute_s),
+        allreduce_bytes_per_step=ar_sent,
+        allreduce_comm_s_per_step=ar_comm_s,
+        utilization_allreduce=utilization_allreduce,
+        speedup_delayed=utilization_delayed / utilization_allreduce,
+        speedup_none=utilization_none / utilization_allreduce,
+        bytes_ratio=None if alone else ar_sent * inputs.inner_steps / sent,
+        paper_speedup=PAPER_SPEEDUP if inputs.compare_to_paper else None,
+    )
+
+
+def paper_inputs(given: Mapping[str, Any]) -> PlanInputs:
+    """The DiLoCoX paper's setting (107e9 parameters over 1 Gbit/s), with ``given`` values taking precedence.
+
+    Args:
+        given: PlanInputs field values the user chose (e.g. ``{"step_time_s": 4.0}``); the fields of
+            ``PAPER_ASSUMPTIONS`` not in it take our documented assumptions, stated in ``notes``.
+
+    Raises:
+        ConfigError: ``given`` sets the parameter count or the bandwidth, which the paper fixes.
+    """
+    for name in ("num_params", "bandwidth_mbit"):
+        if name in given:
+            raise ConfigError(f"{OPTIONS[name]}: --paper fixes it (107e9 parameters, 1000 Mbit/s); drop one of them")
+    values = dict(given)
+    notes = [f"{PAPER} setting: 107e9 parameters, 1000 Mbit/s per peer"]
+    for name, value, why in PAPER_ASSUMPTIONS:
+        if name not in values:
+            values[name] = value
+            notes.append(f"assumed {OPTIONS[name]} {value:g}: {why}")
+    return replace(PlanInputs(num_params=PAPER_NUM_PARAMS, bandwidth_mbit=PAPER_BANDWIDTH_MBIT),
+                   compare_to_paper=True, notes=tuple(notes), **values)
+
+
+def preset_num_params(preset: str, vocab_size: int) -> int:
+    """Parameters of a model preset (``tiny``, ``small``, ``medium``, ``1b``) for a vocabulary size.
+
+    Raises:
+        ConfigError: unknown preset or a vocabulary size below 1.
+    """
+    # these import torch: only when a preset is asked for
+    from p2p_diloco.model.llama import ModelArgs
+    from p2p_diloco.model.presets import PRESETS, estimate_num_params
+
+    if preset not in PRESETS:
+        raise ConfigError(f"--preset: must be one of {', '.join(PRESETS)}, got {preset!r}")
+    if vocab_size < 1:
+        raise ConfigError(f"--vocab-size: must be an integer >= 1, got {vocab_size}")
+    return estimate_num_params(ModelArgs(**PRESETS[preset], vocab_size=vocab_size))
+
+
+def plan_as_dict(plan: Plan) -> dict[str, Any]:
+    """The plan as one flat JSON-ready dict: the inputs under ``inputs``, every output at the top level."""
+    out = {f.name: getattr(plan, f.name) for f in fields(plan) if f.name != "inputs"}
+    out["inputs"] = {f.name: getattr(plan.inputs, f.name) for f in fields(plan.inputs)}
+    out["inputs"]["notes"] = list(plan.inputs.notes)
+    return out
+
+
+def format_bytes(num_bytes: float) -> str:
+    """Decimal units (1 MB = 10^6 bytes), as link rates are quoted."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:,.2f} {unit}"
+    return f"{num_bytes:,.0f} B"
+
+
+def format_seconds(seconds: float) -> str:
+    """Seconds, with minutes or hours alongside when they read better."""
+    if seconds >= 7200:
+        return f"{seconds:,.1f} s ({seconds / 3600:,.1f} h)"
+    if seconds >= 120:
+        return f"{seconds:,.1f} s ({seconds / 60:,.1f} min)"
+    return f"{seconds:.2f} s" if seconds < 10 else f"{seconds:.1f} s"
+
+
+def _percent(fraction: float) -> str:
+    return f"{100 * fraction:.1f} %" if fraction >= 0.01 else f"{100 * fraction:.3f} %"
+
+
+def _times(ratio: float) -> str:
+    return f"{ratio:,.1f}x" if ratio < 1000 else f"{ratio:,.0f}x"
+
+
+def _header(plan: Plan) -> list[str]:
+    p = plan.inputs
+    stages = f", {p.num_stages} stages per peer" if p.num_stages > 1 else ""
+    lines = [f"Plan: {p.num_params:,.0f} parameters, {p.num_peers} peer{'s' * (p.num_peers > 1)} per group, "
+             f"{p.bandwidth_mbit:g} Mbit/s per peer (full duplex){stages}"]
+    lines += [f"  {note}" for note in p.notes]
+    if p.num_stages > 1:
+        lines.append(f"  the {p.num_stages} stages of a peer average their slices at once over its one link: the bytes "
+                     f"and the transfer time are the same as with 1 stage (with a link per stage, divide them by "
+                     f"{p.num_stages})")
+    if plan.nothing_to_average:
+        lines.append("  1 peer: nothing to average, so no traffic and no waiting; plan a swarm with --peers 2 or more")
+    return lines
+
+
+def _round_rows(plan: Plan) -> list[tuple[str, str, str]]:
+    p = plan.inputs
+    share = f"; {format_bytes(plan.bytes_per_stage_round)} per stage, the {p.num_stages} stages share the link" \
+        if p.num_stages > 1 else ""
+    hiding = plan.hiding_bits_per_param
+    return [
+        ("sent per peer per round", format_bytes(plan.bytes_per_round),
+         f"{p.bits_per_param:g} bits/param; as much is received{share}"),
+        ("transfer time per round", format_seconds(plan.transfer_s),
+         f"bytes x 8 / {p.bandwidth_mbit:g} Mbit/s + {p.latency_s:g} s latency"),
+        ("compute time per round", format_seconds(plan.compute_s), f"H = {p.inner_steps} x {p.step_time_s:g} s"),
+        ("H that hides the transfer", f"{plan.min_inner_steps_to_hide:,}", "smallest H with transfer <= H x step time"),
+        ("bits/param that hide it", "none" if hiding is None else f"{hiding:.3g}",
+         f"at H = {p.inner_steps}, now {p.bits_per_param:g}" + (" (the latency alone is longer)" * (hiding is None))),
+    ]
+
+
+def _utilization_rows(plan: Plan) -> list[tuple[str, str, str]]:
+    p = plan.inputs
+    return [
+        ("none (blocking)", _percent(plan.utilization_none),
+         f"waits {format_seconds(plan.wait_per_round_s_none)} per round"),
+        ("delayed / eager (overlap)", _percent(plan.utilization_delayed),
+         f"waits {format_seconds(plan.wait_per_round_s_delayed)} per round"),
+        ("vanilla AllReduce per step", _percent(plan.utilization_allreduce),
+         f"{format_bytes(plan.allreduce_bytes_per_step)} per step at {p.allreduce_bits:g} bits = "
+         f"{format_seconds(plan.allreduce_comm_s_per_step)}, not overlapped"),
+    ]
+
+
+def _comparison_rows(plan: Plan) -> list[tuple[str, str, str]]:
+    rows = [("delayed over AllReduce", _times(plan.speedup_delayed),
+             f"throughput ratio at the same compute (none: {_times(plan.speedup_none)})")]
+    if plan.paper_speedup is not None:
+        rows.append(("", "", f"{PAPER}: {plan.paper_speedup:g}x over vanilla AllReduce"))
+    ratio = "n/a" if plan.bytes_ratio is None else _times(plan.bytes_ratio)
+    rows.append(("bytes, AllReduce / DiLoCo", ratio, f"AllReduce over H = {plan.inputs.inner_steps} steps / one round"))
+    return rows
+
+
+def format_plan(plan: Plan) -> str:
+    """The plan as a readable table with units, for the console."""
+    sections = [("DiLoCo round", _round_rows(plan)), ("Compute utilization", _utilization_rows(plan)),
+                ("Speedup", _comparison_rows(plan))]
+    if plan.nothing_to_average:
+        sections = [("DiLoCo round", _round_rows(plan)[2:3]),
+                    ("Compute utilization", [("every mode", _percent(1.0), "no communication")])]
+    width = max(len(label) for _, rows in sections for label, _, _ in rows) + 2
+    value_width = max(len(value) for _, rows in sections for _, value, _ in rows) + 2
+    lines = _header(plan)
+    for title, rows in sections:
+        lines += ["", title]
+        lines += [f"  {label:<{width}}{value:<{value_width}}{note}".rstrip() for label, value, note in rows]
+    return "\n".join(lines)

@@ -1,0 +1,200 @@
+"""``p2p_diloco.plan`` and ``p2p-diloco plan``: the formulas on hand-computed cases, validation, the CLI."""
+
+import json
+import math
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+from p2p_diloco.config import ConfigError
+from p2p_diloco.plan import (
+    PAPER_NUM_PARAMS,
+    PAPER_SPEEDUP,
+    PlanInputs,
+    format_plan,
+    make_plan,
+    min_inner_steps_to_hide,
+    paper_inputs,
+    plan_as_dict,
+    preset_num_params,
+)
+
+GB = 1e9
+
+
+def test_two_peers_send_one_contribution_per_round():
+    # N=2: 2 * (2-1)/2 * params * 4 bytes = params * 4; 1e9 fp32 params = 4 GB = 32 Gbit -> 32 s at 1 Gbit/s
+    plan = make_plan(PlanInputs(num_params=1e9, num_peers=2, bandwidth_mbit=1000, step_time_s=1.0,
+                                inner_steps=50, latency_s=0.5))
+    assert plan.bytes_per_round == pytest.approx(4 * GB)
+    assert plan.transfer_s == pytest.approx(32.5)
+    assert plan.compute_s == pytest.approx(50.0)
+    assert plan.utilization_none == pytest.approx(50 / 82.5)
+    assert plan.utilization_delayed == pytest.approx(1.0)
+    assert plan.utilization_eager == plan.utilization_delayed
+    assert plan.wait_per_round_s_delayed == 0.0
+    assert plan.min_inner_steps_to_hide == 33  # 32.5 s of transfer, 1 s steps
+
+
+def test_four_peers_send_one_and_a_half_contributions():
+    # N=4: 2 * 3/4 * 1e9 * 16/8 = 3 GB per round; 24 Gbit over 100 Mbit/s = 240 s, plus 1 s latency
+    plan = make_plan(PlanInputs(num_params=1e9, num_peers=4, bandwidth_mbit=100, step_time_s=2.0,
+                                inner_steps=100, bits_per_param=16, latency_s=1.0))
+    assert plan.bytes_per_round == pytest.approx(3 * GB)
+    assert plan.transfer_s == pytest.approx(241.0)
+    assert plan.compute_s == pytest.approx(200.0)
+    assert plan.utilization_none == pytest.approx(200 / 441)
+    assert plan.utilization_delayed == pytest.approx(200 / 241)
+    assert plan.wait_per_round_s_delayed == pytest.approx(41.0)
+    assert plan.min_inner_steps_to_hide == 121  # 120 * 2 s = 240 < 241 <= 242
+
+
+def test_allreduce_baseline_speedup_and_bytes_ratio():
+    # fp32 gradients each step over N=4: 2 * 3/4 * 1e9 * 4 = 6 GB = 48 Gbit -> 480 s per 2 s step at 100 Mbit/s
+    inputs = PlanInputs(num_params=1e9, num_peers=4, bandwidth_mbit=100, step_time_s=2.0, inner_steps=100,
+                        bits_per_param=16, latency_s=1.0)
+    plan = make_plan(inputs)
+    assert plan.allreduce_bytes_per_step == pytest.approx(6 * GB)
+    assert plan.allreduce_comm_s_per_step == pytest.approx(480.0)
+    assert plan.utilization_allreduce == pytest.approx(2 / 482)
+    assert plan.speedup_delayed == pytest.approx((200 / 241) / (2 / 482))
+    assert plan.speedup_none == pytest.approx((200 / 441) / (2 / 482))
+    assert plan.bytes_ratio == pytest.approx(6 * GB * 100 / (3 * GB))
+
+
+def test_stages_share_the_link_so_the_total_is_unchanged():
+    one, eight = (make_plan(PlanInputs(num_params=8e9, num_stages=p)) for p in (1, 8))
+    assert eight.bytes_per_round == one.bytes_per_round
+    assert eight.transfer_s == one.transfer_s
+    assert eight.bytes_per_stage_round == pytest.approx(one.bytes_per_round / 8)
+
+
+@pytest.mark.parametrize("step_time_s, inner_steps", [(1.0, 50), (0.3, 7), (10.0, 400), (0.01, 1000)])
+def test_delayed_is_fully_utilized_exactly_when_compute_covers_the_transfer(step_time_s, inner_steps):
+    plan = make_plan(PlanInputs(num_params=2e9, num_peers=3, bandwidth_mbit=500, step_time_s=step_time_s,
+                                inner_steps=inner_steps))
+    hides = plan.compute_s >= plan.transfer_s
+    assert (plan.utilization_delayed == 1.0) == hides
+    assert plan.utilization_none < plan.utilization_delayed  # transfer > 0: blocking always loses
+    assert (inner_steps >= plan.min_inner_steps_to_hide) == hides
+
+
+@pytest.mark.parametrize("transfer_s, step_time_s", [(32.5, 1.0), (30.0, 0.1), (0.3, 0.1), (5.0, 7.0), (0.0, 1.0),
+                                                     (1e-9, 3.0), (3424.5, 10.0)])
+def test_the_hiding_h_is_minimal(transfer_s, step_time_s):
+    steps = min_inner_steps_to_hide(transfer_s, step_time_s)
+    assert steps >= 1
+    assert transfer_s <= steps * step_time_s
+    assert steps == 1 or (steps - 1) * step_time_s < transfer_s
+
+
+def test_the_hiding_h_and_bits_of_a_plan_do_hide():
+    inputs = PlanInputs(num_params=3e9, num_peers=5, bandwidth_mbit=200, step_time_s=0.7, inner_steps=100)
+    plan = make_plan(inputs)
+    hidden = make_plan(replace(inputs, inner_steps=plan.min_inner_steps_to_hide))
+    not_hidden = make_plan(replace(inputs, inner_steps=plan.min_inner_steps_to_hide - 1))
+    assert hidden.utilization_delayed == 1.0 and not_hidden.utilization_delayed < 1.0
+    at_budget = make_plan(replace(inputs, bits_per_param=plan.hiding_bits_per_param))
+    assert at_budget.transfer_s == pytest.approx(at_budget.compute_s)
+
+
+def test_one_peer_has_nothing_to_average():
+    plan = make_plan(PlanInputs(num_params=1e9, num_peers=1))
+    assert plan.nothing_to_average
+    assert plan.bytes_per_round == 0 and plan.transfer_s == 0 and plan.allreduce_bytes_per_step == 0
+    assert plan.utilization_none == plan.utilization_delayed == plan.utilization_allreduce == 1.0
+    assert plan.bytes_ratio is None and plan.hiding_bits_per_param is None
+    assert "nothing to average" in format_plan(plan)
+
+
+def test_preset_parameter_count_matches_the_model_code():
+    from p2p_diloco.model.llama import ModelArgs
+    from p2p_diloco.model.presets import PRESETS, estimate_num_params
+
+    for name, shape in PRESETS.items():
+        for vocab_size in (257, 32000):
+            assert preset_num_params(name, vocab_size) == estimate_num_params(ModelArgs(**shape, vocab_size=vocab_size))
+    assert preset_num_params("1b", 32000) == pytest.approx(1.1e9, rel=0.01)
+    with pytest.raises(ConfigError, match="--preset"):
+        preset_num_params("huge", 257)
+
+
+@pytest.mark.parametrize("field, value, option", [
+    ("bandwidth_mbit", -3, "--bandwidth-mbit: must be a positive number, got -3"),
+    ("bandwidth_mbit", 0.0, "--bandwidth-mbit"), ("step_time_s", math.inf, "--step-time"),
+    ("num_params", math.nan, "--params"), ("num_params", 0.5, "--params"), ("num_peers", 0, "--peers"),
+    ("inner_steps", 0, "--h"), ("num_stages", 0, "--stages"), ("bits_per_param", -1, "--bits-per-param"),
+    ("allreduce_bits", 0, "--allreduce-bits"), ("latency_s", -0.1, "--latency-s"), ("num_peers", 2.5, "--peers"),
+])
+def test_bad_inputs_name_their_option(field, value, option):
+    with pytest.raises(ConfigError, match=option.replace("-", r"\-")):
+        make_plan(replace(PlanInputs(num_params=1e9), **{field: value}))
+
+
+def test_zero_latency_is_allowed():
+    assert make_plan(PlanInputs(num_params=1e9, latency_s=0.0)).transfer_s == pytest.approx(32.0)
+
+
+def test_paper_setting_takes_given_values_and_states_the_rest():
+    inputs = paper_inputs({"step_time_s": 4.0, "num_peers": 3})
+    assert inputs.num_params == PAPER_NUM_PARAMS and inputs.bandwidth_mbit == 1000
+    assert inputs.step_time_s == 4.0 and inputs.num_peers == 3
+    notes = "\n".join(inputs.notes)
+    assert "--h 50" in notes and "--bits-per-param 32" in notes
+    assert "--step-time" not in notes and "--peers" not in notes
+    text = format_plan(make_plan(inputs))
+    assert f"DiLoCoX paper (arXiv 2506.21263): {PAPER_SPEEDUP:g}x over vanilla AllReduce" in text
+    with pytest.raises(ConfigError, match="--bandwidth-mbit"):
+        paper_inputs({"bandwidth_mbit": 100.0})
+
+
+def test_json_dict_has_every_output():
+    plan = make_plan(PlanInputs(num_params=1e9))
+    out = json.loads(json.dumps(plan_as_dict(plan)))
+    assert out["bytes_per_round"] == plan.bytes_per_round and out["inputs"]["num_params"] == 1e9
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "p2p_diloco", "plan", *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_cli_help():
+    result = _cli("--help")
+    assert result.returncode == 0 and "--bandwidth-mbit" in result.stdout and "--paper" in result.stdout
+
+
+def test_cli_prints_a_table():
+    result = _cli("--params", "1.1e9", "--peers", "4", "--bandwidth-mbit", "100", "--step-time", "2")
+    assert result.returncode == 0, result.stderr
+    for text in ("sent per peer per round", "GB", " s ", "%", "delayed over AllReduce"):
+        assert text in result.stdout
+
+
+def test_cli_paper_shows_the_comparison():
+    result = _cli("--paper")
+    assert result.returncode == 0, result.stderr
+    assert "DiLoCoX paper (arXiv 2506.21263): 357x over vanilla AllReduce" in result.stdout
+    assert "assumed --step-time" in result.stdout
+
+
+def test_cli_json():
+    result = _cli("--preset", "tiny", "--json")
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    for key in ("bytes_per_round", "transfer_s", "compute_s", "min_inner_steps_to_hide", "utilization_none",
+                "utilization_delayed", "utilization_eager", "allreduce_bytes_per_step", "utilization_allreduce",
+                "speedup_delayed", "bytes_ratio", "inputs"):
+        assert key in out
+    assert out["inputs"]["num_params"] == preset_num_params("tiny", 257)
+
+
+@pytest.mark.parametrize("args, option", [(("--params", "1e9", "--bandwidth-mbit", "-3"), "--bandwidth-mbit"),
+                                          ((), "--params"), (("--paper", "--params", "1e9"), "--paper")])
+def test_cli_bad_value_is_one_line_error(args, option):
+    result = _cli(*args)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {option}:")
