@@ -144,7 +144,8 @@ def main() -> None:
 
 def measure_rate(wan: EmulatedWAN, megabytes: float = 2.0) -> float:
     """Throughput of one TCP stream from host 0 to host 1, in Mbit/s."""
-    server = (f"import socket,time\ns=socket.socket();s.bind(('{wan.ip(1)}',5301));s.listen(1);c,_=s.accept();n=0;t=None\n"
+    server = (f"import socket,time\ns=socket.socket();s.bind(('{wan.ip(1)}',5301));s.listen(1)\n"
+              "c,_=s.accept();n=0;t=None\n"
               "while True:\n d=c.recv(1<<16)\n t=t or time.time()\n if not d: break\n n+=len(d)\n"
               "print(n*8/(time.time()-t)/1e6)")
     client = (f"import socket,time\ntime.sleep(0.5);s=socket.create_connection(('{wan.ip(1)}',5301))\n"
