@@ -86,6 +86,8 @@ class Bench:
             "bytes_sent_per_round": statistics.mean(s["bytes_sent"] for s in summaries) / self.args.rounds,
             "network_wait_s": statistics.mean(s["network_wait_s"] for s in summaries),
             "averaging_s_median": statistics.median(e["averaging_s"] for e in rounds) if rounds else None,
+            "round_overhead_s": statistics.mean(e["round_end_s"] - e["waited_s"] for i in range(self.num_peers)
+                                                for e in _events(folder / f"peer{i}", "round") if not e["flush"]),
             "num_params": summaries[0]["num_params"],
             "curve": _curve(folder / "peer0"),
         }
@@ -141,16 +143,17 @@ def allreduce_steps(rate: float, args, num_params: int, step_s: float) -> int:
 def report(results: dict, args) -> str:
     lines = [f"{args.peers} peers, H = {args.h}, {args.rounds} rounds, model {results['num_params'] / 1e6:.2f}M "
              f"parameters ({results['num_params'] * 4 / 1e6:.1f} MB fp32)", "",
-             "link Mbit/s (measured)  mode        tokens/s  utilization  net wait s  speedup vs AllReduce"]
+             "link Mbit/s (measured)  mode        tokens/s  utilization  net wait s  round end s  speedup vs AllReduce"]
     for rate in args.rates:
         r = results[str(rate)]
         alone = r["alone"]["tokens_per_s"]
         for mode in ("alone", "none", "delayed", "eager", "allreduce"):
             tps = r[mode]["tokens_per_s"]
-            wait = r[mode].get("network_wait_s")
+            wait, overhead = r[mode].get("network_wait_s"), r[mode].get("round_overhead_s")
             speed = f"{tps / r['allreduce']['tokens_per_s']:.1f}x" if mode != "allreduce" else "1.0x"
             lines.append(f"{rate:>6} ({r['measured_mbit']:>6.1f})       {mode:<10} {tps:>9,.0f}  {tps / alone:>10.3f}"
-                         f"  {'' if wait is None else f'{wait:.1f}':>10}  {speed:>20}")
+                         f"  {'' if wait is None else f'{wait:.1f}':>10}  {'' if overhead is None else f'{overhead:.3f}':>11}"
+                         f"  {speed:>20}")
     fastest = results[str(max(args.rates))]
     lines += ["", f"convergence at {max(args.rates)} Mbit/s after {fastest['delayed']['tokens']:,} tokens per peer:"]
     base = fastest["allreduce"]["eval_loss"]
@@ -197,7 +200,7 @@ def main() -> None:
         bench = Bench(wan, args, args.out)
         for rate in sorted(args.rates, reverse=True):
             wan.set_rate(rate)
-            r = results[str(rate)] = {"measured_mbit": measure_rate(wan)}
+            r = results[str(rate)] = {"measured_mbit": measure_rate(wan, megabytes=max(2.0, rate * 0.2))}
             for mode in ("alone", "none", "delayed", "eager"):
                 r[mode] = bench.run_peers(rate, mode)
                 print(f"{rate} Mbit/s {mode}: {r[mode]['tokens_per_s']:,.0f} tokens/s", flush=True)

@@ -24,6 +24,14 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
         pass
 
 
+def lower_priority(increment: int = 10) -> None:
+    """Let the training process win the CPU over this one (background networking): raise its nice value."""
+    try:
+        os.nice(increment)
+    except OSError:
+        pass
+
+
 def signal_group(process: subprocess.Popen, sig: int) -> None:
     """Send ``sig`` to the process group led by ``process`` (started with ``start_new_session=True``)."""
     try:

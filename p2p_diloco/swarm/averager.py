@@ -30,7 +30,7 @@ from hivemind.averaging.allreduce import AllreduceException
 from hivemind.compression import Float16Compression, NoCompression
 
 from p2p_diloco.config import AveragingConfig
-from p2p_diloco.process import die_with_parent
+from p2p_diloco.process import die_with_parent, lower_priority
 from p2p_diloco.swarm.allreduce import BYTES_RECEIVED, BYTES_SENT, ExactAllReduceRunner
 
 logger = logging.getLogger(__name__)
@@ -109,6 +109,7 @@ class PseudoGradientAverager(DecentralizedAverager):
     # ---- runs in the averager's background process -------------------------------------------------
     def run(self) -> None:
         die_with_parent(signal.SIGKILL)  # a peer killed with SIGKILL leaves no averager behind
+        lower_priority()  # averaging in the background must not slow the inner steps down
         super().run()
 
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 import hivemind
 
 from p2p_diloco.config import DHTConfig
-from p2p_diloco.process import die_with_parent
+from p2p_diloco.process import die_with_parent, lower_priority
 from p2p_diloco.swarm.errors import SwarmError
 from p2p_diloco.swarm.identity import ensure_identity
 
@@ -21,10 +21,12 @@ logger = logging.getLogger(__name__)
 
 
 class _DHT(hivemind.DHT):
-    """hivemind's DHT process, which also dies when the process that started it is killed (no orphans)."""
+    """hivemind's DHT process, which dies with the process that started it (no orphans) and runs at a lower CPU
+    priority than training, as does the p2pd daemon it starts."""
 
     def run(self) -> None:
         die_with_parent(signal.SIGKILL)
+        lower_priority()  # this process and its p2pd daemon yield the CPU to training
         super().run()
 
 

@@ -42,6 +42,8 @@ class RoundReport:
     averaging_s: float = 0.0
     waited_s: float = 0.0
     """How long the training loop waited for the network at this round end."""
+    round_end_s: float = 0.0
+    """Time the round end took on the training thread, waiting included (overhead = this - waited_s)."""
     delta_norm: float = 0.0
     fallback_reason: str = ""
 
@@ -141,6 +143,7 @@ class Stage:
             expected_group_size: live peers of this stage in the swarm, this one included; 1 skips the network,
                 None (unknown) tries it anyway.
         """
+        started = time.monotonic()
         delta = [start - p.detach().to(device="cpu", dtype=torch.float32)
                  for start, p in zip(self.round_start, self.params)]  # 2. this round's local progress
         contribution = delta  # 3. compression plugs in here (identity: the wire codec does the rest)
@@ -165,6 +168,7 @@ class Stage:
                 self._set_params([theta - d for theta, d in zip(self.anchor, delta)])
             self.round_start = [p.detach().to(device="cpu", dtype=torch.float32, copy=True) for p in self.params]
         self.round_index += 1
+        report.round_end_s = time.monotonic() - started
         return report
 
     @torch.no_grad()
