@@ -68,7 +68,8 @@ class Bench:
                        f"/ip4/{self.wan.ip(i)}/tcp/0", "--run-id", f"wan-{rate}-{mode}{i if alone else ''}",
                        "--diloco.mode", "none" if alone else mode, "--data.seed", str(i),
                        "--train.num_rounds", str(self.args.rounds), "--diloco.inner_steps", str(self.args.h),
-                       "--output-dir", str(folder / f"peer{i}"), *MODEL, *AVERAGING, *COMMON]
+                       "--output-dir", str(folder / f"peer{i}"), *MODEL, *AVERAGING, *COMMON,
+                       "--averaging.compression", self.args.compression]
             (folder / f"peer{i}").mkdir(parents=True, exist_ok=True)
             log = open(folder / f"peer{i}" / "console.log", "w")
             processes.append(self.wan.popen(i, command, stdout=log, stderr=subprocess.STDOUT))
@@ -142,24 +143,26 @@ def allreduce_steps(rate: float, args, num_params: int, step_s: float) -> int:
 
 def report(results: dict, args) -> str:
     lines = [f"{args.peers} peers, H = {args.h}, {args.rounds} rounds, model {results['num_params'] / 1e6:.2f}M "
-             f"parameters ({results['num_params'] * 4 / 1e6:.1f} MB fp32)", "",
+             f"parameters ({results['num_params'] * 4 / 1e6:.1f} MB fp32), compression {args.compression}", "",
              "link Mbit/s (measured)  mode        tokens/s  utilization  net wait s  round end s  speedup vs AllReduce"]
     for rate in args.rates:
         r = results[str(rate)]
         alone = r["alone"]["tokens_per_s"]
-        for mode in ("alone", "none", "delayed", "eager", "allreduce"):
+        for mode in [m for m in ("alone", "none", "delayed", "eager", "allreduce") if m in r]:
             tps = r[mode]["tokens_per_s"]
             wait, overhead = r[mode].get("network_wait_s"), r[mode].get("round_overhead_s")
-            speed = f"{tps / r['allreduce']['tokens_per_s']:.1f}x" if mode != "allreduce" else "1.0x"
+            wait_text = "" if wait is None else f"{wait:.1f}"
+            overhead_text = "" if overhead is None else f"{overhead:.3f}"
+            speed = f"{tps / r['allreduce']['tokens_per_s']:.1f}x" if "allreduce" in r and mode != "allreduce" else ""
             lines.append(f"{rate:>6} ({r['measured_mbit']:>6.1f})       {mode:<10} {tps:>9,.0f}  {tps / alone:>10.3f}"
-                         f"  {'' if wait is None else f'{wait:.1f}':>10}  {'' if overhead is None else f'{overhead:.3f}':>11}"
-                         f"  {speed:>20}")
+                         f"  {wait_text:>10}  {overhead_text:>11}  {speed:>20}")
     fastest = results[str(max(args.rates))]
     lines += ["", f"convergence at {max(args.rates)} Mbit/s after {fastest['delayed']['tokens']:,} tokens per peer:"]
-    base = fastest["allreduce"]["eval_loss"]
-    for mode in ("alone", "none", "delayed", "eager", "allreduce"):
+    base = fastest.get("allreduce", fastest["alone"])["eval_loss"]
+    reference = "AllReduce" if "allreduce" in fastest else "alone"
+    for mode in [m for m in ("alone", "none", "delayed", "eager", "allreduce") if m in fastest]:
         loss = fastest[mode]["eval_loss"]
-        lines.append(f"  {mode:<10} eval loss {loss:.4f}  ({(loss - base) / base * 100:+.2f}% vs AllReduce)")
+        lines.append(f"  {mode:<10} eval loss {loss:.4f}  ({(loss - base) / base * 100:+.2f}% vs {reference})")
     return "\n".join(lines)
 
 
@@ -171,7 +174,7 @@ def plot(results: dict, args, path: Path) -> None:
 
     fig, axes = plt.subplots(1, len(args.rates), figsize=(6 * len(args.rates), 4.5), squeeze=False)
     for ax, rate in zip(axes[0], args.rates):
-        for mode in ("none", "delayed", "eager", "allreduce", "alone"):
+        for mode in [m for m in ("none", "delayed", "eager", "allreduce", "alone") if m in results[str(rate)]]:
             curve = results[str(rate)][mode]["curve"]
             if curve:
                 ax.plot(*zip(*curve), label=mode, alpha=0.8, linestyle=":" if mode == "alone" else "-")
@@ -190,10 +193,14 @@ def main() -> None:
     parser.add_argument("--peers", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--h", type=int, default=40, help="inner steps per round")
+    parser.add_argument("--modes", default="none,delayed,eager,allreduce",
+                        help="what to run besides 'alone' (the compute-only baseline), comma-separated")
+    parser.add_argument("--compression", default="none", help="averaging.compression of the peers (default: none)")
     parser.add_argument("--allreduce-budget-s", type=float, default=90.0,
                         help="time for the AllReduce run at the slower rates (its throughput is what counts there)")
     parser.add_argument("--out", type=Path, default=Path("runs") / time.strftime("wan-%Y%m%d-%H%M%S"))
     args = parser.parse_args()
+    args.modes = args.modes.split(",")
     args.out.mkdir(parents=True, exist_ok=True)
     results: dict = {}
     with EmulatedWAN(args.peers + 1, rate_mbit=None) as wan:
@@ -201,12 +208,14 @@ def main() -> None:
         for rate in sorted(args.rates, reverse=True):
             wan.set_rate(rate)
             r = results[str(rate)] = {"measured_mbit": measure_rate(wan, megabytes=max(2.0, rate * 0.2))}
-            for mode in ("alone", "none", "delayed", "eager"):
+            for mode in ["alone"] + [m for m in args.modes if m != "allreduce"]:
                 r[mode] = bench.run_peers(rate, mode)
                 print(f"{rate} Mbit/s {mode}: {r[mode]['tokens_per_s']:,.0f} tokens/s", flush=True)
-            step_s = TOKENS_PER_STEP / r["alone"]["tokens_per_s"]
-            r["allreduce"] = bench.run_allreduce(rate, allreduce_steps(rate, args, r["alone"]["num_params"], step_s))
-            print(f"{rate} Mbit/s allreduce: {r['allreduce']['tokens_per_s']:,.0f} tokens/s", flush=True)
+            if "allreduce" in args.modes:
+                step_s = TOKENS_PER_STEP / r["alone"]["tokens_per_s"]
+                steps = allreduce_steps(rate, args, r["alone"]["num_params"], step_s)
+                r["allreduce"] = bench.run_allreduce(rate, steps)
+                print(f"{rate} Mbit/s allreduce: {r['allreduce']['tokens_per_s']:,.0f} tokens/s", flush=True)
             (args.out / "results.json").write_text(json.dumps(results, indent=1))
     results["num_params"] = results[str(args.rates[0])]["alone"]["num_params"]
     (args.out / "results.json").write_text(json.dumps(results, indent=1))

@@ -87,7 +87,7 @@ def _swarm_config(args: argparse.Namespace, overrides: list[tuple[str, str]]):
     base = [] if args.config else list(DEMO_DEFAULTS)
     forced = [("pipeline.stages", str(args.stages)), ("dht.host_maddrs", LOOPBACK)]
     if args.peers > 1:
-        forced.append(("averaging.target_group_size", str(args.peers)))
+        forced += [("averaging.target_group_size", str(args.peers)), ("train.wait_for_peers", str(args.peers))]
     return load_config(args.config, base + forced + list(overrides))
 
 

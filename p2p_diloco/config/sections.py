@@ -16,7 +16,7 @@ from p2p_diloco.config.errors import ConfigError
 
 RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 AVERAGING_MODES = ("none", "delayed", "eager")
-COMPRESSIONS = ("none", "fp16")
+COMPRESSIONS = ("none", "fp16", "int8", "lowrank", "adaptive")
 SCHEDULES = ("gpipe", "1f1b")
 MODEL_PRESETS = ("tiny", "small", "medium", "1b")
 
@@ -188,20 +188,46 @@ class TrainConfig:
     """Evaluate the anchor on the held-out split every this many rounds (0: only at the end)."""
     progress: bool = True
     """Show a progress bar on the console."""
+    wait_for_peers: int = 1
+    """Before the first inner step, wait until this many peers of the run (this one included) are training, so
+    that a swarm started together averages from its first round (bounded by wait_for_peers_timeout_s)."""
+    wait_for_peers_timeout_s: float = 120.0
+    """Start anyway after waiting this long for the peers of wait_for_peers."""
     anchor_digest: bool = True
     """Log a sha256 of the anchor after every round (equal digests = bit-identical anchors); costs ~1 s/GB."""
 
     def validate(self) -> None:
         _require(self.num_rounds > 0, "train.num_rounds", f"must be a positive integer, got {self.num_rounds!r}")
         _require(self.log_every > 0, "train.log_every", f"must be a positive integer, got {self.log_every!r}")
+        _require(self.wait_for_peers >= 1, "train.wait_for_peers", f"must be >= 1, got {self.wait_for_peers!r}")
+        _positive(self.wait_for_peers_timeout_s, "train.wait_for_peers_timeout_s")
         _require(self.eval_every_rounds >= 0, "train.eval_every_rounds",
                  f"must be >= 0, got {self.eval_every_rounds!r}")
 
 
 @dataclass
 class AveragingConfig:
-    compression: str = "none"
-    """How pseudo-gradients cross the wire: 'none' (fp32) or 'fp16'."""
+    compression: str = "adaptive"
+    """How pseudo-gradients cross the wire: 'none' (fp32), 'fp16', 'int8' (blockwise; 4-bit with quant_bits = 4),
+    'lowrank' (large matrices through PowerSGD at a fixed rank, factors quantized, the rest quantized) or
+    'adaptive' (lowrank whose rank and bits follow the spectrum and the bandwidth budget). Errors are fed back."""
+    quant_bits: int = 8
+    """Bits per value of quantized tensors and low-rank factors: 8 or 4."""
+    rank: int = 8
+    """Low rank of the first round (all rounds for 'lowrank')."""
+    min_rank: int = 1
+    """Smallest rank 'adaptive' may choose."""
+    max_rank: int = 32
+    """Largest rank 'adaptive' may choose."""
+    lowrank_min_size: int = 65536
+    """2-D tensors with at least this many values go through low rank (while the rank keeps them under half their
+    size); smaller ones are quantized: low rank saves little there and loses much."""
+    target_error: float = 0.5
+    """'adaptive' doubles the rank while the group's relative compression error is above this."""
+    bandwidth_budget: float = 0.5
+    """'adaptive' keeps the expected transfer of a round within this fraction of a round of compute."""
+    assumed_bandwidth_mbit: float = 100.0
+    """Link rate assumed for the bandwidth budget until the first round has measured one."""
     target_group_size: Optional[int] = None
     """Assemble a group as soon as this many peers joined; default: wait the whole matchmaking time."""
     min_group_size: int = 2
@@ -220,6 +246,15 @@ class AveragingConfig:
     def validate(self) -> None:
         _require(self.compression in COMPRESSIONS, "averaging.compression",
                  f"must be one of {', '.join(COMPRESSIONS)}, got {self.compression!r}")
+        _require(self.quant_bits in (4, 8), "averaging.quant_bits", f"must be 8 or 4, got {self.quant_bits!r}")
+        _require(1 <= self.min_rank <= self.rank <= self.max_rank, "averaging.rank",
+                 f"must satisfy 1 <= min_rank ({self.min_rank}) <= rank ({self.rank}) <= max_rank ({self.max_rank})")
+        _require(self.lowrank_min_size >= 1, "averaging.lowrank_min_size",
+                 f"must be a positive integer, got {self.lowrank_min_size!r}")
+        _require(0 < self.bandwidth_budget <= 1, "averaging.bandwidth_budget",
+                 f"must be in (0, 1], got {self.bandwidth_budget!r}")
+        _positive(self.assumed_bandwidth_mbit, "averaging.assumed_bandwidth_mbit")
+        _require(0 < self.target_error < 1, "averaging.target_error", f"must be in (0, 1), got {self.target_error!r}")
         _require(self.target_group_size is None or self.target_group_size >= 2, "averaging.target_group_size",
                  f"must be >= 2, got {self.target_group_size!r}")
         _require(self.min_group_size >= 1, "averaging.min_group_size", f"must be >= 1, got {self.min_group_size!r}")

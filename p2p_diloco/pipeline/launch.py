@@ -75,10 +75,15 @@ def _watch(processes: list[subprocess.Popen]) -> tuple[int, int] | None:
     """Wait until every stage exits; returns (stage, exit code) of the first that failed, if any."""
     while True:
         codes = [process.poll() for process in processes]
-        for index, code in enumerate(codes):
-            if code not in (None, 0):
-                logger.error(f"Stage {index} stopped (exit code {code}); stopping the peer's other stages")
-                return index, code
+        if any(code not in (None, 0) for code in codes):
+            # when one stage dies, its neighbours fail right after ("the pipeline broke"): give them a moment,
+            # then blame a stage killed by a signal before one that exited because of it
+            time.sleep(0.5)
+            codes = [process.poll() for process in processes]
+            failed = [(index, code) for index, code in enumerate(codes) if code not in (None, 0)]
+            index, code = min(failed, key=lambda item: (item[1] >= 0, item[0]))
+            logger.error(f"Stage {index} stopped (exit code {code}); stopping the peer's other stages")
+            return index, code
         if all(code == 0 for code in codes):
             return None
         time.sleep(0.2)

@@ -3,7 +3,9 @@
 hivemind's ``AllReduceRunner`` sends each sender ``average - sender's part`` and the sender adds it to
 its own part, so groupmates end up a few ulps apart. DiLoCo needs every peer that saw the same average
 to hold the *same* anchor, so here each reducer sends the average itself (encoded with the reducer's own
-codec) and uses the decoded copy of the same bytes locally. The byte counters (payload bytes of the
+codec) and uses the decoded copy of the same bytes locally; its own contribution to the parts it reduces is
+what its codec would have sent, as everyone else's. Decoding goes through our codec registry (which also
+knows hivemind's) and checks every part's shape. The byte counters (payload bytes of the
 protobuf messages, both directions) feed the per-round metrics.
 
 Built on hivemind 1.1.12 internals (``AllReduceRunner``, ``TensorPartContainer``); the version is pinned.
@@ -17,11 +19,15 @@ from collections.abc import AsyncIterator
 
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner
-from hivemind.averaging.partition import BannedException
-from hivemind.compression import deserialize_torch_tensor
+from hivemind.averaging.partition import AllreduceException, BannedException
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
-from hivemind.utils.asyncio import amap_in_executor
+from hivemind.utils import get_logger
+from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_event_on_finished
+
+from p2p_diloco.compression.codecs import decode_tensor
+
+logger = get_logger(__name__)
 
 # indices into the shared int64 traffic counter tensor
 BYTES_SENT, BYTES_RECEIVED = 0, 1
@@ -50,19 +56,53 @@ class ExactAllReduceRunner(AllReduceRunner):
         )
 
     async def _communicate_with_peer(self, peer_id: PeerID):
-        if peer_id != self.peer_id:
-            return await super()._communicate_with_peer(peer_id)
         peer_index = self.ordered_peer_ids.index(peer_id)
-        sender_index = self.sender_peer_ids.index(peer_id)
+        if peer_id == self.peer_id:
+            return await self._reduce_own_parts(peer_index)
+        try:
+            done_sending = asyncio.Event()
+            inputs = attach_event_on_finished(self._generate_input_for_peer(peer_index), done_sending)
+            stream = await self._get_peer_stub(peer_id).rpc_aggregate_part(inputs)
+            if self.should_delay_results(self.peer_id):
+                await done_sending.wait()
+            parts = self.tensor_part_container._input_parts_by_peer[peer_index]
+            expected_shapes = [part.shape for part, _info in parts]
+
+            def decode(message):
+                if message.code != averaging_pb2.AVERAGED_PART:
+                    raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(message.code)}")
+                return decode_tensor(message.tensor_part)
+
+            part_index = 0
+            async for averaged_part in amap_in_executor(decode, aiter_with_timeout(stream, self.reducer_timeout),
+                                                        max_prefetch=self.tensor_part_container.prefetch):
+                if part_index >= len(expected_shapes) or averaged_part.shape != expected_shapes[part_index]:
+                    raise AllreduceException(f"{peer_id} sent an averaged part of the wrong shape")
+                self.tensor_part_container.register_processed_part(peer_index, part_index, averaged_part)
+                part_index += 1
+            if part_index != len(expected_shapes):
+                raise AllreduceException(f"{peer_id} sent {part_index} parts, {len(expected_shapes)} expected")
+        except BaseException as e:
+            if isinstance(e, Exception):
+                logger.debug(f"Caught {e!r} when communicating with {peer_id}", exc_info=True)
+            self.tensor_part_container.register_failed_reducer(peer_index)
+            raise
+
+    async def _reduce_own_parts(self, peer_index: int) -> None:
+        """Reduce the parts this peer is responsible for; its own contribution is what the codec would send."""
+        sender_index = self.sender_peer_ids.index(self.peer_id)
         loop = asyncio.get_event_loop()
         for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
-            averaged_part = await self.tensor_part_reducer.accumulate_part(
-                sender_index, part_index, tensor_part, weight=self.weight
-            )
+            sent = await loop.run_in_executor(None, lambda i=part_index, p=tensor_part: self._roundtrip(p, i))
+            averaged_part = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, sent,
+                                                                           weight=self.weight)
             local_copy = await loop.run_in_executor(
-                None, lambda i=part_index, avg=averaged_part: deserialize_torch_tensor(self._encode_result(avg, i))
+                None, lambda i=part_index, avg=averaged_part: decode_tensor(self._encode_result(avg, i))
             )
             self.tensor_part_container.register_processed_part(peer_index, part_index, local_copy)
+
+    def _roundtrip(self, part: torch.Tensor, part_index: int) -> torch.Tensor:
+        return decode_tensor(self.tensor_part_container.compression.compress(part, self._my_part_infos[part_index]))
 
     async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
         async for message in super()._generate_input_for_peer(peer_index):
@@ -78,10 +118,13 @@ class ExactAllReduceRunner(AllReduceRunner):
         try:
             loop = asyncio.get_event_loop()
             async for tensor_part, weight in amap_in_executor(
-                lambda msg: (deserialize_torch_tensor(msg.tensor_part), msg.weight),
+                lambda msg: (decode_tensor(msg.tensor_part), msg.weight),
                 _count_received(stream, self._traffic),
                 max_prefetch=self.tensor_part_container.prefetch,
             ):
+                if part_index >= self.tensor_part_reducer.num_parts or \
+                        tensor_part.shape != self.tensor_part_reducer.part_shapes[part_index]:
+                    raise AllreduceException(f"sender {sender_index} sent a part of the wrong shape")
                 try:
                     averaged_part = await self.tensor_part_reducer.accumulate_part(
                         sender_index, part_index, tensor_part, weight=weight

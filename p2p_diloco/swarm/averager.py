@@ -7,6 +7,9 @@ matchmaking through the DHT, butterfly all-reduce over libp2p) with four additio
   never land in the same group, and the round carried in the gathered metadata is checked again;
 - contributions are weighted by the tokens each peer trained on in the round;
 - the result is bit-identical on every groupmate (:mod:`p2p_diloco.swarm.allreduce`);
+- pseudo-gradients are compressed under a plan the group agrees on from its gathered metadata
+  (:mod:`p2p_diloco.compression.policy`), low-rank ones in two phases (:mod:`p2p_diloco.swarm.reduce`), all in
+  the background process; the round returns this peer's error-feedback residual with the average;
 - a round is started with :meth:`start_round` and collected with :meth:`finish_round`, which never raises
   for network reasons: a round that fails, times out or finds nobody returns ``None`` and the caller
   falls back to its own pseudo-gradient.
@@ -17,6 +20,8 @@ Called by :class:`p2p_diloco.training.stage.Stage`.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import signal
 import time
@@ -26,17 +31,23 @@ from typing import Optional
 
 import torch
 from hivemind.averaging import DecentralizedAverager
-from hivemind.averaging.allreduce import AllreduceException
-from hivemind.compression import Float16Compression, NoCompression
+from hivemind.averaging.allreduce import AllreduceException, AveragingMode
+from hivemind.averaging.load_balancing import load_balance_peers
+from hivemind.averaging.matchmaking import MatchmakingException
+from hivemind.compression import CompressionInfo, PerTensorCompression
+from hivemind.utils.asyncio import enter_asynchronously
 
+from p2p_diloco.compression.codecs import CODECS
+from p2p_diloco.compression.policy import CompressionPolicy
 from p2p_diloco.config import AveragingConfig
 from p2p_diloco.process import die_with_parent, lower_priority
 from p2p_diloco.swarm.allreduce import BYTES_RECEIVED, BYTES_SENT, ExactAllReduceRunner
+from p2p_diloco.swarm.reduce import RoundReducer
 
 logger = logging.getLogger(__name__)
 
 ROUND_BITS = 16  # rounds are told apart modulo 2**16 by the group key, exactly by the gathered metadata
-_CODECS = {"none": NoCompression, "fp16": Float16Compression}
+PHASES = (b"", b".P", b".Q")  # group id suffixes of a round's all-reduces (whole tensors; low-rank P; low-rank Q)
 
 
 def group_prefix(run_id: str, stage_index: int, num_stages: int) -> str:
@@ -61,6 +72,10 @@ class RoundResult:
     duration_s: float = 0.0
     error: str = ""
     peer_ids: list[str] = field(default_factory=list)
+    residual: Optional[list[torch.Tensor]] = None
+    """This peer's error feedback: its contribution minus what the wire carried of it."""
+    stats: dict = field(default_factory=dict)
+    """Compression of the round: rank, codecs, payload bytes, relative compression error, measured bandwidth."""
 
 
 @dataclass
@@ -89,6 +104,12 @@ class PseudoGradientAverager(DecentralizedAverager):
         self.traffic = torch.zeros(2, dtype=torch.int64).share_memory_()
         self._pending: Optional[_PendingRound] = None
         buffers = [torch.zeros(t.shape, dtype=torch.float32) for t in templates]
+        self._residuals = [torch.zeros_like(b).share_memory_() for b in buffers]
+        self.policy = CompressionPolicy([tuple(t.shape) for t in templates], cfg)
+        self._reducer = RoundReducer(self.policy, seed=group_prefix(run_id, stage_index, num_stages))
+        self.proposal = self.policy.initial_proposal()
+        self.bandwidth_mbit = cfg.assumed_bandwidth_mbit
+        self.last_error: Optional[float] = None
         super().__init__(
             buffers,
             dht,
@@ -101,7 +122,6 @@ class PseudoGradientAverager(DecentralizedAverager):
             request_timeout=cfg.request_timeout_s,
             allreduce_timeout=cfg.allreduce_timeout_s,
             next_chunk_timeout=cfg.next_chunk_timeout_s,
-            compression=_CODECS[cfg.compression](),
             allow_state_sharing=False,
             shutdown_timeout=5,
         )
@@ -112,22 +132,63 @@ class PseudoGradientAverager(DecentralizedAverager):
         lower_priority()  # averaging in the background must not slow the inner steps down
         super().run()
 
-    async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
-        """Check that every groupmate is on our round, then replace the buffers with the exact average."""
-        rounds = [self.serializer.loads(self.serializer.loads(g)[2])["round"] for g in group_info.gathered]
-        my_round = rounds[group_info.peer_ids.index(self.peer_id)]
-        if any(r != my_round for r in rounds):
-            raise AllreduceException(f"groupmates are on rounds {rounds}, expected all on round {my_round}")
-        group_id = group_info.group_id if group_id is None else group_id
+    @contextlib.contextmanager
+    def _register_allreduce_group(self, group_info):
+        """A round runs up to three all-reduces in its group; register them all (as hivemind's PowerSGD does)."""
+        try:
+            for phase in PHASES:
+                self._running_groups[group_info.group_id + phase] = asyncio.Future()
+            self._pending_groups_registered.set()
+            yield
+        finally:
+            for phase in PHASES:
+                self._running_groups.pop(group_info.group_id + phase, None)
+            self._pending_groups_registered.set()
+
+    async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs):
+        """Agree on the round's plan, average under it, and leave the average and the residual in shared memory."""
+        try:
+            bandwidths, mode_ids, user_bytes = zip(*map(self.serializer.loads, group_info.gathered))
+            gathered = dict(zip(group_info.peer_ids, map(self.serializer.loads, user_bytes)))
+            infos = list(gathered.values())
+            my_round = gathered[self.peer_id]["round"]
+            if any(info["round"] != my_round for info in infos):
+                raise AllreduceException(f"groupmates are on rounds {[i['round'] for i in infos]}, not {my_round}")
+            plan = self.policy.agree(infos)
+            modes = tuple(map(AveragingMode, mode_ids))
+            fractions = await asyncio.get_event_loop().run_in_executor(
+                None, load_balance_peers, self.total_size,
+                [b if m != AveragingMode.CLIENT else 0.0 for b, m in zip(bandwidths, modes)], min_vector_size)
+            kwargs.pop("compression", None), kwargs.pop("tensor_infos", None)
+
+            async def allreduce(tensors, codecs, phase):
+                return await self._allreduce_phase(tensors, codecs, group_info, group_info.group_id + phase,
+                                                   peer_fractions=fractions, **kwargs)
+
+            received_before, started = int(self.traffic[BYTES_RECEIVED]), time.monotonic()
+            async with enter_asynchronously(self.get_tensors()) as buffers:
+                outcome = await self._reducer.reduce([b.clone() for b in buffers], plan, my_round, allreduce)
+                for buffer, residual, average, error in zip(buffers, self._residuals, outcome.averaged,
+                                                            outcome.residuals):
+                    buffer.copy_(average)
+                    residual.copy_(error)
+            received = int(self.traffic[BYTES_RECEIVED]) - received_before
+            # a throughput sample only when the payload amortizes the latency and the waits of the group
+            measured = received * 8 / 1e6 / max(time.monotonic() - started, 1e-3) if received >= 2**20 else None
+            proposal = self.policy.next_proposal(plan, outcome.q_avgs, my_round)
+            return {"gathered": gathered, "stats": dict(outcome.stats, bandwidth_mbit=measured), "next": proposal}
+        except BaseException as e:
+            if isinstance(e, Exception):
+                logger.debug(f"Averaging failed: {e!r}", exc_info=True)
+            raise MatchmakingException(f"Unable to run All-Reduce: {e}") from e
+
+    async def _allreduce_phase(self, tensors, codecs, group_info, group_id, **kwargs) -> list[torch.Tensor]:
+        """One exact all-reduce of ``tensors`` (codec ``codecs[i]`` for tensor i) in the round's group."""
         runner = ExactAllReduceRunner(
-            traffic=self.traffic,
-            p2p=self._p2p,
-            servicer_type=type(self),
-            prefix=self.prefix,
-            tensors=tensors,
-            group_id=group_id,
-            ordered_peer_ids=group_info.peer_ids,
-            **kwargs,
+            traffic=self.traffic, p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors,
+            group_id=group_id, ordered_peer_ids=group_info.peer_ids,
+            compression=PerTensorCompression([CODECS[c] for c in codecs]),
+            tensor_infos=[CompressionInfo.from_tensor(t, key=i) for i, t in enumerate(tensors)], **kwargs,
         )
         assert group_id in self._running_groups, f"group {group_id} was not registered"
         self._running_groups[group_id].set_result(runner)
@@ -136,8 +197,7 @@ class PseudoGradientAverager(DecentralizedAverager):
         if failed:
             # some reducer vanished: part of the result is our own values, so the round is not an average
             raise AllreduceException(f"{failed} of {runner.tensor_part_container.total_size} values were not averaged")
-        for tensor, average in zip(tensors, averaged):
-            tensor.copy_(average)
+        return averaged
 
     async def _set_target_group_size(self, size: Optional[int], future) -> None:
         self._matchmaking.target_group_size = size
@@ -154,8 +214,16 @@ class PseudoGradientAverager(DecentralizedAverager):
         self._outer_pipe.send(("_set_target_group_size", [], dict(size=size, future=future)))
         future.result(timeout=10)
 
-    def start_round(self, contribution: Sequence[torch.Tensor], round_index: int, weight: float) -> None:
-        """Start averaging ``contribution`` in the background. The previous round must be finished."""
+    def start_round(self, contribution: Sequence[torch.Tensor], round_index: int, weight: float,
+                    compute_s: float = 0.0) -> None:
+        """Start averaging ``contribution`` in the background. The previous round must be finished.
+
+        Args:
+            contribution: this peer's pseudo-gradient plus its error feedback, one tensor per parameter.
+            round_index: the round it belongs to.
+            weight: tokens trained on in the round.
+            compute_s: how long the round's inner steps took (the group's shortest sets the bandwidth budget).
+        """
         assert self._pending is None, "finish the previous round before starting another"
         assert weight > 0, "a contribution needs a positive weight (tokens trained on)"
         with self.get_tensors() as buffers:
@@ -163,7 +231,9 @@ class PseudoGradientAverager(DecentralizedAverager):
                 buffer.copy_(tensor.detach().to(dtype=torch.float32, device="cpu"))
         self.set_group_bits(round_bits(round_index))
         control = self.step(
-            gather=dict(round=round_index, tokens=float(weight)),
+            gather=dict(round=round_index, tokens=float(weight), compute_s=float(compute_s),
+                        bandwidth_mbit=float(self.bandwidth_mbit), compression=self.proposal,
+                        last_error=self.last_error),
             weight=float(weight),
             timeout=self.cfg.round_timeout_s,
             allow_retries=True,
@@ -186,12 +256,19 @@ class PseudoGradientAverager(DecentralizedAverager):
             timeout = max(1.0, bound - (time.monotonic() - pending.started_at))
         result = RoundResult(round_index=pending.round_index, averaged=None)
         try:
-            gathered = pending.control.result(timeout=timeout)
+            outcome = pending.control.result(timeout=timeout)
+            gathered = outcome["gathered"]
             rounds = {info["round"] for info in gathered.values()}
             if rounds != {pending.round_index}:
                 raise AllreduceException(f"groupmates reported rounds {sorted(rounds)}")
             with self.get_tensors() as buffers:
                 result.averaged = [buffer.clone() for buffer in buffers]
+                result.residual = [residual.clone() for residual in self._residuals]
+            result.stats = outcome["stats"]
+            self.proposal = outcome["next"]
+            self.last_error = outcome["stats"].get("compression_error")
+            if outcome["stats"].get("bandwidth_mbit"):  # an average of the recent samples, with little lag
+                self.bandwidth_mbit = 0.5 * self.bandwidth_mbit + 0.5 * float(outcome["stats"]["bandwidth_mbit"])
             result.group_size = len(gathered)
             result.group_tokens = float(sum(info["tokens"] for info in gathered.values()))
             result.peer_ids = sorted(str(peer_id) for peer_id in gathered)

@@ -133,3 +133,17 @@ class SwarmLink:
         if size <= 1 and stage.round_index == 0 and self.joined_swarm:
             return None
         return size
+
+    def wait_for_peers(self, stage, count: int, timeout_s: float, poll_s: float = 1.0) -> int:
+        """Wait until ``count`` peers (this one included) train this stage, at most ``timeout_s``; returns how
+        many were seen."""
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            seen = live_group_size(fetch_progress(self.dht, self.run_id), stage.stage_index, stage.num_stages,
+                                   self.node)
+            if seen >= count or time.monotonic() >= deadline:
+                return seen
+            self.publish(stage, float("nan"), 0.0, force=True)
+            time.sleep(poll_s)

@@ -46,6 +46,8 @@ class RoundReport:
     """Time the round end took on the training thread, waiting included (overhead = this - waited_s)."""
     delta_norm: float = 0.0
     fallback_reason: str = ""
+    compression: dict = field(default_factory=dict)
+    """Of the applied round: rank, codecs, payload bytes, relative compression error, measured bandwidth."""
 
 
 @dataclass
@@ -65,6 +67,10 @@ class PendingRound:
     reason: str = ""
     stats: dict = field(default_factory=dict)
     """bytes_sent, bytes_received, averaging_s of its averaging."""
+    residual: list[torch.Tensor] | None = None
+    """Its error feedback: the contribution minus what the wire carried of it."""
+    compression: dict = field(default_factory=dict)
+    """Rank, codecs, payload bytes and relative error of its compression."""
 
 
 class Stage:
@@ -94,6 +100,9 @@ class Stage:
         # phi0: in blocking mode every round starts from the anchor; with overlap, from the rebased params
         self.round_start = self.anchor if self.mode == "none" else [t.clone() for t in self.anchor]
         self.pending: PendingRound | None = None
+        # error feedback e (fp32, CPU), kept while pseudo-gradients are compressed
+        compressed = getattr(getattr(averager, "cfg", None), "compression", "none") != "none"
+        self.feedback = [torch.zeros_like(t) for t in self.anchor] if compressed else None
         self.inner_optimizer = _make_adamw(named, inner_cfg)
         self.outer_optimizer = OuterOptimizer(
             self.anchor, lr=diloco_cfg.outer_lr, momentum=diloco_cfg.outer_momentum, nesterov=diloco_cfg.nesterov
@@ -135,33 +144,35 @@ class Stage:
 
     # ---- the round ----------------------------------------------------------------------------------
     @torch.no_grad()
-    def end_round(self, tokens: int, expected_group_size: int | None) -> RoundReport:
+    def end_round(self, tokens: int, expected_group_size: int | None, compute_s: float = 0.0) -> RoundReport:
         """Steps 2-6 of DESIGN.md's round: pseudo-gradient, averaging, outer step, new starting point.
 
         Args:
             tokens: tokens this peer trained on in the round (the averaging weight).
             expected_group_size: live peers of this stage in the swarm, this one included; 1 skips the network,
                 None (unknown) tries it anyway.
+            compute_s: how long the round's inner steps took (for the compression's bandwidth budget).
         """
         started = time.monotonic()
         delta = [start - p.detach().to(device="cpu", dtype=torch.float32)
                  for start, p in zip(self.round_start, self.params)]  # 2. this round's local progress
-        contribution = delta  # 3. compression plugs in here (identity: the wire codec does the rest)
         report = RoundReport(self.round_index, delta_norm=float(torch.sqrt(sum(d.pow(2).sum() for d in delta))))
         if self.mode == "none":
-            self._start(self.round_index, contribution, tokens, expected_group_size)  # 4.
+            contribution = self._with_feedback(delta)  # 3. the averager compresses it; the residual comes back
+            self._start(self.round_index, contribution, tokens, expected_group_size, compute_s)  # 4.
             averaged = self._collect(report)  # 5. this round's average
             self.outer_optimizer.step(averaged)  # 6. theta = outer_step(theta, avg); phi = theta
             self._set_params(self.anchor)
         else:
             previous = self.pending
-            averaged = self._collect(report)  # 5. the previous round's average (bounded wait)
+            averaged = self._collect(report)  # 5. the previous round's average (bounded wait), and its residual
+            contribution = self._with_feedback(delta)  # 3.
             eager_params = None
             if averaged is not None:
                 if self.mode == "eager":  # phi only: the anchor below gets the plain average, as everywhere
                     eager_params = self.outer_optimizer.peek(self._eager_gradient(averaged, previous, contribution))
                 self.outer_optimizer.step(averaged)  # 6. theta = outer_step(theta, avg_prev)
-            self._start(self.round_index, contribution, tokens, expected_group_size)  # 4. in the background
+            self._start(self.round_index, contribution, tokens, expected_group_size, compute_s)  # 4. background
             if eager_params is not None:
                 self._set_params(eager_params)
             else:  # rebase: the new anchor plus the local progress not yet averaged
@@ -170,6 +181,12 @@ class Stage:
         self.round_index += 1
         report.round_end_s = time.monotonic() - started
         return report
+
+    def _with_feedback(self, delta: list[torch.Tensor]) -> list[torch.Tensor]:
+        """delta + e: what the compressor left out of earlier rounds goes out with this one."""
+        if self.feedback is None:
+            return delta
+        return [d + e for d, e in zip(delta, self.feedback)]
 
     @torch.no_grad()
     def flush(self) -> RoundReport | None:
@@ -195,10 +212,10 @@ class Stage:
         (the swarm may have finished the round meanwhile, and then it falls back like any failed round)."""
         pending = self.pending
         if pending is not None and not pending.settled:
-            self._start(pending.round_index, pending.contribution, pending.weight, expected_group_size)
+            self._start(pending.round_index, pending.contribution, pending.weight, expected_group_size, 0.0)
 
     def _start(self, round_index: int, contribution: list[torch.Tensor], tokens: float,
-               expected_group_size: int | None) -> None:
+               expected_group_size: int | None, compute_s: float) -> None:
         """Step 4: start averaging a round's contribution (or note why the network is skipped)."""
         pending = PendingRound(round_index, contribution, float(tokens))
         if self.averager is None:
@@ -207,7 +224,7 @@ class Stage:
             pending.settled, pending.reason = True, "no other live peer of this stage in the swarm"
         else:
             self.averager.set_expected_group_size(expected_group_size)
-            self.averager.start_round(contribution, round_index, weight=float(tokens))
+            self.averager.start_round(contribution, round_index, weight=float(tokens), compute_s=compute_s)
             pending.in_flight = True
         self.pending = pending
 
@@ -222,6 +239,7 @@ class Stage:
         pending.stats = dict(bytes_sent=result.bytes_sent, bytes_received=result.bytes_received,
                              averaging_s=result.duration_s)
         pending.group_size, pending.group_tokens = result.group_size, result.group_tokens
+        pending.residual, pending.compression = result.residual, dict(result.stats)
         if result.averaged is None:
             pending.reason = result.error or "averaging failed"
             logger.warning(f"Stage {self.stage_index} round {pending.round_index}: averaging failed "
@@ -242,10 +260,15 @@ class Stage:
         report.bytes_received = pending.stats.get("bytes_received", 0)
         report.averaging_s = pending.stats.get("averaging_s", 0.0)
         report.group_size = pending.group_size
-        if pending.averaged is None:
+        report.compression = pending.compression
+        if pending.averaged is None:  # the whole own contribution, feedback included, is applied: nothing is owed
             report.fallback_reason = pending.reason
+            if self.feedback is not None:
+                self.feedback = [torch.zeros_like(e) for e in self.feedback]
             return pending.contribution
         report.averaged = True
+        if self.feedback is not None and pending.residual is not None:
+            self.feedback = pending.residual
         return pending.averaged
 
     def _eager_gradient(self, averaged, previous: PendingRound, fresh) -> list[torch.Tensor]:

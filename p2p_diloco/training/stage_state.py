@@ -1,6 +1,7 @@
 """What a checkpoint holds of one stage, and how a stage is restored from it.
 
-Tensors: working params phi, anchor theta, outer momentum, inner AdamW moments, and with overlap
+Tensors: working params phi, anchor theta, outer momentum, inner AdamW moments, the error-feedback residuals
+of compression, and with overlap
 (delayed/eager) the round's starting point phi0, the contribution whose average is not applied yet and,
 when it arrived before the checkpoint (a shutdown waits for it), that average. Metadata: inner step,
 round, optimizer step counts, the pending round's outcome. A stage resumed from a checkpoint written
@@ -25,10 +26,14 @@ def state_tensors(stage: Stage) -> dict[str, torch.Tensor]:
         tensors[f"outer_momentum/{name}"] = stage.outer_optimizer.momentum_buffers[i]
         if stage.mode != "none":
             tensors[f"round_start/{name}"] = stage.round_start[i]
+        if stage.feedback is not None:
+            tensors[f"feedback/{name}"] = stage.feedback[i]
         if stage.pending is not None:
             tensors[f"pending/{name}"] = stage.pending.contribution[i]
             if stage.pending.averaged is not None:
                 tensors[f"pending_average/{name}"] = stage.pending.averaged[i]
+                if stage.pending.residual is not None:
+                    tensors[f"pending_residual/{name}"] = stage.pending.residual[i]
         for key, value in stage.inner_optimizer.state.get(p, {}).items():
             if torch.is_tensor(value) and value.dim() > 0:
                 tensors[f"adam_{key}/{name}"] = value
@@ -58,6 +63,7 @@ def load_state(stage: Stage, tensors: dict[str, torch.Tensor], meta: dict) -> No
     info = meta.get("pending")
     pending = [] if info is not None else None
     average = [] if info is not None and info["averaged"] else None
+    residual = [] if average is not None and f"pending_residual/{stage.param_names[0]}" in tensors else None
     for i, (name, p) in enumerate(zip(stage.param_names, stage.params)):
         for prefix, target in (("param", p), ("anchor", stage.anchor[i]),
                                ("outer_momentum", stage.outer_optimizer.momentum_buffers[i])):
@@ -70,6 +76,11 @@ def load_state(stage: Stage, tensors: dict[str, torch.Tensor], meta: dict) -> No
         if average is not None:
             average.append(torch.zeros_like(stage.anchor[i]))
             _copy_checked(tensors, f"pending_average/{name}", average[-1])
+        if residual is not None:
+            residual.append(torch.zeros_like(stage.anchor[i]))
+            _copy_checked(tensors, f"pending_residual/{name}", residual[-1])
+        if stage.feedback is not None and f"feedback/{name}" in tensors:
+            _copy_checked(tensors, f"feedback/{name}", stage.feedback[i])
         if f"adam_exp_avg/{name}" in tensors:
             state = stage.inner_optimizer.state[p]
             state["step"] = torch.tensor(float(meta["adam_step"]))
@@ -80,7 +91,8 @@ def load_state(stage: Stage, tensors: dict[str, torch.Tensor], meta: dict) -> No
     stage.outer_optimizer.num_steps = int(meta["outer_steps"])
     stage.pending = None if pending is None else PendingRound(
         int(info["round"]), pending, float(info["weight"]), settled=bool(info["settled"]), averaged=average,
-        group_size=int(info["group_size"]), group_tokens=float(info["group_tokens"]), reason=str(info["reason"]))
+        group_size=int(info["group_size"]), group_tokens=float(info["group_tokens"]), reason=str(info["reason"]),
+        residual=residual)
 
 
 def _copy_checked(tensors: dict[str, torch.Tensor], key: str, target: torch.Tensor) -> None:

@@ -50,6 +50,7 @@ class Trainer:
         self.reporter = reporter or NullReporter()
         self.tokens_per_step = cfg.data.batch_size * sampler.seq_len
         self.stop_requested = False
+        self._round_compute_s = 0.0
         tag = f"stage{stage.stage_index}"
         self.metrics = MetricsWriter(self.output_dir / f"metrics-{tag}.jsonl")
         self.summary_path = self.output_dir / f"summary-{tag}.json"
@@ -71,6 +72,7 @@ class Trainer:
         H, num_rounds = self.cfg.diloco.inner_steps, self.cfg.train.num_rounds
         self.reporter.on_start(num_rounds * H, self.stage.inner_step)
         self._publish(loss=float("nan"), tokens_per_s=0.0, force=True)
+        self._wait_for_peers()
         if self.summary.eval_loss_start is None:
             self.summary.eval_loss_start = self._evaluate()
             self.metrics.write("eval", round=0, inner_step=0, eval_loss=self.summary.eval_loss_start)
@@ -91,9 +93,20 @@ class Trainer:
             self._finish(started, save=not failed)
         return self.summary
 
+    def _wait_for_peers(self) -> None:
+        wanted = self.cfg.train.wait_for_peers
+        if self.swarm is None or wanted <= 1 or self.stage.round_index > 0:
+            return
+        logger.info(f"Waiting for {wanted} peers of run {self.cfg.run.run_id} before the first round "
+                    f"(at most {self.cfg.train.wait_for_peers_timeout_s:.0f} s)")
+        seen = self.swarm.wait_for_peers(self.stage, wanted, self.cfg.train.wait_for_peers_timeout_s)
+        if seen < wanted:
+            logger.warning(f"Starting with {seen} of the {wanted} peers waited for")
+
     def _train_round(self, H: int) -> bool:
         """Inner steps up to the end of the current round; False if a stop was requested first."""
         window_start, window_tokens = time.monotonic(), 0
+        train_s_before = self.summary.train_s
         while self.stage.inner_step < (self.stage.round_index + 1) * H:
             if self.executor.any_stage(self.stop_requested):
                 self.stop_requested = True  # every stage of the peer stops after the same inner step
@@ -115,13 +128,14 @@ class Trainer:
                 self.reporter.on_step(step, loss, tokens_per_s)
                 self._publish(loss, tokens_per_s)
                 window_start, window_tokens = time.monotonic(), 0
+        self._round_compute_s = self.summary.train_s - train_s_before
         return True
 
     def _after_round(self) -> None:
         tokens = self.cfg.diloco.inner_steps * self.tokens_per_step
         expected = self.swarm.expected_group_size(self.stage) if self.swarm else 1
         round_started = time.monotonic()
-        report = self.stage.end_round(tokens, expected)
+        report = self.stage.end_round(tokens, expected, compute_s=self._round_compute_s)
         self.summary.train_s += time.monotonic() - round_started
         self.summary.rounds_completed += 1
         self._record_round(report)

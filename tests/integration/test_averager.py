@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import hivemind
 import pytest
 import torch
@@ -12,7 +14,7 @@ from p2p_diloco.swarm import PseudoGradientAverager
 pytestmark = pytest.mark.timeout(180)
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 CFG = AveragingConfig(matchmaking_time_s=3, request_timeout_s=1, round_timeout_s=8, allreduce_timeout_s=15,
-                      next_chunk_timeout_s=5)
+                      next_chunk_timeout_s=5, compression="none")
 TEMPLATES = [torch.zeros(300, 70), torch.zeros(513), torch.zeros(3, 3, 3)]
 
 
@@ -30,10 +32,10 @@ def swarm():
         dht.shutdown()
 
 
-def make(dhts, averagers, run_id="run", stage=0, num_stages=1, templates=TEMPLATES):
+def make(dhts, averagers, run_id="run", stage=0, num_stages=1, templates=TEMPLATES, cfg=CFG):
     for dht in dhts:
         averagers.append(PseudoGradientAverager(templates, dht, run_id=run_id, stage_index=stage,
-                                                num_stages=num_stages, cfg=CFG))
+                                                num_stages=num_stages, cfg=cfg))
     return averagers[-len(dhts):]
 
 
@@ -84,3 +86,33 @@ def test_alone_falls_back_within_timeout(swarm):
     result = lone.finish_round()
     assert result.averaged is None and result.error
     assert result.duration_s < CFG.round_timeout_s + 5
+
+
+@pytest.mark.parametrize("scheme", ["int8", "lowrank", "adaptive"])
+def test_compressed_rounds_agree_and_feed_back(swarm, scheme):
+    """Compressed averaging: bit-identical results on every peer, equal to the weighted mean of what each peer
+    sent (its contribution minus the residual it gets back); the low-rank schemes warm-start from round 2 on."""
+    dhts, averagers = swarm
+    cfg = dataclasses.replace(CFG, compression=scheme, rank=4, lowrank_min_size=1000)
+    group = make(dhts, averagers, cfg=cfg)
+    weights = [1.0, 2.0, 3.0]
+    for round_index in range(2):
+        contributions = [[torch.randn_like(t) for t in TEMPLATES] for _ in range(3)]
+        for averager, contribution, weight in zip(group, contributions, weights):
+            averager.set_expected_group_size(3)
+            averager.start_round(contribution, round_index, weight, compute_s=10.0)
+        results = [averager.finish_round() for averager in group]
+        assert all(r.error == "" for r in results), [r.error for r in results]
+        for result in results:
+            assert all(torch.equal(a, b) for a, b in zip(result.averaged, results[0].averaged))
+            assert result.stats["compression_error"] > 0
+        for i in range(len(TEMPLATES)):
+            sent = [c[i] - r.residual[i] for c, r in zip(contributions, results)]
+            mean = sum(w * s.double() for w, s in zip(weights, sent)) / sum(weights)
+            scale = mean.abs().max().item()
+            torch.testing.assert_close(results[0].averaged[i].double(), mean, rtol=0, atol=0.02 * scale)
+        if scheme != "int8":
+            assert results[0].stats["lowrank_tensors"] == 1  # the 300 x 70 matrix
+            assert results[0].stats["warm"] == (round_index > 0)
+        fp32_bytes = 4 * sum(t.numel() for t in TEMPLATES)
+        assert results[0].stats["payload_bytes"] < fp32_bytes / 3

@@ -62,7 +62,8 @@ def test_two_peers_of_two_stages_average_per_stage(tmp_path, processes, bootstra
     identical across the two peers, the stages average separately, and the loss falls."""
     rounds = 3
     for name in ("a", "b"):
-        processes.start(name, *pipeline_peer(tmp_path, name, "--stages", "2", maddrs=bootstrap, rounds=rounds))
+        processes.start(name, *pipeline_peer(tmp_path, name, "--stages", "2", "--train.wait_for_peers", "2",
+                                             maddrs=bootstrap, rounds=rounds))
     for name in ("a", "b"):
         assert processes.wait(name, timeout=360) == 0, processes.log(name)[-3000:]
     for stage in (0, 1):
@@ -97,8 +98,10 @@ def test_killing_one_stage_stops_its_peer_cleanly(tmp_path, processes, bootstrap
     """Kill stage 1 of peer b (SIGKILL): b's other stage stops, its launcher exits with a message naming the
     stage, no process of b is left; peer a keeps training to the end."""
     rounds = 6
-    processes.start("a", *pipeline_peer(tmp_path, "a", "--stages", "2", maddrs=bootstrap, rounds=rounds))
-    b = processes.start("b", *pipeline_peer(tmp_path, "b", "--stages", "2", maddrs=bootstrap, rounds=rounds))
+    processes.start("a", *pipeline_peer(tmp_path, "a", "--stages", "2", "--train.wait_for_peers", "2",
+                                        maddrs=bootstrap, rounds=rounds))
+    b = processes.start("b", *pipeline_peer(tmp_path, "b", "--stages", "2", "--train.wait_for_peers", "2",
+                                            maddrs=bootstrap, rounds=rounds))
     deadline = time.monotonic() + 240
     while not applied(tmp_path, "b", 1):
         assert time.monotonic() < deadline and b.poll() is None, processes.log("b")[-3000:]

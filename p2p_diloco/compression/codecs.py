@@ -1,0 +1,168 @@
+"""Wire codecs for pseudo-gradients, as hivemind ``CompressionBase`` subclasses.
+
+hivemind's own codecs are used where they fit (``NoCompression`` for fp32, ``Float16Compression`` for
+fp16); hivemind has no CPU blockwise quantizer (its ``BlockwiseQuantization`` needs bitsandbytes), so
+:class:`BlockwiseQuantization8Bit` and :class:`BlockwiseQuantization4Bit` are written here: symmetric
+codes with one fp32 scale (the block's absolute maximum) per block of :data:`BLOCK` values. hivemind's
+deserializer only knows its own compression types, so ours travel as ``NONE`` tensors whose ``dtype``
+field names the codec (``p2p_diloco:int8``); :func:`decode_tensor` reads both kinds. Every decoder
+checks the payload's length against its declared shape, so a malformed message is an error, not garbage.
+
+Block grids start at each tensor's first value and hivemind cuts parts at multiples of 2**k values, so
+quantizing a part or the whole tensor gives the same values: :func:`roundtrip` on the whole tensor is what
+the wire will carry. Called by :mod:`p2p_diloco.compression.policy` and the all-reduce.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from hivemind.compression import (
+    CompressionBase,
+    CompressionInfo,
+    Float16Compression,
+    NoCompression,
+    deserialize_torch_tensor,
+)
+from hivemind.proto import runtime_pb2
+
+BLOCK = 256  # values per scale; a power of two, so hivemind's part boundaries fall on block boundaries
+
+
+class _Blockwise(CompressionBase):
+    """Symmetric blockwise quantization with ``bits``-bit codes and an fp32 absmax scale per block."""
+
+    bits: int
+    name: str
+    compression_type = runtime_pb2.NONE  # see the module docstring: the dtype field carries the codec
+
+    @property
+    def max_code(self) -> int:
+        return 2 ** (self.bits - 1) - 1
+
+    def quantize(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Codes (int8, one per value) and scales (fp32, one per block) of ``tensor``."""
+        flat = tensor.detach().reshape(-1).to(dtype=torch.float32, device="cpu")
+        num_blocks = math.ceil(flat.numel() / BLOCK)
+        padded = torch.zeros(num_blocks * BLOCK, dtype=torch.float32)
+        padded[: flat.numel()] = flat
+        blocks = padded.view(num_blocks, BLOCK)
+        scales = blocks.abs().amax(dim=1) / self.max_code  # (num_blocks,)
+        safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+        codes = torch.round(blocks / safe[:, None]).clamp_(-self.max_code, self.max_code).to(torch.int8)
+        return codes.reshape(-1)[: flat.numel()], scales
+
+    def dequantize(self, codes: torch.Tensor, scales: torch.Tensor, shape) -> torch.Tensor:
+        num_values = codes.numel()
+        padded = torch.zeros(scales.numel() * BLOCK, dtype=torch.float32)
+        padded[:num_values] = codes.to(torch.float32)
+        values = padded.view(-1, BLOCK) * scales[:, None]
+        return values.reshape(-1)[:num_values].reshape(shape)
+
+    def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:
+        codes, scales = self.quantize(tensor)
+        payload = self._pack(codes.numpy())
+        return runtime_pb2.Tensor(compression=self.compression_type, dtype=self.name, size=tensor.shape,
+                                  buffer=scales.numpy().astype("<f4").tobytes() + payload,
+                                  requires_grad=False)
+
+    def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
+        shape = tuple(serialized_tensor.size)
+        num_values = math.prod(shape)
+        num_blocks = math.ceil(num_values / BLOCK)
+        expected = 4 * num_blocks + self._packed_size(num_values)
+        buffer = serialized_tensor.buffer
+        if len(buffer) != expected:
+            raise ValueError(f"{self.name} payload of {len(buffer)} bytes does not fit shape {shape} "
+                             f"({expected} bytes expected)")
+        scales = torch.from_numpy(np.frombuffer(buffer, dtype="<f4", count=num_blocks).astype(np.float32))
+        codes = torch.from_numpy(self._unpack(buffer[4 * num_blocks:], num_values))
+        if not torch.isfinite(scales).all() or (codes.to(torch.int16).abs() > self.max_code).any():
+            raise ValueError(f"{self.name} payload has non-finite scales or codes out of range")
+        return self.dequantize(codes, scales, shape)
+
+    def estimate_compression_ratio(self, info: CompressionInfo) -> float:
+        # the scales (4 bytes a block) are left out on purpose: hivemind sizes its parts from this ratio, and
+        # bits/32 keeps part boundaries on block boundaries
+        return self.bits / 32
+
+    def _packed_size(self, num_values: int) -> int:
+        raise NotImplementedError
+
+    def _pack(self, codes: np.ndarray) -> bytes:
+        raise NotImplementedError
+
+    def _unpack(self, data: bytes, num_values: int) -> np.ndarray:
+        raise NotImplementedError
+
+
+class BlockwiseQuantization8Bit(_Blockwise):
+    """8-bit codes in [-127, 127], one fp32 scale per 256 values (3.9x smaller than fp32)."""
+
+    bits, name = 8, "p2p_diloco:int8"
+
+    def _packed_size(self, num_values: int) -> int:
+        return num_values
+
+    def _pack(self, codes: np.ndarray) -> bytes:
+        return codes.astype(np.int8).tobytes()
+
+    def _unpack(self, data: bytes, num_values: int) -> np.ndarray:
+        return np.frombuffer(data, dtype=np.int8, count=num_values).copy()
+
+
+class BlockwiseQuantization4Bit(_Blockwise):
+    """4-bit codes in [-7, 7], two per byte, one fp32 scale per 256 values (7.5x smaller than fp32)."""
+
+    bits, name = 4, "p2p_diloco:int4"
+
+    def _packed_size(self, num_values: int) -> int:
+        return (num_values + 1) // 2
+
+    def _pack(self, codes: np.ndarray) -> bytes:
+        nibbles = (codes.astype(np.int16) + 8).astype(np.uint8)  # 1..15
+        if nibbles.size % 2:
+            nibbles = np.append(nibbles, np.uint8(8))
+        return (nibbles[0::2] | (nibbles[1::2] << 4)).astype(np.uint8).tobytes()
+
+    def _unpack(self, data: bytes, num_values: int) -> np.ndarray:
+        packed = np.frombuffer(data, dtype=np.uint8)
+        nibbles = np.empty(packed.size * 2, dtype=np.int16)
+        nibbles[0::2], nibbles[1::2] = packed & 0x0F, packed >> 4
+        return (nibbles[:num_values] - 8).astype(np.int8)
+
+
+CODECS: dict[str, CompressionBase] = {
+    "fp32": NoCompression(),
+    "fp16": Float16Compression(),
+    "int8": BlockwiseQuantization8Bit(),
+    "int4": BlockwiseQuantization4Bit(),
+}
+_OURS = {codec.name: codec for codec in CODECS.values() if isinstance(codec, _Blockwise)}
+
+
+def decode_tensor(serialized: runtime_pb2.Tensor) -> torch.Tensor:
+    """Decode a tensor from the wire: our blockwise codecs, or any of hivemind's."""
+    codec = _OURS.get(serialized.dtype)
+    if codec is not None:
+        return codec.extract(serialized)
+    return deserialize_torch_tensor(serialized)
+
+
+def roundtrip(codec_name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """What ``tensor`` becomes after encoding and decoding with a codec (the values the wire carries)."""
+    codec = CODECS[codec_name]
+    if codec_name == "fp32":
+        return tensor.detach().to(dtype=torch.float32, device="cpu")
+    info = CompressionInfo.from_tensor(tensor)
+    return decode_tensor(codec.compress(tensor.detach().cpu().float(), info)).float()
+
+
+def encoded_size(codec_name: str, num_values: int) -> int:
+    """Bytes of payload for ``num_values`` values (the planner's byte estimates)."""
+    if codec_name in ("fp32", "fp16"):
+        return num_values * (4 if codec_name == "fp32" else 2)
+    codec = CODECS[codec_name]
+    return 4 * math.ceil(num_values / BLOCK) + codec._packed_size(num_values)

@@ -1,0 +1,123 @@
+"""How each tensor of a stage's pseudo-gradient crosses the wire in a round, decided the same on every peer.
+
+``averaging.compression`` picks the scheme: ``none`` (fp32), ``fp16``, ``int8`` (blockwise, or 4-bit with
+``averaging.quant_bits = 4``), ``lowrank`` (2-D tensors of at least ``lowrank_min_size`` values through
+PowerSGD two-phase averaging at a fixed rank, factors quantized; the rest quantized) and ``adaptive``
+(lowrank whose rank and bits change every round). Every peer proposes (rank, bits, the round of the warm Q
+it holds), its last compression error, link rate and round of compute in the round's gathered metadata;
+:meth:`CompressionPolicy.agree` turns them into one :class:`RoundPlan` (smallest rank and bits, more rank
+while the group's error is high, cut to the bandwidth budget of the slowest link; warm start only if
+everyone holds the same Q), and :meth:`CompressionPolicy.next_proposal` derives the next proposal from what
+the group shares after the round (the spectrum of the averaged Qs). So all peers of a group pick the same
+plan with no extra message. Pure logic; called in the averager process.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from p2p_diloco.compression.codecs import encoded_size
+from p2p_diloco.compression.lowrank import desired_rank, lowrank_size
+from p2p_diloco.config import AveragingConfig
+
+SCHEMES = ("none", "fp16", "int8", "lowrank", "adaptive")
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """One round's compression, identical on every groupmate."""
+
+    codecs: tuple[str, ...]
+    """Codec of each tensor sent whole (fp32, fp16, int8, int4); for low-rank tensors, of their factors."""
+    lowrank: tuple[int, ...]
+    """Indices of the tensors averaged in low rank."""
+    rank: int
+    warm_round: int | None
+    """Round whose averaged Q every groupmate starts from; None: a Q seeded from the round index."""
+
+
+class CompressionPolicy:
+    """Per-stage compression rules.
+
+    Args:
+        shapes: the shapes of the stage's tensors, in averaging order.
+        cfg: the ``[averaging]`` section.
+    """
+
+    def __init__(self, shapes: list[tuple[int, ...]], cfg: AveragingConfig):
+        self.shapes, self.cfg = [tuple(s) for s in shapes], cfg
+        self.scheme = cfg.compression
+        self.eligible = tuple(i for i, s in enumerate(self.shapes) if self.scheme in ("lowrank", "adaptive")
+                              and len(s) == 2 and math.prod(s) >= cfg.lowrank_min_size and min(s) > cfg.min_rank)
+
+    def initial_proposal(self) -> dict:
+        return {"rank": self.cfg.rank, "bits": self.cfg.quant_bits, "q_round": -1}
+
+    def agree(self, members: list[dict]) -> RoundPlan:
+        """The group's plan from every member's gathered metadata (order does not matter).
+
+        Each member brings ``compression`` (its proposal: rank, bits, round of its warm Q), ``last_error`` (the
+        relative compression error of its last averaged round), ``bandwidth_mbit`` and ``compute_s``. The rank is
+        the smallest proposed; for ``adaptive`` it doubles while the group's mean last error is above
+        ``averaging.target_error``, and it is then cut (or the bits halved) to what the group's slowest link can
+        send within the budget.
+        """
+        proposals = [m["compression"] for m in members]
+        rank = min(int(p["rank"]) for p in proposals)
+        bits = min(int(p["bits"]) for p in proposals)
+        q_rounds = {int(p["q_round"]) for p in proposals}
+        warm = q_rounds.pop() if len(q_rounds) == 1 and -1 not in q_rounds else None
+        if self.scheme == "adaptive" and self.eligible:
+            errors = [float(m["last_error"]) for m in members if m.get("last_error") is not None]
+            if errors and sum(errors) / len(errors) > self.cfg.target_error:
+                rank = min(2 * rank, self.cfg.max_rank)
+            rank, bits = self._fit_budget(rank, bits, members)
+        return self._plan_at(rank, bits, warm)
+
+    def _fit_budget(self, rank: int, bits: int, members: list[dict]) -> tuple[int, int]:
+        """The largest rank up to ``rank`` (at ``bits``, else at 4 bits) whose round fits the bandwidth budget."""
+        group_size = len(members)
+        bandwidth = min(float(m["bandwidth_mbit"]) for m in members)
+        compute_s = min(float(m["compute_s"]) for m in members)
+        if compute_s <= 0:
+            return rank, bits  # no round of compute measured yet: nothing to budget against
+        butterfly = max(1.0, 2 * (group_size - 1) / group_size)  # the all-reduce sends this many contributions
+        budget = self.cfg.bandwidth_budget * compute_s * bandwidth * 1e6 / 8 / butterfly
+        for candidate_bits in sorted({bits, 4}, reverse=True):
+            for candidate_rank in range(rank, self.cfg.min_rank - 1, -1):
+                if self.payload_bytes(self._plan_at(candidate_rank, candidate_bits, None)) <= budget:
+                    return candidate_rank, candidate_bits
+        return self.cfg.min_rank, 4
+
+    def payload_bytes(self, plan: RoundPlan) -> int:
+        """Bytes one contribution takes on the wire under ``plan`` (before the all-reduce's 2(N-1)/N)."""
+        total = 0
+        for i, shape in enumerate(self.shapes):
+            values = lowrank_size(shape, plan.rank) if i in plan.lowrank else math.prod(shape)
+            total += encoded_size(plan.codecs[i], values)
+        return total
+
+    def next_proposal(self, plan: RoundPlan, q_avgs: dict[int, torch.Tensor], round_index: int) -> dict:
+        """This peer's proposal for the next round, from what the group shares after this one (every groupmate
+        computes the same): the spectrum of the averaged Qs (adaptive), and the round they come from.
+
+        Args:
+            plan: the round's plan.
+            q_avgs: the group's averaged Q of each low-rank tensor.
+            round_index: the round just averaged (its Qs become the warm start).
+        """
+        rank = plan.rank
+        if self.scheme == "adaptive" and q_avgs:
+            rank = max(desired_rank(q, plan.rank, self.cfg.min_rank, self.cfg.max_rank) for q in q_avgs.values())
+        return {"rank": max(rank, self.cfg.min_rank), "bits": self.cfg.quant_bits, "q_round": round_index}
+
+    def _plan_at(self, rank: int, bits: int, warm_round: int | None) -> RoundPlan:
+        quantized = "int4" if bits <= 4 else "int8"
+        whole = {"none": "fp32", "fp16": "fp16"}.get(self.scheme, quantized)
+        # low rank only where it sends at most half the values of the whole tensor; else the tensor goes whole
+        lowrank = tuple(i for i in self.eligible if 2 * lowrank_size(self.shapes[i], rank) <= math.prod(self.shapes[i]))
+        return RoundPlan(codecs=tuple(quantized if i in lowrank else whole for i in range(len(self.shapes))),
+                         lowrank=lowrank, rank=rank, warm_round=warm_round)

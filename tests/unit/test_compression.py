@@ -1,0 +1,229 @@
+"""Unit tests of pseudo-gradient compression: codecs, low rank, error feedback, the adaptive plan."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+import torch
+from hivemind.compression import CompressionInfo
+
+from p2p_diloco.compression import CODECS, CompressionPolicy, decode_tensor, encoded_size, roundtrip
+from p2p_diloco.compression.codecs import BLOCK
+from p2p_diloco.compression.lowrank import desired_rank, fit_q, orthonormalize, reconstruct, seeded_q
+from p2p_diloco.config import AveragingConfig
+from p2p_diloco.swarm.reduce import RoundReducer
+
+
+def sample(*shape, seed=0, scale=1.0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+@pytest.mark.parametrize("shape", [(1000,), (37, 129), (BLOCK * 3,), (1,), (5, 7, 11)])
+def test_codec_round_trip_error_bounds(shape):
+    x = sample(*shape, scale=3.0)
+    x.view(-1)[0] = 40.0  # an outlier: blockwise scales keep it from ruining the other blocks
+    assert torch.equal(roundtrip("fp32", x), x)
+    fp16 = roundtrip("fp16", x)
+    assert ((fp16 - x).abs() <= x.abs() * 2**-11 + 1e-7).all()
+    flat = torch.nn.functional.pad(x.reshape(-1), (0, (-x.numel()) % BLOCK))
+    block_max = flat.view(-1, BLOCK).abs().amax(dim=1).repeat_interleave(BLOCK)[: x.numel()].view(shape)
+    for name, levels in (("int8", 127), ("int4", 7)):
+        y = roundtrip(name, x)
+        assert y.shape == x.shape
+        assert ((y - x).abs() <= block_max / levels / 2 * (1 + 1e-5)).all(), name
+    assert torch.equal(roundtrip("int8", roundtrip("int8", x)), roundtrip("int8", x)) or \
+        torch.allclose(roundtrip("int8", roundtrip("int8", x)), roundtrip("int8", x), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("name", ["fp32", "fp16", "int8", "int4"])
+def test_payload_sizes_and_ratios(name):
+    x = sample(10_000)
+    message = CODECS[name].compress(x, CompressionInfo.from_tensor(x))
+    assert len(message.buffer) == encoded_size(name, x.numel())
+    ratio = len(message.buffer) / (4 * x.numel())
+    assert ratio <= {"fp32": 1.0, "fp16": 0.5, "int8": 0.26, "int4": 0.14}[name]
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_malformed_payloads_are_refused(name):
+    x = sample(600)
+    good = CODECS[name].compress(x, CompressionInfo.from_tensor(x))
+    truncated = type(good)()
+    truncated.CopyFrom(good)
+    truncated.buffer = good.buffer[:-1]
+    with pytest.raises(ValueError, match="does not fit shape"):
+        decode_tensor(truncated)
+    bad_scale = type(good)()
+    bad_scale.CopyFrom(good)
+    bad_scale.buffer = b"\x00\x00\xc0\x7f" + good.buffer[4:]  # a NaN scale
+    with pytest.raises(ValueError, match="non-finite"):
+        decode_tensor(bad_scale)
+    if name == "int8":
+        out_of_range = type(good)()
+        out_of_range.CopyFrom(good)
+        out_of_range.buffer = good.buffer[:-1] + b"\x80"  # -128
+        with pytest.raises(ValueError, match="out of range"):
+            decode_tensor(out_of_range)
+
+
+def test_low_rank_is_exact_for_matrices_of_rank_at_most_r():
+    a, b = sample(96, 3, seed=1), sample(64, 3, seed=2)
+    m = a @ b.t()  # rank 3
+    q = seeded_q(64, 4, "test")
+    p = orthonormalize(m @ q)  # rank-deficient: 4 columns, rank 3
+    q2 = m.t() @ p
+    torch.testing.assert_close(reconstruct(p, q2), m, rtol=1e-4, atol=1e-4)
+    assert torch.allclose(p.t() @ p, torch.eye(4), atol=1e-5)
+
+
+def _lowrank_roundtrip(m: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    p = orthonormalize(m @ q)
+    q_new = m.t() @ p
+    return reconstruct(p, q_new), q_new
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4", "lowrank"])
+def test_error_feedback_tracks_the_running_sum(codec):
+    """Over 100 rounds, the sum of what was sent equals the sum of the true updates minus the residual, and the
+    residual stays bounded."""
+    feedback = torch.zeros(64, 48)
+    sent_sum, true_sum = torch.zeros(64, 48), torch.zeros(64, 48)
+    q = seeded_q(48, 4, "ef")
+    norms = []
+    for t in range(100):
+        delta = sample(64, 48, seed=100 + t)
+        m = delta + feedback
+        sent, q = _lowrank_roundtrip(m, q) if codec == "lowrank" else (roundtrip(codec, m), q)
+        feedback = m - sent
+        sent_sum += sent
+        true_sum += delta
+        norms.append(feedback.norm().item())
+    torch.testing.assert_close(sent_sum + feedback, true_sum, rtol=1e-4, atol=1e-3)
+    delta_norm = sample(64, 48).norm().item()
+    assert max(norms[50:]) <= 20 * delta_norm
+    assert max(norms[50:]) <= 1.5 * max(norms[25:50]) + 1e-6  # no growth: the residual has settled
+
+
+def test_fit_q_is_deterministic_and_extends():
+    warm = seeded_q(10, 3, "w")
+    assert torch.equal(fit_q(None, 10, 3, "s"), fit_q(None, 10, 3, "s"))
+    assert not torch.equal(fit_q(None, 10, 3, "s"), fit_q(None, 10, 3, "t"))
+    assert torch.equal(fit_q(warm, 10, 2, "s"), warm[:, :2])
+    extended = fit_q(warm, 10, 5, "s")
+    assert extended.shape == (10, 5) and torch.equal(extended[:, :3], warm)
+
+
+def test_desired_rank_follows_the_spectrum():
+    flat = torch.linalg.qr(sample(50, 8))[0] * 3.0  # equal singular values
+    steep = flat * torch.tensor([10.0, 1.0, 1e-3, 1e-3, 1e-3, 1e-3, 1e-3, 1e-3])
+    assert desired_rank(flat, 8, 1, 64) == 16
+    assert desired_rank(steep, 8, 1, 64) == 4
+    assert desired_rank(flat, 8, 1, 12) == 12  # bounded
+    middle = flat * torch.tensor([4.0, 3.0, 2.0, 1.5, 1.0, 0.6, 0.4, 0.3])
+    assert desired_rank(middle, 8, 1, 64) == 8
+
+
+SHAPES = [(256, 128), (128, 384), (128,), (257, 128), (16, 16)]
+
+
+def cfg(**overrides) -> AveragingConfig:
+    """An averaging section where this test's matrices are big enough for low rank."""
+    return AveragingConfig(**{"lowrank_min_size": 1000, **overrides})
+
+
+def member(rank=8, bits=8, q_round=3, error=None, bandwidth=1000.0, compute=60.0) -> dict:
+    return {"compression": {"rank": rank, "bits": bits, "q_round": q_round}, "last_error": error,
+            "bandwidth_mbit": bandwidth, "compute_s": compute}
+
+
+def test_plan_agreement_is_order_free_and_deterministic():
+    policy = CompressionPolicy(SHAPES, cfg(compression="adaptive"))
+    members = [member(8, 8), member(4, 8), member(16, 4)]
+    plan = policy.agree(members)
+    assert plan == policy.agree(list(reversed(members)))
+    assert plan.rank == 4 and plan.warm_round == 3 and plan.codecs[0] == "int4"
+    assert plan.lowrank == (0, 1, 3)  # the vector and the 16x16 matrix are quantized whole
+    assert policy.agree([member(q_round=3), member(q_round=2)]).warm_round is None
+    # at a rank where low rank would send more than half of a matrix's values, that matrix goes whole
+    assert policy.agree([member(32)]).lowrank == (0, 1, 3) and policy.agree([member(48)]).lowrank == (1,)
+    assert policy.agree([member(q_round=-1), member(q_round=-1)]).warm_round is None
+
+
+def test_adaptive_rank_grows_with_the_group_error_within_the_budget():
+    policy = CompressionPolicy(SHAPES, cfg(compression="adaptive", target_error=0.5, max_rank=64))
+    assert policy.agree([member(8, error=0.2), member(8, error=0.4)]).rank == 8
+    assert policy.agree([member(8, error=0.9), member(8, error=0.4)]).rank == 16  # group mean 0.65 > 0.5
+    assert policy.agree([member(8, error=None)]).rank == 8  # the first round: nothing measured yet
+    slow = policy.agree([member(8, error=0.9, bandwidth=0.05, compute=10.0)] * 4)
+    budget = 0.5 * 10.0 * 0.05e6 / 8 / 1.5
+    assert slow.rank < 16 and (policy.payload_bytes(slow) <= budget or (slow.rank, slow.codecs[0]) == (1, "int4"))
+    assert policy.agree([member(8, compute=0.0)]).rank == 8  # no compute measured: no budget to apply
+
+
+def test_next_proposal_follows_the_shared_spectrum_deterministically():
+    policy = CompressionPolicy(SHAPES, cfg(compression="adaptive", rank=8, max_rank=64))
+    plan = policy.agree([member(q_round=-1)])
+    flat_qs = {i: torch.linalg.qr(sample(SHAPES[i][1], 8, seed=i))[0] for i in plan.lowrank}
+    proposal = policy.next_proposal(plan, flat_qs, 5)
+    assert proposal == policy.next_proposal(plan, {i: q.clone() for i, q in flat_qs.items()}, 5)
+    assert proposal == {"rank": 16, "bits": 8, "q_round": 5}
+    steep = {i: q * torch.tensor([10.0] + [1e-3] * 7) for i, q in flat_qs.items()}
+    assert policy.next_proposal(plan, steep, 5)["rank"] == 4
+
+
+def test_fixed_schemes():
+    for scheme, codec in (("none", "fp32"), ("fp16", "fp16"), ("int8", "int8")):
+        policy = CompressionPolicy(SHAPES, cfg(compression=scheme))
+        plan = policy.agree([member(q_round=-1)])
+        assert plan.lowrank == () and set(plan.codecs) == {codec}
+    lowrank = CompressionPolicy(SHAPES, cfg(compression="lowrank", rank=4))
+    plan = lowrank.agree([member(4, q_round=-1, error=0.99)])
+    assert plan.rank == 4 and plan.lowrank == (0, 1, 3)  # fixed rank, whatever the error
+    assert lowrank.next_proposal(plan, {}, 2) == {"rank": 4, "bits": 8, "q_round": 2}
+
+
+class InMemoryGroup:
+    """K reducers meet per phase; each gets the exact mean of what all K sent (as the real all-reduce does)."""
+
+    def __init__(self, k: int):
+        self.k, self.calls = k, {}
+
+    def member(self):
+        async def allreduce(tensors, codecs, phase):
+            entry = self.calls.setdefault(phase, {"tensors": [], "event": asyncio.Event()})
+            entry["tensors"].append([roundtrip(c, t) for c, t in zip(codecs, tensors)])
+            if len(entry["tensors"]) == self.k:
+                entry["event"].set()
+            await entry["event"].wait()
+            return [torch.stack([ts[i] for ts in entry["tensors"]]).mean(0) for i in range(len(tensors))]
+        return allreduce
+
+
+@pytest.mark.parametrize("scheme", ["int8", "lowrank", "adaptive"])
+def test_round_reducer_feedback_identity_and_agreement(scheme):
+    shapes = [(96, 64), (64,), (64, 64)]
+    cfg = AveragingConfig(compression=scheme, rank=4, lowrank_min_size=1000)
+    contributions = [[sample(*s, seed=10 * k + i) for i, s in enumerate(shapes)] for k in range(2)]
+    reducers = [RoundReducer(CompressionPolicy(shapes, cfg), seed="g") for _ in range(2)]
+    plan = reducers[0].policy.agree([{"compression": reducers[0].policy.initial_proposal(), "last_error": None,
+                                      "bandwidth_mbit": 100.0, "compute_s": 0.0}])
+    group = InMemoryGroup(2)
+
+    async def run():
+        return await asyncio.gather(*(r.reduce(c, plan, 0, group.member()) for r, c in zip(reducers, contributions)))
+
+    outcomes = asyncio.run(run())
+    for a, b in zip(outcomes[0].averaged, outcomes[1].averaged):
+        assert torch.equal(a, b)  # same shared data, same result
+    for outcome, contribution in zip(outcomes, contributions):
+        sent = [c - r for c, r in zip(contribution, outcome.residuals)]
+        assert all(s.shape == c.shape for s, c in zip(sent, contribution))
+        assert 0 < outcome.stats["compression_error"] < 1
+    exact_mean = [(a + b) / 2 for a, b in zip(*contributions)]
+    sent_mean = [((ca - ra) + (cb - rb)) / 2 for ca, cb, ra, rb in
+                 zip(contributions[0], contributions[1], outcomes[0].residuals, outcomes[1].residuals)]
+    for got, want in zip(outcomes[0].averaged, sent_mean):  # the average is the mean of what was sent
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3 * max(1.0, want.abs().max().item()))
+    assert math.isfinite(sum(x.sum().item() for x in exact_mean))
