@@ -11,8 +11,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Optional
 
@@ -24,9 +26,23 @@ from p2p_diloco.model import balanced_split, build_stage_model, check_split, mod
 from p2p_diloco.training.executor import LocalExecutor
 from p2p_diloco.training.stage import Stage
 from p2p_diloco.training.summary import Reporter, TrainSummary
+from p2p_diloco.training.swarm_state import shareable_state
+from p2p_diloco.training.sync import SwarmSync
 from p2p_diloco.training.trainer import Trainer
 
 logger = logging.getLogger(__name__)
+
+
+def _serve_state(stage: Stage, averager, run_id: str, wait_s: float):
+    """What a newcomer downloads from this stage (runs in a background thread of this process). The average of
+    the round in flight is waited for a little first: a state *after* it lets the newcomer hold the others'
+    anchor from its first round on, where one before it would leave the newcomer a round short."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        averager.wait_for_round(max(0.0, deadline - time.monotonic()))
+        with stage.state_lock:  # no round end in between: the buffers still hold the average of that round
+            if averager.round_settled or time.monotonic() >= deadline:  # (or a round end started another)
+                return shareable_state(stage, run_id, averager.finished_average())
 
 
 def select_device(spec: str) -> torch.device:
@@ -121,6 +137,8 @@ def run_stage(cfg: Config, *, pipeline=None, reporter: Optional[Reporter] = None
         total_steps = cfg.inner.total_steps or cfg.train.num_rounds * cfg.diloco.inner_steps
         stage = Stage(model, stage_index=stage_index, num_stages=len(split), inner_cfg=cfg.inner,
                       diloco_cfg=cfg.diloco, total_steps=total_steps, averager=averager)
+        averager.state_provider = partial(_serve_state, stage, averager, cfg.run.run_id,
+                                          wait_s=min(10.0, cfg.averaging.allreduce_timeout_s))
         seed = cfg.data.seed if cfg.data.seed is not None else seed_from_peer_id(peer_name)
         sampler = WindowSampler(data.train, data.seq_len, cfg.data.batch_size, seed)
         eval_data = eval_batches(data.eval, data.seq_len, cfg.data.batch_size, cfg.data.eval_batches) \
@@ -128,8 +146,9 @@ def run_stage(cfg: Config, *, pipeline=None, reporter: Optional[Reporter] = None
         executor = _make_executor(cfg, pipeline, model, device)
         swarm = SwarmLink(dht, cfg.run.run_id, peer_name, fingerprint=fingerprint,
                           joined_swarm=bool(cfg.dht.initial_peers))
+        sync = SwarmSync(stage, swarm, executor, cfg.run.run_id, download_timeout_s=cfg.train.state_timeout_s)
         trainer = Trainer(cfg, stage, executor, sampler, eval_data, swarm=swarm, output_dir=output_dir,
-                          peer_name=peer_name, reporter=reporter)
+                          peer_name=peer_name, reporter=reporter, sync=sync)
         if on_trainer is not None:
             on_trainer(trainer)
         return trainer.run()

@@ -193,6 +193,8 @@ class TrainConfig:
     that a swarm started together averages from its first round (bounded by wait_for_peers_timeout_s)."""
     wait_for_peers_timeout_s: float = 120.0
     """Start anyway after waiting this long for the peers of wait_for_peers."""
+    state_timeout_s: float = 120.0
+    """Give up downloading a stage's state from peers after this long (and try again after the next round)."""
     anchor_digest: bool = True
     """Log a sha256 of the anchor after every round (equal digests = bit-identical anchors); costs ~1 s/GB."""
 
@@ -201,6 +203,7 @@ class TrainConfig:
         _require(self.log_every > 0, "train.log_every", f"must be a positive integer, got {self.log_every!r}")
         _require(self.wait_for_peers >= 1, "train.wait_for_peers", f"must be >= 1, got {self.wait_for_peers!r}")
         _positive(self.wait_for_peers_timeout_s, "train.wait_for_peers_timeout_s")
+        _positive(self.state_timeout_s, "train.state_timeout_s")
         _require(self.eval_every_rounds >= 0, "train.eval_every_rounds",
                  f"must be >= 0, got {self.eval_every_rounds!r}")
 

@@ -25,13 +25,14 @@ import contextlib
 import logging
 import signal
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllreduceException, AveragingMode
+from hivemind.averaging.control import AveragingStage
 from hivemind.averaging.load_balancing import load_balance_peers
 from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.compression import CompressionInfo, PerTensorCompression
@@ -103,6 +104,9 @@ class PseudoGradientAverager(DecentralizedAverager):
         self.cfg = cfg
         self.traffic = torch.zeros(2, dtype=torch.int64).share_memory_()
         self._pending: Optional[_PendingRound] = None
+        self._abandoned: Optional[_PendingRound] = None  # left to finish in the background, its result unread
+        # the round whose contribution the buffers hold; a late average of an abandoned round never lands there
+        self._buffered_round = torch.full((1,), -1, dtype=torch.int64).share_memory_()
         buffers = [torch.zeros(t.shape, dtype=torch.float32) for t in templates]
         self._residuals = [torch.zeros_like(b).share_memory_() for b in buffers]
         self.policy = CompressionPolicy([tuple(t.shape) for t in templates], cfg)
@@ -110,6 +114,7 @@ class PseudoGradientAverager(DecentralizedAverager):
         self.proposal = self.policy.initial_proposal()
         self.bandwidth_mbit = cfg.assumed_bandwidth_mbit
         self.last_error: Optional[float] = None
+        self.state_provider = None  # () -> (metadata, tensors): what this stage serves to newcomers
         super().__init__(
             buffers,
             dht,
@@ -122,7 +127,7 @@ class PseudoGradientAverager(DecentralizedAverager):
             request_timeout=cfg.request_timeout_s,
             allreduce_timeout=cfg.allreduce_timeout_s,
             next_chunk_timeout=cfg.next_chunk_timeout_s,
-            allow_state_sharing=False,
+            declare_state_period=10,
             shutdown_timeout=5,
         )
 
@@ -167,6 +172,8 @@ class PseudoGradientAverager(DecentralizedAverager):
 
             received_before, started = int(self.traffic[BYTES_RECEIVED]), time.monotonic()
             async with enter_asynchronously(self.get_tensors()) as buffers:
+                if int(self._buffered_round[0]) != my_round:
+                    raise AllreduceException(f"round {my_round} was abandoned by this peer")
                 outcome = await self._reducer.reduce([b.clone() for b in buffers], plan, my_round, allreduce)
                 for buffer, residual, average, error in zip(buffers, self._residuals, outcome.averaged,
                                                             outcome.residuals):
@@ -225,10 +232,12 @@ class PseudoGradientAverager(DecentralizedAverager):
             compute_s: how long the round's inner steps took (the group's shortest sets the bandwidth budget).
         """
         assert self._pending is None, "finish the previous round before starting another"
+        self._collect_abandoned()
         assert weight > 0, "a contribution needs a positive weight (tokens trained on)"
         with self.get_tensors() as buffers:
             for buffer, tensor in zip(buffers, contribution):
                 buffer.copy_(tensor.detach().to(dtype=torch.float32, device="cpu"))
+            self._buffered_round[0] = round_index
         self.set_group_bits(round_bits(round_index))
         control = self.step(
             gather=dict(round=round_index, tokens=float(weight), compute_s=float(compute_s),
@@ -246,9 +255,15 @@ class PseudoGradientAverager(DecentralizedAverager):
     def round_in_flight(self) -> Optional[int]:
         return None if self._pending is None else self._pending.round_index
 
-    def finish_round(self, timeout: Optional[float] = None) -> RoundResult:
+    def finish_round(self, timeout: Optional[float] = None,
+                     hopeless: Optional[Callable[[int], bool]] = None) -> RoundResult:
         """Wait for the round in flight and return it: at most ``timeout`` s, by default what is left of the
-        round's own bounds (matchmaking + all-reduce timeouts, counted from its start)."""
+        round's own bounds (matchmaking + all-reduce timeouts, counted from its start).
+
+        ``hopeless(round)``, asked every second while the round is still matching: True when no group can form
+        any more (every other peer has applied that round already); the round then fails at once instead of
+        waiting out its timeout.
+        """
         assert self._pending is not None, "no round in flight"
         pending, self._pending = self._pending, None
         if timeout is None:
@@ -256,7 +271,17 @@ class PseudoGradientAverager(DecentralizedAverager):
             timeout = max(1.0, bound - (time.monotonic() - pending.started_at))
         result = RoundResult(round_index=pending.round_index, averaged=None)
         try:
-            outcome = pending.control.result(timeout=timeout)
+            deadline = time.monotonic() + timeout
+            while hopeless is not None and not pending.control.done():
+                try:
+                    pending.control.result(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
+                except TimeoutError:
+                    if time.monotonic() >= deadline:
+                        raise
+                    matching = pending.control.stage in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP)
+                    if matching and hopeless(pending.round_index):
+                        raise AllreduceException("the other peers have all moved past this round") from None
+            outcome = pending.control.result(timeout=max(0.0, deadline - time.monotonic()))
             gathered = outcome["gathered"]
             rounds = {info["round"] for info in gathered.values()}
             if rounds != {pending.round_index}:
@@ -280,8 +305,69 @@ class PseudoGradientAverager(DecentralizedAverager):
         result.bytes_received = int(self.traffic[BYTES_RECEIVED]) - pending.traffic_at_start[1]
         return result
 
-    def cancel_round(self) -> None:
-        """Abandon the round in flight, if any (shutdown path)."""
+    # ---- state sharing (hivemind's load_state_from_peers / rpc_download_state) ------------------------
+    def get_current_state(self):
+        """Runs in a background thread of the training process when a peer downloads this stage's state."""
+        if self.state_provider is None:
+            return {}, [], None
+        metadata, tensors = self.state_provider()
+        return metadata, tensors, None
+
+    def download_state(self, timeout_s: float):
+        """(metadata, tensors) of this stage from another peer (the most advanced donor first, the next one if a
+        donor fails mid-download), or None; never longer than ``timeout_s``."""
+        try:
+            future = self.load_state_from_peers(wait=False, timeout=timeout_s)
+            return future.result(timeout=timeout_s)
+        except Exception as e:  # every network failure ends in "no state", never in a crash
+            logger.warning(f"State download failed: {e!r}")
+            return None
+
+    @property
+    def round_settled(self) -> bool:
+        """No round in flight, or its averaging is over (its outcome not yet collected)."""
+        pending = self._pending
+        return pending is None or pending.control.done()
+
+    def wait_for_round(self, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``) until the round in flight, if any, is over; never raises."""
+        pending = self._pending
+        if pending is not None:
+            with contextlib.suppress(Exception):
+                pending.control.result(timeout=timeout_s)
+
+    def finished_average(self) -> Optional[list[torch.Tensor]]:
+        """The average of the round in flight if it has already arrived (without collecting it), else None."""
+        pending = self._pending
+        if pending is None or not pending.control.done() or pending.control.exception() is not None:
+            return None
+        with self.get_tensors() as buffers:
+            return [buffer.clone() for buffer in buffers]
+
+    def abandon_round(self) -> None:
+        """Stop caring about the round in flight without cancelling it: it finishes with its group in the
+        background (the others still get this peer's contribution; cancelling a step in the middle of
+        matchmaking can leave the others waiting on a leader that is gone), and its result is never read."""
         if self._pending is not None:
+            self._collect_abandoned()
+            self._abandoned, self._pending = self._pending, None
+
+    def _collect_abandoned(self) -> None:
+        """Before reusing the buffers: wait for the abandoned round if it is averaging (bounded by its own
+        timeouts; normally long over), cancel it if it is still matching."""
+        abandoned, self._abandoned = self._abandoned, None
+        if abandoned is not None and abandoned.control.stage in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP):
+            abandoned.control.cancel()  # a round a round ago that is still matching will not find its group
+        elif abandoned is not None:
+            bound = self.cfg.round_timeout_s + self.cfg.allreduce_timeout_s + 5
+            try:
+                abandoned.control.result(timeout=max(0.1, bound - (time.monotonic() - abandoned.started_at)))
+            except Exception:
+                abandoned.control.cancel()
+
+    def cancel_round(self) -> None:
+        """Cancel the round in flight, if any (shutdown path)."""
+        if self._pending is not None:
+            self._buffered_round[0] = -1  # no lock: a reduce already under way may finish, unread
             self._pending.control.cancel()
             self._pending = None

@@ -33,6 +33,10 @@ class ProgressRecord:
     loss: float
     time: float
     """Wall-clock time (DHT time) of the record."""
+    applied_round: int = -1
+    """The last round whose average this stage's anchor took."""
+    anchor: str = ""
+    """Fingerprint of the anchor after that round (see ``anchor_fingerprint``)."""
     node: str = ""
     """DHT peer id of the stage process that wrote it (the subkey)."""
     expiration: float = 0.0
@@ -98,6 +102,7 @@ class SwarmLink:
                  publish_every_s: float = 10.0, ttl_s: float = 120.0, joined_swarm: bool = True):
         self.dht, self.run_id, self.peer_name, self.fingerprint = dht, run_id, peer_name, fingerprint
         self.joined_swarm = joined_swarm
+        self.anchor_fingerprint = ""  # set by the trainer after every round end
         self.node = dht.peer_id.to_base58()
         self.publish_every_s, self.ttl_s = publish_every_s, ttl_s
         self._last_publish = float("-inf")
@@ -113,7 +118,8 @@ class SwarmLink:
         self._last_publish = now
         record = ProgressRecord(peer=self.peer_name, stage=stage.stage_index, num_stages=stage.num_stages,
                                 round=stage.round_index, inner_step=stage.inner_step,
-                                tokens_per_s=float(tokens_per_s), loss=float(loss), time=get_dht_time())
+                                tokens_per_s=float(tokens_per_s), loss=float(loss), time=get_dht_time(),
+                                applied_round=stage.applied_round, anchor=self.anchor_fingerprint)
         try:
             publish_progress(self.dht, self.run_id, record, self.ttl_s)
             if self.fingerprint is not None and force:
@@ -147,3 +153,20 @@ class SwarmLink:
                 return seen
             self.publish(stage, float("nan"), 0.0, force=True)
             time.sleep(poll_s)
+
+    def moved_past(self, stage, round_index: int) -> bool:
+        """Whether no group can form for ``round_index`` any more: no other live peer of the stage can still
+        average it (one on that round, or on the next with that round not yet applied, averaging it in the
+        background). Peers further behind will reload rather than join it. False when no other peer is
+        visible (a DHT hiccup looks the same)."""
+        try:
+            others = self.others(stage)
+        except Exception:  # a DHT hiccup: keep waiting
+            return False
+        could_join = [r for r in others if round_index <= r.round <= round_index + 1 and r.applied_round < round_index]
+        return bool(others) and not could_join
+
+    def others(self, stage) -> list[ProgressRecord]:
+        """Live records of the same stage of other peers."""
+        return [r for r in fetch_progress(self.dht, self.run_id)
+                if r.stage == stage.stage_index and r.num_stages == stage.num_stages and r.node != self.node]

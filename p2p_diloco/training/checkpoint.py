@@ -21,6 +21,8 @@ from typing import Any, Optional
 
 import torch
 
+from p2p_diloco.faults import fault_point
+
 logger = logging.getLogger(__name__)
 
 FORMAT = "p2p-diloco-checkpoint"
@@ -77,6 +79,7 @@ def save_checkpoint(folder: str | Path, step: int, tensors: dict[str, torch.Tens
         "sha256": _sha256(tmp_data), "size": tmp_data.stat().st_size, "meta": meta,
     }
     os.replace(tmp_data, data_path)
+    fault_point("checkpoint-data-written")
     tmp_manifest = folder / f".{name}.json.tmp"
     with open(tmp_manifest, "w") as f:
         json.dump(manifest, f)
@@ -89,9 +92,16 @@ def save_checkpoint(folder: str | Path, step: int, tensors: dict[str, torch.Tens
 
 
 def _prune(folder: Path, keep: int) -> None:
-    for manifest_path in list_checkpoints(folder)[keep:]:
+    """Keep the newest ``keep`` checkpoints; remove what crashed writes left (temporary files, data files whose
+    manifest was never written)."""
+    manifests = list_checkpoints(folder)
+    for manifest_path in manifests[keep:]:
         (folder / manifest_path.with_suffix(".safetensors").name).unlink(missing_ok=True)
         manifest_path.unlink(missing_ok=True)
+    kept = {m.with_suffix(".safetensors").name for m in manifests[:keep]}
+    for leftover in list(folder.glob(".step-*.tmp")) + list(folder.glob("step-*.safetensors")):
+        if leftover.name not in kept:
+            leftover.unlink(missing_ok=True)
 
 
 def checkpoint_name(step: int) -> str:

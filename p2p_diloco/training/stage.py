@@ -10,6 +10,7 @@ calls :meth:`Stage.end_round` every H steps. Called by :class:`p2p_diloco.traini
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -108,7 +109,12 @@ class Stage:
             self.anchor, lr=diloco_cfg.outer_lr, momentum=diloco_cfg.outer_momentum, nesterov=diloco_cfg.nesterov
         )
         self.inner_step = 0
+        self.round_first_step: int | None = None  # set when this round's work began mid-round (after a reload)
+        self.seconds_per_step = 0.0  # recent inner step time (set by the trainer; served to newcomers)
+        self.round_is_hopeless = None  # (round) -> True when no group can form for it any more (set by the trainer)
         self.round_index = 0
+        self.applied_round = -1  # the last round whose average the anchor took
+        self.state_lock = threading.RLock()  # held while the round end changes the anchor; state serving reads it
 
     # ---- inner steps --------------------------------------------------------------------------------
     def grad_norms(self) -> torch.Tensor:
@@ -143,8 +149,13 @@ class Stage:
         return lr
 
     # ---- the round ----------------------------------------------------------------------------------
-    @torch.no_grad()
     def end_round(self, tokens: int, expected_group_size: int | None, compute_s: float = 0.0) -> RoundReport:
+        """Steps 2-6 of DESIGN.md's round (see :meth:`_end_round`), under the state lock."""
+        with self.state_lock:
+            return self._end_round(tokens, expected_group_size, compute_s)
+
+    @torch.no_grad()
+    def _end_round(self, tokens: int, expected_group_size: int | None, compute_s: float = 0.0) -> RoundReport:
         """Steps 2-6 of DESIGN.md's round: pseudo-gradient, averaging, outer step, new starting point.
 
         Args:
@@ -191,6 +202,10 @@ class Stage:
     @torch.no_grad()
     def flush(self) -> RoundReport | None:
         """Apply the round still pending (delayed/eager) at the end of training: nothing is left unaveraged."""
+        with self.state_lock:
+            return self._flush()
+
+    def _flush(self) -> RoundReport | None:
         if self.pending is None:
             return None
         report = RoundReport(self.round_index - 1)
@@ -233,7 +248,7 @@ class Stage:
         if not pending.in_flight:
             return 0.0
         started = time.monotonic()
-        result = self.averager.finish_round()
+        result = self.averager.finish_round(hopeless=self.round_is_hopeless)
         waited = time.monotonic() - started
         pending.in_flight, pending.settled = False, True
         pending.stats = dict(bytes_sent=result.bytes_sent, bytes_received=result.bytes_received,
@@ -255,7 +270,7 @@ class Stage:
             return None
         report.waited_s = self._settle(pending)
         self.pending = None
-        report.applied_round = pending.round_index
+        report.applied_round = self.applied_round = pending.round_index
         report.bytes_sent = pending.stats.get("bytes_sent", 0)
         report.bytes_received = pending.stats.get("bytes_received", 0)
         report.averaging_s = pending.stats.get("averaging_s", 0.0)

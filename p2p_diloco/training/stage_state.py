@@ -46,6 +46,7 @@ def state_meta(stage: Stage) -> dict:
     return {"inner_step": stage.inner_step, "round": stage.round_index,
             "outer_steps": stage.outer_optimizer.num_steps, "adam_step": adam_steps[0] if adam_steps else 0.0,
             "stage": stage.stage_index, "num_stages": stage.num_stages, "mode": stage.mode,
+            "applied_round": stage.applied_round,
             "pending": None if pending is None else {
                 "round": pending.round_index, "weight": pending.weight, "settled": pending.settled,
                 "averaged": pending.averaged is not None, "group_size": pending.group_size,
@@ -88,6 +89,7 @@ def load_state(stage: Stage, tensors: dict[str, torch.Tensor], meta: dict) -> No
                 state[key] = torch.zeros_like(p)
                 _copy_checked(tensors, f"adam_{key}/{name}", state[key])
     stage.inner_step, stage.round_index = int(meta["inner_step"]), int(meta["round"])
+    stage.applied_round = int(meta.get("applied_round", stage.round_index - 1))
     stage.outer_optimizer.num_steps = int(meta["outer_steps"])
     stage.pending = None if pending is None else PendingRound(
         int(info["round"]), pending, float(info["weight"]), settled=bool(info["settled"]), averaged=average,

@@ -49,6 +49,10 @@ class TrainSummary:
     """Rounds whose pseudo-gradients were averaged with other peers and applied."""
     fallback_rounds: int = 0
     """Rounds applied with this peer's own pseudo-gradient (nobody to average with, or averaging failed)."""
+    reloads: int = 0
+    """Times this stage took a peer's state over to catch up (joining late, or behind the swarm)."""
+    resyncs: int = 0
+    """Times this stage replaced a diverged anchor with the swarm's."""
     first_loss: Optional[float] = None
     last_loss: Optional[float] = None
     eval_loss_start: Optional[float] = None
@@ -86,7 +90,8 @@ class TrainSummary:
             self.fallback_rounds += 1
 
 
-RESUMED_FIELDS = ("rounds_completed", "averaged_rounds", "fallback_rounds", "bytes_sent", "bytes_received",
+RESUMED_FIELDS = ("rounds_completed", "averaged_rounds", "fallback_rounds", "reloads", "resyncs", "bytes_sent",
+                  "bytes_received",
                   "allreduce_bytes_equivalent", "first_loss", "eval_loss_start", "group_sizes", "network_wait_s",
                   "train_s")
 
@@ -97,3 +102,15 @@ def anchor_digest(anchor: list[torch.Tensor]) -> str:
     for tensor in anchor:
         digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
     return digest.hexdigest()
+
+
+def anchor_fingerprint(anchor: list[torch.Tensor], max_values: int = 1 << 20) -> str:
+    """A cheap digest for comparing anchors across peers: sha256 of an evenly strided sample of at most
+    ``max_values`` values (every value for small models). Anchors that differ after a failed round differ
+    almost everywhere, so the sample tells them apart."""
+    total = sum(t.numel() for t in anchor)
+    stride = max(1, total // max_values)
+    digest = hashlib.sha256()
+    for tensor in anchor:
+        digest.update(tensor.detach().reshape(-1)[::stride].contiguous().cpu().numpy().tobytes())
+    return digest.hexdigest()[:32]

@@ -23,7 +23,8 @@ from p2p_diloco.config import Config
 from p2p_diloco.training.metrics import MetricsWriter
 from p2p_diloco.training.persist import resume_stage, save_stage
 from p2p_diloco.training.stage import RoundReport, Stage
-from p2p_diloco.training.summary import NullReporter, Reporter, TrainSummary, anchor_digest
+from p2p_diloco.training.summary import NullReporter, Reporter, TrainSummary, anchor_digest, anchor_fingerprint
+from p2p_diloco.training.sync import SwarmSync
 
 logger = logging.getLogger(__name__)
 
@@ -41,10 +42,11 @@ class Trainer:
         output_dir: where metrics, checkpoints and the summary go.
         peer_name: the peer's name in metrics and records (peer id of its stage 0).
         reporter: console progress.
+        sync: keeps the stage in step with the swarm (reloads, resyncs), or None.
     """
 
     def __init__(self, cfg: Config, stage: Stage, executor, sampler, eval_data: list, *, swarm=None,
-                 output_dir: Path, peer_name: str, reporter: Reporter | None = None):
+                 output_dir: Path, peer_name: str, reporter: Reporter | None = None, sync: SwarmSync | None = None):
         self.cfg, self.stage, self.executor, self.sampler = cfg, stage, executor, sampler
         self.eval_data, self.swarm, self.output_dir = eval_data, swarm, Path(output_dir)
         self.reporter = reporter or NullReporter()
@@ -59,6 +61,9 @@ class Trainer:
         num_params = sum(p.numel() for p in stage.params)
         self.summary = TrainSummary(peer_name, cfg.run.run_id, stage.stage_index, stage.num_stages, num_params,
                                     mode=stage.mode)
+        self.sync = sync
+        if swarm is not None:  # a round nobody can join any more fails at once, not after its timeout
+            stage.round_is_hopeless = lambda round_index: swarm.moved_past(stage, round_index)
 
     def request_stop(self) -> None:
         """Finish the current inner step, apply the round in flight, checkpoint and return (signal handlers)."""
@@ -67,12 +72,16 @@ class Trainer:
     # ---- the loop -----------------------------------------------------------------------------------
     def run(self) -> TrainSummary:
         started = time.monotonic()
-        if self.cfg.checkpoint.resume:
-            self._resume()
+        resumed = self.cfg.checkpoint.resume and self._resume()
         H, num_rounds = self.cfg.diloco.inner_steps, self.cfg.train.num_rounds
-        self.reporter.on_start(num_rounds * H, self.stage.inner_step)
         self._publish(loss=float("nan"), tokens_per_s=0.0, force=True)
         self._wait_for_peers()
+        if self.sync is not None:
+            self.sync.at_start(resumed)
+            self._log_sync_events()
+        if self.stage.pending is not None:  # resumed with a round in flight, and not replaced by a reload
+            self.stage.restart_pending(self.swarm.expected_group_size(self.stage) if self.swarm else 1)
+        self.reporter.on_start(num_rounds * H, self.stage.inner_step)
         if self.summary.eval_loss_start is None:
             self.summary.eval_loss_start = self._evaluate()
             self.metrics.write("eval", round=0, inner_step=0, eval_loss=self.summary.eval_loss_start)
@@ -117,7 +126,10 @@ class Trainer:
             norms = self.executor.gather_across_stages(self.stage.grad_norms())  # per-tensor, all stages
             total_norm = torch.linalg.vector_norm(norms, 2)
             lr = self.stage.inner_update(total_norm)
-            self.summary.train_s += time.monotonic() - step_started
+            step_s = time.monotonic() - step_started
+            self.summary.train_s += step_s
+            self.stage.seconds_per_step = step_s if not self.stage.seconds_per_step else \
+                0.9 * self.stage.seconds_per_step + 0.1 * step_s
             window_tokens += self.tokens_per_step
             self._record_loss(loss)
             step = self.stage.inner_step
@@ -132,7 +144,11 @@ class Trainer:
         return True
 
     def _after_round(self) -> None:
-        tokens = self.cfg.diloco.inner_steps * self.tokens_per_step
+        H = self.cfg.diloco.inner_steps
+        first = self.stage.round_first_step
+        steps = H if first is None else self.stage.inner_step - first  # a reload joins a round part-way
+        self.stage.round_first_step = None
+        tokens = steps * self.tokens_per_step
         expected = self.swarm.expected_group_size(self.stage) if self.swarm else 1
         round_started = time.monotonic()
         report = self.stage.end_round(tokens, expected, compute_s=self._round_compute_s)
@@ -147,6 +163,11 @@ class Trainer:
         if every and round_index % every == 0:
             self._save_checkpoint()
         self._publish(self.summary.last_loss or float("nan"), 0.0, force=True)
+        if self.sync is not None:
+            self.sync.after_round()
+            if self._log_sync_events():
+                self._note_anchor()
+                self._publish(self.summary.last_loss or float("nan"), 0.0, force=True)
 
     def _flush(self) -> None:
         """Apply the round still in flight (overlap modes), then evaluate the final anchor."""
@@ -158,11 +179,33 @@ class Trainer:
         if self.stage.round_index == self.cfg.train.num_rounds:
             self._evaluate_and_log(self.stage.round_index)
 
+    def _note_anchor(self) -> None:
+        """Publish where this stage's anchor stands (for the swarm's divergence checks), and rank it as a donor."""
+        fingerprint = anchor_fingerprint(self.stage.anchor)
+        if self.swarm is not None:
+            self.swarm.anchor_fingerprint = fingerprint
+        if self.sync is not None:
+            self.sync.remember(fingerprint)
+            self.sync.rank_as_donor()
+
+    def _log_sync_events(self) -> bool:
+        """Metrics and summary of the reloads and resyncs just done; whether there were any."""
+        events, self.sync.events = self.sync.events, []
+        for event in events:
+            digest = anchor_digest(self.stage.anchor) if self.cfg.train.anchor_digest else ""
+            self.metrics.write("sync", **event, inner_step=self.stage.inner_step, anchor_sha256=digest)
+            if event["action"] == "reload":
+                self.summary.reloads += 1
+            else:
+                self.summary.resyncs += 1
+        return bool(events)
+
     def _record_round(self, report: RoundReport, flush: bool = False) -> None:
         self.summary.account(report, self.cfg.diloco.inner_steps)
+        self._note_anchor()
         digest = anchor_digest(self.stage.anchor) if self.cfg.train.anchor_digest else ""
         self.metrics.write("round", **asdict(report), inner_step=self.stage.inner_step, anchor_sha256=digest,
-                           flush=flush)
+                           anchor_applied_round=self.stage.applied_round, flush=flush)
         self.reporter.on_round(report)
 
     # ---- pieces -------------------------------------------------------------------------------------
@@ -194,16 +237,14 @@ class Trainer:
         save_stage(self.checkpoint_dir, self.stage, self.sampler, self.summary, self.cfg.run.run_id,
                    self.cfg.checkpoint.keep)
 
-    def _resume(self) -> None:
+    def _resume(self) -> bool:
         path = resume_stage(self.checkpoint_dir, self.stage, self.sampler, self.summary, self.cfg.run.run_id,
                             self.executor)
         if path is None:
-            return
+            return False
         self.metrics.write("resume", round=self.stage.round_index, inner_step=self.stage.inner_step,
                            checkpoint=str(path))
-        if self.stage.pending is not None:
-            expected = self.swarm.expected_group_size(self.stage) if self.swarm else 1
-            self.stage.restart_pending(expected)
+        return True
 
     def _finish(self, started: float, save: bool) -> None:
         s = self.summary

@@ -84,9 +84,9 @@ class Processes:
     def __init__(self, root: Path):
         self.root, self.procs = root, {}
 
-    def start(self, name: str, *args: str) -> subprocess.Popen:
+    def start(self, name: str, *args: str, env: dict | None = None) -> subprocess.Popen:
         log = open(self.root / f"{name}.log", "w")
-        proc = subprocess.Popen(cli(*args), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cli(*args), stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         self.procs[name] = proc
         return proc
 

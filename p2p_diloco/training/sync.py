@@ -1,0 +1,139 @@
+"""Keeping a stage in step with the swarm: newcomers, peers that fell behind, anchors that diverged.
+
+Decisions come from the swarm's progress records (round, last applied round and anchor fingerprint of every
+live stage process); states come from other peers through hivemind's state sharing
+(:mod:`p2p_diloco.training.swarm_state`):
+
+- at start, a stage with no checkpoint joins a swarm already past round 0 by a ``reload``; a resumed one that is
+  a round or more behind the swarm's newest round reloads too (a peer one whole round behind can never again
+  meet the others' round key); one on the swarm's round simply rejoins;
+- after every round end, a stage that is behind reloads; one whose anchor fingerprint for an applied round
+  differs from what the other peers agree on (a round of its fell back while theirs averaged) ``resync``s its
+  anchor and momentum from a peer at the same point, keeping its own progress.
+
+The stages of a pipelined peer change rounds together or not at all. Called by the trainer.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import Counter
+
+from p2p_diloco.training.stage import Stage
+from p2p_diloco.training.swarm_state import StateError, adopt_state, check_state
+
+logger = logging.getLogger(__name__)
+REMEMBERED_ROUNDS = 4
+
+
+class SwarmSync:
+    """Reloads and resyncs one stage.
+
+    Args:
+        stage: the stage.
+        swarm: its :class:`~p2p_diloco.swarm.SwarmLink`.
+        executor: the peer's executor (stages of a pipeline agree through it).
+        run_id: the run.
+        download_timeout_s: bound of one state download.
+    """
+
+    def __init__(self, stage: Stage, swarm, executor, run_id: str, download_timeout_s: float):
+        self.stage, self.swarm, self.executor, self.run_id = stage, swarm, executor, run_id
+        self.download_timeout_s = download_timeout_s
+        self.fingerprints: dict[int, str] = {}  # applied round -> this stage's anchor fingerprint after it
+        self.events: list[dict] = []
+
+    def remember(self, fingerprint: str) -> None:
+        """Note this stage's anchor fingerprint after its last applied round."""
+        if self.stage.applied_round >= 0:
+            self.fingerprints[self.stage.applied_round] = fingerprint
+            for old in sorted(self.fingerprints)[:-REMEMBERED_ROUNDS]:
+                del self.fingerprints[old]
+
+    def rank_as_donor(self) -> None:
+        """Newcomers download from the most advanced stage first."""
+        if self.stage.averager is not None:
+            self.stage.averager.state_sharing_priority = float(self.stage.applied_round + 1)
+
+    def at_start(self, resumed: bool) -> None:
+        others = self.swarm.others(self.stage)
+        swarm_round = max((r.round for r in others), default=0)
+        if (not resumed and swarm_round > 0) or (resumed and swarm_round > self.stage.round_index):
+            reason = "joining the swarm" if not resumed else \
+                f"{swarm_round - self.stage.round_index} round(s) behind the swarm"
+            self._reload(reason, swarm_round)
+
+    def after_round(self) -> None:
+        others = self.swarm.others(self.stage)
+        swarm_round = max((r.round for r in others), default=0)
+        if swarm_round > self.stage.round_index:  # others are at least a whole round ahead
+            self._reload(f"{swarm_round - self.stage.round_index} round(s) behind the swarm", swarm_round)
+            return
+        diverged = self._diverged_round(others)
+        if diverged is not None:
+            self._resync(diverged)
+
+    def _diverged_round(self, others) -> int | None:
+        """An applied round for which the other peers agree on an anchor and this stage's differs."""
+        for applied, mine in sorted(self.fingerprints.items(), reverse=True):
+            theirs = Counter(r.anchor for r in others if r.applied_round == applied and r.anchor)
+            if not theirs:
+                continue
+            agreed, votes = theirs.most_common(1)[0]
+            return applied if agreed != mine and votes >= max(1, (len(others) + 1) // 2) else None
+        return None
+
+    def _download(self):
+        """A checked state from some peer, or None (logged). The donor's inner step is moved on by the steps it
+        trained while the state travelled, so that a reloading peer reaches the round's end with it."""
+        started = time.monotonic()
+        downloaded = self.stage.averager.download_state(timeout_s=self.download_timeout_s) \
+            if self.stage.averager is not None else None
+        if downloaded is None:
+            return None
+        meta, tensors = downloaded
+        try:
+            check_state(self.stage, self.run_id, meta, tensors)
+        except StateError as e:
+            logger.warning(f"Stage {self.stage.stage_index}: refused a downloaded state: {e}")
+            return None
+        step_s = meta.get("seconds_per_step")
+        if isinstance(step_s, float) and math.isfinite(step_s) and step_s > 0:
+            H = self.stage.diloco_cfg.inner_steps
+            travelled = int((time.monotonic() - started) / step_s)
+            meta["inner_step"] = min(meta["inner_step"] + travelled, meta["round_start_step"] + H - 1)
+        return meta, tensors
+
+    def _reload(self, reason: str, swarm_round: int) -> None:
+        state = self._download()
+        points = self.executor.common_value(None if state is None else (state[0]["round"], state[0]["inner_step"]))
+        if state is None or None in points or len({r for r, _ in points}) != 1:
+            # a pipeline's stages change rounds together or not at all
+            logger.warning(f"Stage {self.stage.stage_index}: {reason}, but no usable state could be downloaded "
+                           "now; trying again after the next round")
+            return
+        meta, tensors = state
+        adopt_state(self.stage, meta, tensors, "reload", inner_step=min(step for _, step in points))
+        self.fingerprints.clear()
+        self._record("reload", reason, meta)
+
+    def _resync(self, diverged_round: int) -> None:
+        state = self._download()
+        if state is None:
+            return
+        meta, tensors = state
+        if (meta["round"], meta["applied_round"]) != (self.stage.round_index, self.stage.applied_round):
+            logger.info(f"Stage {self.stage.stage_index}: the donor is at another point "
+                        f"(round {meta['round']}, applied {meta['applied_round']}); resync later")
+            return
+        adopt_state(self.stage, meta, tensors, "resync")
+        self.fingerprints.clear()
+        self._record("resync", f"the anchor after round {diverged_round} differed from the swarm's", meta)
+
+    def _record(self, kind: str, reason: str, meta: dict) -> None:
+        logger.warning(f"Stage {self.stage.stage_index}: {kind} from a peer ({reason}); now at round "
+                       f"{self.stage.round_index}, anchor after round {self.stage.applied_round}")
+        self.events.append({"action": kind, "reason": reason, "round": self.stage.round_index,
+                            "applied_round": self.stage.applied_round, "donor_round": meta["round"]})

@@ -1,0 +1,133 @@
+"""Churn with real processes: peers killed and restarted, newcomers, crashes mid-checkpoint, SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from p2p_diloco.faults import FAULT_EXIT_CODE
+from p2p_diloco.training import list_checkpoints, read_checkpoint
+from tests.integration.test_swarm import applied, events, peer_args, summary
+
+pytestmark = pytest.mark.timeout(420)
+
+
+def wait_until(condition, timeout: float, proc=None, log=lambda: "") -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out; {log()[-3000:]}"
+        assert proc is None or proc.poll() is None, f"exited with {proc.returncode}; {log()[-3000:]}"
+        time.sleep(0.2)
+
+
+def digests_by_applied_round(tmp_path, name: str) -> dict[int, str]:
+    """The anchor's sha256 after each applied round, from every round event (first occurrence wins)."""
+    digests = {}
+    for event in events(tmp_path, name, "round"):
+        digests.setdefault(event["anchor_applied_round"], event["anchor_sha256"])
+    return digests
+
+
+def in_sync_after(tmp_path, name: str, since: float, reference: dict[int, str]):
+    """How many round ends the peer went through after ``since`` before its anchor equalled ``reference``'s
+    for the same applied round (after a round end, or after a reload/resync), then staying equal at every
+    later round end; None if it never did. Also the timeline, for messages."""
+    timeline = sorted((e for kind in ("round", "sync") for e in events(tmp_path, name, kind) if e["time"] >= since),
+                      key=lambda e: e["time"])
+    rounds = 0
+    for i, e in enumerate(timeline):
+        rounds += e["kind"] == "round"
+        applied_round = e["anchor_applied_round"] if e["kind"] == "round" else e["applied_round"]
+        if reference.get(applied_round) == e["anchor_sha256"]:
+            later = [x for x in timeline[i + 1:] if x["kind"] == "round" and x["anchor_applied_round"] in reference]
+            if all(reference[x["anchor_applied_round"]] == x["anchor_sha256"] for x in later):
+                return rounds, timeline
+            return None, timeline
+    return None, timeline
+
+
+def test_killed_peer_restarted_on_its_checkpoint_is_back_in_sync(tmp_path, processes, bootstrap):
+    """3 peers; one is killed with SIGKILL mid-round; the survivors go on; restarted on its checkpoint folder, it
+    holds the survivors' anchor again within 2 rounds."""
+    rounds = 10
+    args = {name: peer_args(tmp_path, name, bootstrap, "churn", rounds, 25, "--checkpoint.every_rounds", "1",
+                            wait_for=3) for name in ("p0", "p1", "p2")}
+    for name, arg in args.items():
+        processes.start(name, *arg)
+    victim = processes.procs["p2"]
+    wait_until(lambda: len(applied(tmp_path, "p2")) >= 2, 240, victim, lambda: processes.log("p2"))
+    time.sleep(0.3)  # mid-round
+    os.killpg(victim.pid, signal.SIGKILL)
+    victim.wait()
+    killed_at = max(e["applied_round"] for e in applied(tmp_path, "p0"))
+    wait_until(lambda: max(e["applied_round"] for e in applied(tmp_path, "p0")) >= killed_at + 2, 120)
+
+    restarted_at = time.time()
+    restarted = processes.start("p2-again", *args["p2"])  # same output folder: resumes from its checkpoint
+    assert processes.wait("p2-again", timeout=360) == 0, processes.log("p2-again")[-3000:]
+    for name in ("p0", "p1"):
+        assert processes.wait(name, timeout=120) == 0, processes.log(name)[-3000:]
+        assert summary(tmp_path, name)["rounds_completed"] == rounds
+    syncs = [e for e in events(tmp_path, "p2", "sync") if e["time"] >= restarted_at]
+    assert syncs and syncs[0]["action"] == "reload", syncs  # it was rounds behind: it takes the swarm's state
+    survivors = digests_by_applied_round(tmp_path, "p0")
+    rounds_to_sync, timeline = in_sync_after(tmp_path, "p2", restarted_at, survivors)
+    assert rounds_to_sync is not None and rounds_to_sync <= 2, timeline  # back in sync within 2 rounds
+    assert restarted.returncode == 0
+
+
+def test_newcomer_downloads_the_swarms_state(tmp_path, processes, bootstrap):
+    """2 peers train; a third with no checkpoint joins at round 3 or later: it downloads its stage's state and
+    after its first round holds the same anchor as the others."""
+    rounds = 10
+    for name in ("p0", "p1"):
+        processes.start(name, *peer_args(tmp_path, name, bootstrap, "join", rounds, 25, wait_for=2))
+    wait_until(lambda: len(applied(tmp_path, "p0")) >= 3, 240, processes.procs["p0"], lambda: processes.log("p0"))
+    processes.start("new", *peer_args(tmp_path, "new", bootstrap, "join", rounds, 25))
+    for name in ("p0", "p1", "new"):
+        assert processes.wait(name, timeout=360) == 0, processes.log(name)[-3000:]
+    syncs = events(tmp_path, "new", "sync")
+    assert syncs and syncs[0]["action"] == "reload" and syncs[0]["round"] >= 3, syncs
+    first = events(tmp_path, "new", "round")[0]  # the newcomer's first round end
+    others = digests_by_applied_round(tmp_path, "p0")
+    assert first["anchor_sha256"] == others[first["anchor_applied_round"]], (first, others)
+    assert summary(tmp_path, "new")["rounds_completed"] <= rounds - 3
+
+
+def test_crash_in_the_middle_of_a_checkpoint_write_keeps_the_previous_one(tmp_path, processes):
+    """The process dies after a checkpoint's data file is in place but before its manifest: the previous
+    checkpoint loads, and a restart resumes from it."""
+    common = ["peer", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--output-dir", str(tmp_path / "p"),
+              "--train.num_rounds", "4", "--diloco.inner_steps", "5", "--checkpoint.every_rounds", "1",
+              "--model.preset", "tiny", "--data.batch_size", "4", "--data.seq_len", "32", "--train.progress", "false",
+              "--run.num_threads", "1"]
+    env = dict(os.environ, P2P_DILOCO_FAULT="checkpoint-data-written:2")
+    crashed = processes.start("crash", *common, env=env)
+    assert crashed.wait(timeout=240) == FAULT_EXIT_CODE, processes.log("crash")[-3000:]
+    folder = tmp_path / "p" / "checkpoints" / "stage0of1"
+    manifests = list_checkpoints(folder)
+    assert [m.name for m in manifests] == ["step-00000005.json"]
+    assert (folder / "step-00000010.safetensors").exists()  # the half-written one: data, no manifest
+    assert read_checkpoint(manifests[0]).step == 5
+
+    processes.start("resume", *common)
+    assert processes.wait("resume", timeout=240) == 0, processes.log("resume")[-3000:]
+    resumes = events(tmp_path, "p", "resume")
+    assert resumes and resumes[-1]["inner_step"] == 5
+    assert summary(tmp_path, "p")["rounds_completed"] == 4
+
+
+def test_sigterm_exits_cleanly_with_a_fresh_checkpoint(tmp_path, processes, bootstrap):
+    proc = processes.start("p", *peer_args(tmp_path, "p", bootstrap, "term", 100, 10))
+    wait_until(lambda: len(events(tmp_path, "p", "step")) >= 3, 240, proc, lambda: processes.log("p"))
+    os.killpg(proc.pid, signal.SIGTERM)
+    assert proc.wait(timeout=120) == 0, processes.log("p")[-3000:]
+    s = summary(tmp_path, "p")
+    assert s["stopped_early"]
+    newest = read_checkpoint(list_checkpoints(tmp_path / "p" / "checkpoints" / "stage0of1")[0])
+    assert newest.step == s["inner_steps"] > 0  # written at the step it stopped at
+    assert json.loads((tmp_path / "p" / "summary-stage0.json").read_text())["inner_steps"] == newest.step

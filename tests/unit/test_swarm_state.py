@@ -1,0 +1,182 @@
+"""Unit tests of state sharing and of the decisions that keep a stage in step with the swarm."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from p2p_diloco.config import load_config
+from p2p_diloco.model import ModelArgs, Transformer
+from p2p_diloco.training import Stage
+from p2p_diloco.training.stage import PendingRound
+from p2p_diloco.training.swarm_state import StateError, adopt_state, check_state, shareable_state
+from p2p_diloco.training.sync import SwarmSync
+from tests.helpers import TINY_ARGS
+
+
+def make_stage(mode="delayed", seed=0) -> Stage:
+    cfg = load_config(None, [("diloco.mode", mode)])
+    torch.manual_seed(seed)
+    return Stage(Transformer(ModelArgs(**TINY_ARGS)), stage_index=0, num_stages=1, inner_cfg=cfg.inner,
+                 diloco_cfg=cfg.diloco, total_steps=100)
+
+
+def nudge(stage: Stage, amount: float) -> None:
+    with torch.no_grad():
+        for p in stage.params:
+            p.add_(amount)
+
+
+def test_shareable_state_checks_and_round_trips():
+    donor = make_stage()
+    donor.round_index, donor.applied_round = 5, 3
+    donor.inner_step = donor.round_index * donor.diloco_cfg.inner_steps
+    meta, tensors = shareable_state(donor, "run")
+    check_state(donor, "run", meta, tensors)
+    assert meta["round"] == 5 and meta["applied_round"] == 3 and len(tensors) == 2 * len(donor.anchor)
+    with pytest.raises(StateError, match="run/stage"):
+        check_state(donor, "other-run", meta, tensors)
+    bad = [t.clone() for t in tensors]
+    bad[0][0] = float("nan")
+    with pytest.raises(StateError, match="non-finite"):
+        check_state(donor, "run", meta, bad)
+    with pytest.raises(StateError, match="shapes"):
+        check_state(donor, "run", meta, tensors[:-1])
+    with pytest.raises(StateError, match="count"):
+        check_state(donor, "run", dict(meta, round="5"), tensors)
+
+
+def test_donor_serves_the_state_after_an_average_that_already_arrived():
+    donor = make_stage()
+    donor.round_index, donor.applied_round = 4, 2
+    donor.inner_step = donor.round_index * donor.diloco_cfg.inner_steps
+    average = [torch.full_like(t, 0.01) for t in donor.anchor]
+    donor.pending = PendingRound(3, [torch.zeros_like(t) for t in donor.anchor], 1.0)
+    before = [t.clone() for t in donor.anchor]
+    meta, tensors = shareable_state(donor, "run", finished_average=average)
+    assert meta["applied_round"] == 3  # the state after round 3's average...
+    expected = donor.outer_optimizer.peek(average)
+    assert all(torch.equal(a, b) for a, b in zip(tensors[: len(before)], expected))
+    assert all(torch.equal(a, b) for a, b in zip(donor.anchor, before))  # ...computed without touching the donor
+
+
+def test_reload_becomes_the_donor_and_resync_keeps_local_progress():
+    donor, peer = make_stage(seed=1), make_stage(seed=2)
+    donor.round_index, donor.applied_round = 7, 6
+    H = donor.diloco_cfg.inner_steps
+    donor.inner_step = 7 * H + 2  # part-way through its round
+    nudge(donor, 0.0)
+    with torch.no_grad():
+        for t in donor.anchor:
+            t.add_(0.5)
+    meta, tensors = shareable_state(donor, "run")
+
+    reloaded = make_stage()
+    reloaded.pending = PendingRound(1, [torch.zeros_like(t) for t in reloaded.anchor], 1.0)
+    adopt_state(reloaded, meta, tensors, "reload")
+    assert (reloaded.round_index, reloaded.applied_round, reloaded.pending) == (7, 6, None)
+    assert reloaded.inner_step == reloaded.round_first_step == 7 * H + 2  # joins the round where the donor is
+    check_state(reloaded, "run", meta, tensors)
+    with pytest.raises(StateError, match="steps do not fit"):
+        check_state(reloaded, "run", dict(meta, inner_step=9 * H), tensors)
+    assert all(torch.equal(p.detach(), a) for p, a in zip(reloaded.params, donor.anchor))
+
+    peer.round_index, peer.applied_round = 7, 6
+    nudge(peer, 0.25)  # local progress since the round started
+    progress = [p.detach() - s for p, s in zip(peer.params, peer.round_start)]
+    adopt_state(peer, meta, tensors, "resync")
+    assert all(torch.equal(a, b) for a, b in zip(peer.anchor, donor.anchor))
+    for p, s, d in zip(peer.params, peer.round_start, progress):
+        torch.testing.assert_close(p.detach() - s, d, rtol=0, atol=1e-6)  # the same progress, on the new anchor
+
+
+@dataclass
+class Record:
+    round: int
+    applied_round: int
+    anchor: str
+
+
+class FakeSwarm:
+    def __init__(self, records):
+        self.records = records
+
+    def others(self, stage):
+        return self.records
+
+
+class FakeAverager:
+    def __init__(self, state):
+        self.state, self.downloads, self.state_sharing_priority = state, 0, 0.0
+
+    def download_state(self, timeout_s):
+        self.downloads += 1
+        return self.state
+
+
+class OneStage:
+    def common_value(self, value):
+        return [value]
+
+
+def make_sync(peer: Stage, records, state):
+    peer.averager = FakeAverager(state)
+    return SwarmSync(peer, FakeSwarm(records), OneStage(), "run", download_timeout_s=5)
+
+
+def test_newcomer_and_laggard_reload_but_a_peer_on_the_swarms_round_rejoins():
+    donor = make_stage(seed=1)
+    donor.round_index, donor.applied_round = 6, 5
+    donor.inner_step = donor.round_index * donor.diloco_cfg.inner_steps
+    state = shareable_state(donor, "run")
+    newcomer = make_stage()
+    sync = make_sync(newcomer, [Record(6, 5, "x")], state)
+    sync.at_start(resumed=False)
+    assert newcomer.round_index == 6 and sync.events[0]["action"] == "reload"
+
+    on_time = make_stage()
+    on_time.round_index = 6
+    sync = make_sync(on_time, [Record(6, 4, "x")], state)
+    sync.at_start(resumed=True)
+    assert not sync.events and on_time.averager.downloads == 0
+
+    behind = make_stage()
+    behind.round_index = 4
+    sync = make_sync(behind, [Record(6, 4, "x")], state)
+    sync.after_round()
+    assert behind.round_index == 6 and sync.events[0]["action"] == "reload"
+
+
+def test_resync_only_when_the_others_agree_on_another_anchor():
+    donor = make_stage(seed=1)
+    donor.round_index, donor.applied_round = 8, 7
+    donor.inner_step = donor.round_index * donor.diloco_cfg.inner_steps
+    state = shareable_state(donor, "run")
+    peer = make_stage()
+    peer.round_index, peer.applied_round = 8, 7
+
+    sync = make_sync(peer, [Record(8, 7, "theirs"), Record(8, 7, "theirs")], state)
+    sync.remember("theirs")
+    sync.after_round()
+    assert not sync.events  # in agreement
+
+    sync = make_sync(peer, [Record(8, 7, "a"), Record(8, 7, "b"), Record(8, 7, "c")], state)
+    sync.remember("mine")
+    sync.after_round()
+    assert not sync.events  # no majority to follow
+
+    sync = make_sync(peer, [Record(8, 7, "theirs"), Record(8, 7, "theirs")], state)
+    sync.remember("mine")
+    sync.after_round()
+    assert [e["action"] for e in sync.events] == ["resync"]
+    assert all(torch.equal(a, b) for a, b in zip(peer.anchor, donor.anchor))
+
+    elsewhere = shareable_state(donor, "run")
+    elsewhere[0]["applied_round"] = 6  # a donor at another point: the resync waits
+    peer.applied_round = 7
+    sync = make_sync(peer, [Record(8, 7, "theirs")], elsewhere)
+    sync.remember("mine")
+    sync.after_round()
+    assert not sync.events
