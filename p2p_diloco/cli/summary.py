@@ -117,6 +117,9 @@ def summarize_swarm(root: Path, num_peers: int, cfg, exit_codes: dict[str, int])
         rows.append({
             "peer": name, "finished": True, "exit_code": exit_codes.get(name),
             "rounds": last["rounds_completed"], "averaged_rounds": last["averaged_rounds"],
+            "fallback_rounds": last.get("fallback_rounds", 0), "reloads": sum(s.get("reloads", 0) for s in stages),
+            "resyncs": sum(s.get("resyncs", 0) for s in stages), "joins": last.get("joins", 0),
+            "leaves": last.get("leaves", 0),
             "loss_start": last["first_loss"], "loss_end": last["last_loss"],
             "eval_loss_start": last["eval_loss_start"], "eval_loss_final": last["eval_loss_final"],
             "bytes_sent": sum(s["bytes_sent"] for s in stages),
@@ -133,16 +136,18 @@ def summarize_swarm(root: Path, num_peers: int, cfg, exit_codes: dict[str, int])
 
 
 def format_summary(summary: dict) -> str:
-    lines = ["", "peer     rounds  averaged  loss start -> end   eval loss (final anchor)  "
-             "sent        per-step AllReduce   less"]
+    lines = ["", "peer     rounds  averaged  fallback  joins/leaves  reloads/resyncs  loss start -> end   "
+             "eval loss (final anchor)  sent        per-step AllReduce   less"]
     for r in summary["peers"]:
         if not r["finished"]:
             lines.append(f"{r['peer']:<8} did not finish (exit code {r['exit_code']})")
             continue
         ratio = f"{r['allreduce_bytes'] / r['bytes_sent']:,.0f}x" if r["bytes_sent"] else "-"
         eval_text = f"{r['eval_loss_start']:.3f} -> {r['eval_loss_final']:.3f}" if r["eval_loss_final"] else "-"
-        lines.append(f"{r['peer']:<8} {r['rounds']:>6}  {r['averaged_rounds']:>8}  "
-                     f"{r['loss_start']:>6.3f} -> {r['loss_end']:<6.3f}   {eval_text:<24}  "
+        churn = f"{r.get('joins', 0)}/{r.get('leaves', 0)}"
+        syncs = f"{r.get('reloads', 0)}/{r.get('resyncs', 0)}"
+        lines.append(f"{r['peer']:<8} {r['rounds']:>6}  {r['averaged_rounds']:>8}  {r.get('fallback_rounds', 0):>8}  "
+                     f"{churn:>12}  {syncs:>15}  {r['loss_start']:>6.3f} -> {r['loss_end']:<6.3f}   {eval_text:<24}  "
                      f"{format_bytes(r['bytes_sent']):>10}  {format_bytes(r['allreduce_bytes']):>18}   {ratio}")
     lines.append(f"anchors identical across peers: {'yes' if summary['anchors_identical'] else 'NO'}")
     if summary.get("plot"):

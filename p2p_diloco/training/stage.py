@@ -49,6 +49,8 @@ class RoundReport:
     fallback_reason: str = ""
     compression: dict = field(default_factory=dict)
     """Of the applied round: rank, codecs, payload bytes, relative compression error, measured bandwidth."""
+    group_peers: list[str] = field(default_factory=list)
+    """DHT peer ids of the applied round's group (empty when it fell back)."""
 
 
 @dataclass
@@ -65,6 +67,7 @@ class PendingRound:
     averaged: list[torch.Tensor] | None = None
     group_size: int = 1
     group_tokens: float = 0.0
+    group_peers: list[str] = field(default_factory=list)
     reason: str = ""
     stats: dict = field(default_factory=dict)
     """bytes_sent, bytes_received, averaging_s of its averaging."""
@@ -254,6 +257,7 @@ class Stage:
         pending.stats = dict(bytes_sent=result.bytes_sent, bytes_received=result.bytes_received,
                              averaging_s=result.duration_s)
         pending.group_size, pending.group_tokens = result.group_size, result.group_tokens
+        pending.group_peers = list(result.peer_ids or [])
         pending.residual, pending.compression = result.residual, dict(result.stats)
         if result.averaged is None:
             pending.reason = result.error or "averaging failed"
@@ -281,7 +285,7 @@ class Stage:
             if self.feedback is not None:
                 self.feedback = [torch.zeros_like(e) for e in self.feedback]
             return pending.contribution
-        report.averaged = True
+        report.averaged, report.group_peers = True, pending.group_peers
         if self.feedback is not None and pending.residual is not None:
             self.feedback = pending.residual
         return pending.averaged

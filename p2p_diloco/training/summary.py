@@ -53,6 +53,12 @@ class TrainSummary:
     """Times this stage took a peer's state over to catch up (joining late, or behind the swarm)."""
     resyncs: int = 0
     """Times this stage replaced a diverged anchor with the swarm's."""
+    joins: int = 0
+    """Groupmates that appeared in an averaged round since the previous averaged round."""
+    leaves: int = 0
+    """Groupmates of the previous averaged round missing from the next one."""
+    last_group: Optional[list[str]] = None
+    """Peer ids of the last averaged round's group."""
     first_loss: Optional[float] = None
     last_loss: Optional[float] = None
     eval_loss_start: Optional[float] = None
@@ -84,13 +90,19 @@ class TrainSummary:
         self.group_sizes.append(report.group_size)
         if report.averaged:
             self.averaged_rounds += 1
+            group = set(report.group_peers)
+            if self.last_group is not None:  # groupmates that appeared / disappeared since the last averaged round
+                self.joins += len(group - set(self.last_group))
+                self.leaves += len(set(self.last_group) - group)
+            self.last_group = sorted(group)
             g = report.group_size
             self.allreduce_bytes_equivalent += int(inner_steps_per_round * 2 * (g - 1) / g * 4 * self.num_params)
         else:
             self.fallback_rounds += 1
 
 
-RESUMED_FIELDS = ("rounds_completed", "averaged_rounds", "fallback_rounds", "reloads", "resyncs", "bytes_sent",
+RESUMED_FIELDS = ("rounds_completed", "averaged_rounds", "fallback_rounds", "reloads", "resyncs", "joins", "leaves",
+                  "last_group", "bytes_sent",
                   "bytes_received",
                   "allreduce_bytes_equivalent", "first_loss", "eval_loss_start", "group_sizes", "network_wait_s",
                   "train_s")

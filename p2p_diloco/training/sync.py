@@ -44,6 +44,7 @@ class SwarmSync:
         self.download_timeout_s = download_timeout_s
         self.fingerprints: dict[int, str] = {}  # applied round -> this stage's anchor fingerprint after it
         self.events: list[dict] = []
+        self.last_download: dict = {}  # duration and bytes of the last state download
 
     def remember(self, fingerprint: str) -> None:
         """Note this stage's anchor fingerprint after its last applied round."""
@@ -94,6 +95,8 @@ class SwarmSync:
         if downloaded is None:
             return None
         meta, tensors = downloaded
+        self.last_download = {"download_s": round(time.monotonic() - started, 3),
+                              "state_bytes": sum(t.numel() * t.element_size() for t in tensors)}
         try:
             check_state(self.stage, self.run_id, meta, tensors)
         except StateError as e:
@@ -136,4 +139,5 @@ class SwarmSync:
         logger.warning(f"Stage {self.stage.stage_index}: {kind} from a peer ({reason}); now at round "
                        f"{self.stage.round_index}, anchor after round {self.stage.applied_round}")
         self.events.append({"action": kind, "reason": reason, "round": self.stage.round_index,
-                            "applied_round": self.stage.applied_round, "donor_round": meta["round"]})
+                            "applied_round": self.stage.applied_round, "donor_round": meta["round"],
+                            **self.last_download})
