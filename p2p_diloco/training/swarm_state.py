@@ -13,7 +13,9 @@ at the end of it. Taking a state over has two strengths:
   gradient weighted by the tokens it trained, so it reaches the round's end with the others: starting at the
   round's first step instead would make it late for every matchmaking from then on;
 - ``resync``: replace the anchor and momentum, keep the local progress and the round in flight (a peer on the
-  swarm's round whose anchor diverged); the working params move by the same amount as the anchor.
+  swarm's round whose anchor diverged); the working params move by the same amount as the anchor. The donor
+  may be a little further on (its average of the round this peer still has in flight already applied): the
+  round in flight is then dropped, as its average is in the anchor taken over.
 
 Called by :class:`p2p_diloco.training.sync.SwarmSync` (taking over) and by the averager's state-sharing thread
 (serving), both through the stage's state lock.
@@ -116,6 +118,12 @@ def adopt_state(stage: Stage, meta: dict, tensors: list[torch.Tensor], how: str,
             if stage.feedback is not None:
                 stage.feedback = [torch.zeros_like(e) for e in stage.feedback]
         else:
+            pending = stage.pending
+            if pending is not None and pending.round_index <= stage.applied_round:
+                # the donor's anchor already holds that round's average: applying it again would count it twice
+                if pending.in_flight and stage.averager is not None:
+                    stage.averager.abandon_round()
+                stage.pending = None
             stage._set_params([p.detach().to("cpu", torch.float32) + d for p, d in zip(stage.params, shift)])
         if stage.mode != "none":
             stage.round_start = ([t.clone() for t in stage.anchor] if how == "reload"

@@ -127,7 +127,7 @@ class SwarmSync:
         if state is None:
             return
         meta, tensors = state
-        if (meta["round"], meta["applied_round"]) != (self.stage.round_index, self.stage.applied_round):
+        if meta["round"] != self.stage.round_index or meta["applied_round"] < self.stage.applied_round:
             logger.info(f"Stage {self.stage.stage_index}: the donor is at another point "
                         f"(round {meta['round']}, applied {meta['applied_round']}); resync later")
             return

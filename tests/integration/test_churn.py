@@ -83,7 +83,7 @@ def test_killed_peer_restarted_on_its_checkpoint_is_back_in_sync(tmp_path, proce
 def test_newcomer_downloads_the_swarms_state(tmp_path, processes, bootstrap):
     """2 peers train; a third with no checkpoint joins at round 3 or later: it downloads its stage's state and
     after its first round holds the same anchor as the others."""
-    rounds = 10
+    rounds = 14
     for name in ("p0", "p1"):
         processes.start(name, *peer_args(tmp_path, name, bootstrap, "join", rounds, 25, wait_for=2))
     wait_until(lambda: len(applied(tmp_path, "p0")) >= 3, 240, processes.procs["p0"], lambda: processes.log("p0"))

@@ -115,6 +115,9 @@ class FakeAverager:
         self.downloads += 1
         return self.state
 
+    def abandon_round(self):
+        self.abandoned = True
+
 
 class OneStage:
     def common_value(self, value):
@@ -180,3 +183,23 @@ def test_resync_only_when_the_others_agree_on_another_anchor():
     sync.remember("mine")
     sync.after_round()
     assert not sync.events
+
+
+def test_resync_from_a_donor_that_already_applied_the_round_in_flight():
+    """The donor has applied round 7 while this peer's round 7 is still averaging: the peer takes the donor's
+    anchor and drops its round in flight (applying that average again would count it twice)."""
+    donor = make_stage(seed=1)
+    donor.round_index, donor.applied_round = 8, 7
+    donor.inner_step = donor.round_index * donor.diloco_cfg.inner_steps
+    state = shareable_state(donor, "run")
+    peer = make_stage()
+    peer.round_index, peer.applied_round = 8, 6
+    peer.pending = PendingRound(7, [torch.zeros_like(t) for t in peer.anchor], 1.0)
+    peer.pending.in_flight = True
+    sync = make_sync(peer, [Record(8, 6, "theirs"), Record(8, 6, "theirs")], state)
+    sync.remember("mine")
+    sync.after_round()
+    assert [e["action"] for e in sync.events] == ["resync"]
+    assert (peer.applied_round, peer.pending, peer.averager.abandoned) == (7, None, True)
+    assert all(torch.equal(a, b) for a, b in zip(peer.anchor, donor.anchor))
+
