@@ -155,7 +155,8 @@ def test_peer_refuses_an_identity_readable_by_its_group_and_leaves_it_alone(tmp_
 
 def test_bootstrap_metrics_health_and_liveness(tmp_path, processes):
     """A bootstrap node with --metrics.port: /health is 200 with JSON, /metrics counts the DHT node that joined
-    it, the liveness line says the same; SIGTERM stops it with exit code 0 and closes the port."""
+    it, the liveness line says the same; a second node on that port is refused with a message naming the key;
+    SIGTERM stops the first with exit code 0 and closes the port."""
     import hivemind
 
     port = free_ports(1)
@@ -176,6 +177,10 @@ def test_bootstrap_metrics_health_and_liveness(tmp_path, processes):
     finally:
         other.shutdown()
     assert http_get(f"http://127.0.0.1:{port}/nothing")[0] == 404
+    result = run_cli("bootstrap", "--host-maddrs", LOOPBACK, "--identity-path", str(tmp_path / "second.id"),
+                     "--metrics.port", str(port))
+    assert result.returncode == 2
+    assert_one_line_error(result.stderr, f"metrics.port: cannot serve metrics on 127.0.0.1:{port}")
 
     proc = processes.procs["boot"]
     os.killpg(proc.pid, signal.SIGTERM)
