@@ -43,7 +43,7 @@ def run(args: argparse.Namespace, overrides: list[tuple[str, str]]) -> int:
     from p2p_diloco.config import ConfigError
     from p2p_diloco.swarm import SwarmError, fetch_progress, start_dht
 
-    cfg = _status_config(args)
+    cfg = status_config(args)
     if not cfg.dht.initial_peers:
         raise ConfigError("dht.initial_peers: status needs the multiaddr of a running bootstrap node or peer "
                           "(--initial-peers)")
@@ -66,7 +66,7 @@ def run(args: argparse.Namespace, overrides: list[tuple[str, str]]) -> int:
     return 0
 
 
-def _status_config(args: argparse.Namespace):
+def status_config(args: argparse.Namespace):
     """The [run] and [dht] settings of a client-mode node: no identity, no fixed port, no metrics server."""
     from p2p_diloco.config import load_config
 

@@ -47,14 +47,14 @@ def test_refused_before_anything_starts(argv, expected, capsys):
 
 
 def test_status_takes_run_and_peers_from_a_config_but_never_its_identity(tmp_path):
-    from p2p_diloco.cli.status import _status_config
+    from p2p_diloco.cli.status import status_config
 
     config = tmp_path / "peer.toml"
     config.write_text(f'[run]\nrun_id = "from-file"\n[dht]\ninitial_peers = ["{BOOT}"]\nidentity_path = "peer.id"\n'
                       '[metrics]\nport = 9100\n')
     args = build_parser().parse_args(["status", "--config", str(config)])
-    cfg = _status_config(args)
+    cfg = status_config(args)
     assert (cfg.run.run_id, cfg.dht.initial_peers) == ("from-file", [BOOT])
     assert cfg.dht.client_mode and cfg.dht.identity_path is None and cfg.metrics.port is None
     args = build_parser().parse_args(["status", "--config", str(config), "--run-id", "other"])
-    assert _status_config(args).run.run_id == "other"  # the option wins
+    assert status_config(args).run.run_id == "other"  # the option wins

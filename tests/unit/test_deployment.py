@@ -17,7 +17,7 @@ import yaml
 from p2p_diloco.cli.common import config_from_args
 from p2p_diloco.cli.main import build_parser
 from p2p_diloco.cli.peer import pipeline_overrides
-from p2p_diloco.cli.status import _status_config as status_config
+from p2p_diloco.cli.status import status_config
 from p2p_diloco.cli.swarm import DEMO_DEFAULTS, LOOPBACK
 from p2p_diloco.config import Config, load_config, split_overrides
 
