@@ -106,6 +106,7 @@ def run_stage(cfg: Config, *, pipeline=None, reporter: Optional[Reporter] = None
         on_trainer: called with the trainer before training starts (signal handlers hook in here).
         dht: a running DHT to use instead of starting one (it is not shut down here).
     """
+    from p2p_diloco.monitoring import serve_stage_metrics
     from p2p_diloco.swarm import PseudoGradientAverager, SwarmLink, start_dht, visible_maddrs
     from p2p_diloco.swarm.fingerprint import check_fingerprint, config_fingerprint
 
@@ -124,7 +125,7 @@ def run_stage(cfg: Config, *, pipeline=None, reporter: Optional[Reporter] = None
 
     own_dht = dht is None
     dht = start_dht(stage_dht_config(cfg.dht, stage_index, len(split))) if own_dht else dht
-    stage = None
+    stage, metrics_server = None, None
     try:
         logger.info(f"Stage {stage_index}: DHT node up; others can join through: {' '.join(visible_maddrs(dht))}")
         check_fingerprint(dht, cfg.run.run_id, fingerprint)
@@ -151,8 +152,11 @@ def run_stage(cfg: Config, *, pipeline=None, reporter: Optional[Reporter] = None
                           peer_name=peer_name, reporter=reporter, sync=sync)
         if on_trainer is not None:
             on_trainer(trainer)
+        metrics_server = serve_stage_metrics(cfg.metrics, trainer, dht, cfg.run.run_id, peer_name)
         return trainer.run()
     finally:
+        if metrics_server is not None:
+            metrics_server.close()
         if stage is not None:
             stage.shutdown()
         if own_dht:

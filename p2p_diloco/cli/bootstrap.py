@@ -22,26 +22,37 @@ def register(subparsers) -> None:
         description="Run a DHT node that trains nothing: peers pass its multiaddrs as --initial-peers to find "
         f"each other. Its identity (private key) is created on first run ({DEFAULT_IDENTITY} unless "
         "--identity-path says otherwise, permissions 0600) and reused after, so its peer id and addresses stay "
-        "the same across restarts. Runs until SIGINT or SIGTERM.",
+        "the same across restarts; a second node of this machine on the same identity is refused. Several "
+        "bootstrap nodes of one swarm know each other through --initial-peers. With --metrics.port N it serves "
+        "/health and /metrics (Prometheus) over HTTP. Runs until SIGINT or SIGTERM (exit code 0).",
         epilog=CONFIG_HELP,
     )
     add_config_arguments(parser)
     parser.add_argument("--maddrs-file", metavar="FILE",
                         help="also write the visible multiaddrs to FILE, one per line (for scripts)")
     parser.add_argument("--liveness-every", type=float, default=60.0, metavar="SECONDS",
-                        help="log a one-line liveness report this often (default 60)")
+                        help="log a one-line liveness report (peers in the routing table, connections, uptime) "
+                        "this often (default 60)")
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace, overrides: list[tuple[str, str]]) -> int:
     from p2p_diloco.cli.main import configure_logging
+    from p2p_diloco.config import ConfigError
+    from p2p_diloco.monitoring import serve_bootstrap_metrics
+    from p2p_diloco.monitoring.nodes import PeerCounts
     from p2p_diloco.swarm import start_dht, visible_maddrs
 
     extra = [] if args.identity_path or any(k == "dht.identity_path" for k, _ in overrides) \
         else [("dht.identity_path", DEFAULT_IDENTITY)]
     cfg = config_from_args(args, overrides, extra=extra)
+    if not args.liveness_every > 0:
+        raise ConfigError(f"--liveness-every: must be a positive number of seconds, got {args.liveness_every}")
+    if cfg.dht.client_mode:
+        raise ConfigError("dht.client_mode: a bootstrap node must accept incoming connections; drop --client-mode")
     configure_logging(cfg.run.log_level)
     dht = start_dht(cfg.dht)
+    server = None
     # handlers go in after the DHT process is forked: a child must keep the default (die on SIGTERM)
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -49,29 +60,22 @@ def run(args: argparse.Namespace, overrides: list[tuple[str, str]]) -> int:
         maddrs = visible_maddrs(dht)
         print(f"Bootstrap node {dht.peer_id.to_base58()} is up. Peers join with:", flush=True)
         print("  --initial-peers " + " ".join(maddrs), flush=True)
+        server = serve_bootstrap_metrics(cfg.metrics, dht)
         if args.maddrs_file:
             _write_atomically(Path(args.maddrs_file), "\n".join(maddrs) + "\n")
-        started = time.monotonic()
+        started, counts = time.monotonic(), PeerCounts(dht, max_age_s=0.0)
         while not stop.wait(timeout=args.liveness_every):
-            logger.info(f"alive: uptime {time.monotonic() - started:.0f} s, {_count_peers(dht)} peer(s) connected")
+            seen, connected = counts.get() or ("?", "?")
+            logger.info(f"alive: {seen} peer(s) in the routing table, {connected} connected, "
+                        f"uptime {time.monotonic() - started:.0f} s")
         logger.info("Stopping the bootstrap node")
     finally:
+        if server is not None:
+            server.close()
         dht.shutdown()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return 0
-
-
-async def _list_peers(_dht, node) -> int:
-    """Runs inside the DHT process (so it must be a module-level function, to be pickled there)."""
-    return len(await node.p2p.list_peers())
-
-
-def _count_peers(dht) -> int:
-    try:
-        return dht.run_coroutine(_list_peers)
-    except Exception:  # a liveness line must never kill the node
-        return -1
 
 
 def _write_atomically(path: Path, text: str) -> None:

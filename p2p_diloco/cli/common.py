@@ -31,8 +31,18 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     dht.add_argument("--announce-maddrs", nargs="+", metavar="MADDR",
                      help="multiaddrs to announce to others (public address behind port forwarding)")
     dht.add_argument("--identity-path", metavar="FILE",
-                     help="private key file fixing this node's peer id (created 0600 if missing)")
+                     help="private key file fixing this node's peer id (created 0600 if missing; its folder "
+                     "must exist; one running node of a machine per file)")
     dht.add_argument("--run-id", metavar="NAME", help="training run to join; only peers of one run average")
+    nat = parser.add_argument_group("NAT and relays (shortcuts for [dht] keys; hivemind's libp2p options)")
+    nat.add_argument("--client-mode", dest="client_mode", action="store_const", const="true",
+                     help="only make outgoing connections: for a node behind NAT or a firewall that nobody can "
+                     "dial (it still trains and averages, but serves no DHT requests; never for a bootstrap node)")
+    nat.add_argument("--no-relay", dest="use_relay", action="store_const", const="false",
+                     help="turn libp2p circuit relays off (default: on, so that peers behind NAT can be reached "
+                     "through relays)")
+    nat.add_argument("--use-auto-relay", dest="use_auto_relay", action="store_const", const="true",
+                     help="behind NAT: look for relays and become reachable through them")
     parser.set_defaults(accepts_overrides=True)
 
 
@@ -40,7 +50,8 @@ def shortcut_overrides(args: argparse.Namespace) -> list[tuple[str, str]]:
     """The ``--initial-peers``-style shortcuts as ``(key, value)`` overrides."""
     pairs = [("initial_peers", "dht.initial_peers"), ("host_maddrs", "dht.host_maddrs"),
              ("announce_maddrs", "dht.announce_maddrs"), ("identity_path", "dht.identity_path"),
-             ("run_id", "run.run_id")]
+             ("run_id", "run.run_id"), ("client_mode", "dht.client_mode"), ("use_relay", "dht.use_relay"),
+             ("use_auto_relay", "dht.use_auto_relay")]
     overrides = []
     for attr, key in pairs:
         value = getattr(args, attr, None)

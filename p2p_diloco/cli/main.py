@@ -1,6 +1,6 @@
 """``p2p-diloco``: the command line. Owns the console: argument parsing, logging set-up, one-line errors.
 
-Subcommands live in their own modules (``peer``, ``bootstrap``, ``swarm``, ``prepare-data``); each
+Subcommands live in their own modules (``peer``, ``bootstrap``, ``swarm``, ``prepare-data``, ``status``); each
 registers its arguments and a ``run(args, overrides) -> exit code`` function. Known user mistakes (bad
 config, addresses, data, checkpoints, an unreachable swarm) end with ``error: <one line>`` and exit
 code 2 (usage) or 1 (runtime), never a traceback.
@@ -18,7 +18,7 @@ EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from p2p_diloco.cli import bootstrap, peer, plan, prepare, swarm
+    from p2p_diloco.cli import bootstrap, peer, plan, prepare, status, swarm
 
     parser = argparse.ArgumentParser(
         prog="p2p-diloco",
@@ -27,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Run `p2p-diloco COMMAND --help` for the options of a command.",
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for module in (peer, bootstrap, swarm, prepare, plan):
+    for module in (peer, bootstrap, swarm, prepare, plan, status):
         module.register(subparsers)
     return parser
 

@@ -17,7 +17,8 @@ def register(subparsers) -> None:
         "peer", help="join a swarm and train", allow_abbrev=False,
         description="Join a training swarm through its initial peers (or start a new one) and train: H inner "
         "AdamW steps on local data, then average pseudo-gradients with the peers found through the DHT and "
-        "take an outer Nesterov step. Progress goes to the console and to <run.output_dir>/metrics-*.jsonl.",
+        "take an outer Nesterov step. Progress goes to the console and to <run.output_dir>/metrics-*.jsonl; with "
+        "--metrics.port N each stage process j also serves /health and /metrics (Prometheus) on port N + j.",
         epilog=CONFIG_HELP,
     )
     add_config_arguments(parser)

@@ -23,6 +23,7 @@ from p2p_diloco.config.sections import (
     DHTConfig,
     DiLoCoConfig,
     InnerConfig,
+    MetricsConfig,
     ModelConfig,
     PipelineConfig,
     RunConfig,
@@ -48,6 +49,7 @@ class Config:
     dht: DHTConfig = field(default_factory=DHTConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     def validate(self) -> None:
         for section in dataclasses.fields(self):

@@ -339,3 +339,18 @@ class PipelineConfig:
                      f"has {len(self.stage_layers)} entries but pipeline.stages is {self.stages}")
             _require(all(n >= 1 for n in self.stage_layers), "pipeline.stage_layers",
                      f"every stage needs at least one block, got {self.stage_layers}")
+
+
+@dataclass
+class MetricsConfig:
+    port: Optional[int] = None
+    """Serve GET /metrics (Prometheus text format) and GET /health (JSON) over HTTP on this port; default: off.
+    0: any free port (logged). Stage j of a pipelined peer serves on port + j; a bootstrap node on the port."""
+    host: str = "127.0.0.1"
+    """Address the metrics server listens on; '0.0.0.0' lets a Prometheus on another machine (or outside a
+    container) scrape it."""
+
+    def validate(self) -> None:
+        _require(self.port is None or 0 <= self.port <= 65535, "metrics.port",
+                 f"must be a TCP port (0-65535, 0: any free port), got {self.port!r}")
+        _require(bool(self.host.strip()), "metrics.host", "must not be empty (e.g. 127.0.0.1 or 0.0.0.0)")

@@ -15,19 +15,29 @@ import hivemind
 from p2p_diloco.config import DHTConfig
 from p2p_diloco.process import die_with_parent, lower_priority
 from p2p_diloco.swarm.errors import SwarmError
-from p2p_diloco.swarm.identity import ensure_identity
+from p2p_diloco.swarm.identity import IdentityLock, ensure_identity
 
 logger = logging.getLogger(__name__)
 
 
 class _DHT(hivemind.DHT):
     """hivemind's DHT process, which dies with the process that started it (no orphans) and runs at a lower CPU
-    priority than training, as does the p2pd daemon it starts."""
+    priority than training, as does the p2pd daemon it starts. It holds the lock on its identity (if any) until
+    it is shut down."""
+
+    identity_lock = None
 
     def run(self) -> None:
         die_with_parent(signal.SIGKILL)
         lower_priority()  # this process and its p2pd daemon yield the CPU to training
         super().run()
+
+    def shutdown(self) -> None:
+        try:
+            super().shutdown()
+        finally:
+            if self.identity_lock is not None:
+                self.identity_lock.release()
 
 
 def start_dht(cfg: DHTConfig, record_validators: Iterable = (), check_identity_free: bool = True):
@@ -42,11 +52,13 @@ def start_dht(cfg: DHTConfig, record_validators: Iterable = (), check_identity_f
         A running ``hivemind.DHT``; the caller must ``shutdown()`` it.
 
     Raises:
-        SwarmError: the daemon could not start, or no initial peer could be reached.
+        SwarmError: the daemon could not start, no initial peer could be reached, or a running node of this
+            machine holds the identity.
     """
-    identity_path = None
+    identity_path, lock = None, None
     if cfg.identity_path:
         peer_id, created = ensure_identity(cfg.identity_path)
+        lock = IdentityLock(cfg.identity_path)
         identity_path = str(cfg.identity_path)
         logger.info(f"{'Created' if created else 'Using'} identity {identity_path} (peer id {peer_id})")
     try:
@@ -65,7 +77,10 @@ def start_dht(cfg: DHTConfig, record_validators: Iterable = (), check_identity_f
             await_ready=True,
         )
     except Exception as e:
+        if lock is not None:
+            lock.release()
         raise SwarmError(_explain_start_failure(e, cfg.initial_peers)) from None
+    dht.identity_lock = lock
     return dht
 
 
@@ -78,6 +93,9 @@ def _explain_start_failure(error: Exception, initial_peers: Sequence[str]) -> st
         )
     if "already taken" in text:
         return f"{text}: another running node uses this identity; give each node its own --identity-path"
+    if "address already in use" in text:
+        return (f"the DHT node failed to start: {text}: another process listens on that port; choose another one "
+                "in --host-maddrs (/tcp/0: any free port)")
     return f"the DHT node failed to start: {text}"
 
 

@@ -2,11 +2,15 @@
 
 hivemind writes new identity files read-only (0400) and says nothing about a garbled one; we create
 them 0600 (the owner may rotate them) and check existing ones before a daemon is started, so a user
-gets a one-line error instead of a failed daemon start. Called by :mod:`p2p_diloco.swarm.dht`.
+gets a one-line error instead of a failed daemon start. A missing folder is an error, not created: a
+mistyped path would otherwise give the node a new peer id without a word. While a node runs, it holds a
+lock on its identity (:class:`IdentityLock`), so a second node of this machine cannot start on it.
+Called by :mod:`p2p_diloco.swarm.dht`.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import stat
 from pathlib import Path
@@ -45,7 +49,8 @@ def ensure_identity(path: str | Path) -> tuple[str, bool]:
     """
     path = Path(path).expanduser()
     if not path.parent.is_dir():
-        raise SwarmError(f"identity file {path}: the folder {path.parent} does not exist")
+        raise SwarmError(f"identity file {path}: the folder {path.parent} does not exist; create it "
+                         f"(mkdir -p {path.parent}) or fix the path")
     if not path.exists():
         data = _generate_key_bytes()
         try:
@@ -70,3 +75,37 @@ def ensure_identity(path: str | Path) -> tuple[str, bool]:
     except PermissionError:
         raise SwarmError(f"identity file {path} cannot be read (permission denied)") from None
     return _peer_id_of(data, path), False
+
+
+class IdentityLock:
+    """An exclusive lock on an identity, held for a node's lifetime: ``flock`` on ``<identity>.lock``.
+
+    hivemind's ``check_if_identity_free`` only asks the swarm, so it misses a second node of this machine that
+    has not met the first one (two bootstrap nodes, say). The kernel drops the lock when the process dies, so
+    a killed node leaves no stale lock behind. Processes forked while it is held share it; :meth:`release`
+    frees it for all of them.
+
+    Raises:
+        SwarmError: a running node of this machine holds the identity.
+    """
+
+    def __init__(self, identity_path: str | Path):
+        self.path = Path(f"{Path(identity_path).expanduser()}.lock")
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self._fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            os.close(self._fd)
+            raise SwarmError(
+                f"identity file {identity_path} is in use by another running node on this machine (pid {holder}, "
+                f"lock {self.path}): stop that node first, or give each node its own --identity-path"
+            ) from None
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None

@@ -54,8 +54,8 @@ class SwarmSync:
                 del self.fingerprints[old]
 
     def rank_as_donor(self) -> None:
-        """Newcomers download from the most advanced stage first."""
-        if self.stage.averager is not None:
+        """Newcomers download from the most advanced stage first (a client-mode peer serves no state)."""
+        if self.stage.averager is not None and not self.stage.averager.client_mode:
             self.stage.averager.state_sharing_priority = float(self.stage.applied_round + 1)
 
     def at_start(self, resumed: bool) -> None:

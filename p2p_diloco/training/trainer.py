@@ -52,6 +52,7 @@ class Trainer:
         self.reporter = reporter or NullReporter()
         self.tokens_per_step = cfg.data.batch_size * sampler.seq_len
         self.stop_requested = False
+        self.tokens_per_s = 0.0  # last measured: for progress records and the metrics endpoint
         self._round_compute_s = 0.0
         tag = f"stage{stage.stage_index}"
         self.metrics = MetricsWriter(self.output_dir / f"metrics-{tag}.jsonl")
@@ -134,7 +135,7 @@ class Trainer:
             self._record_loss(loss)
             step = self.stage.inner_step
             if step % self.cfg.train.log_every == 0 or step % H == 0:
-                tokens_per_s = window_tokens / max(time.monotonic() - window_start, 1e-9)
+                tokens_per_s = self.tokens_per_s = window_tokens / max(time.monotonic() - window_start, 1e-9)
                 self.metrics.write("step", inner_step=step, round=self.stage.round_index, loss=loss, lr=lr,
                                    grad_norm=float(total_norm), tokens_per_s=tokens_per_s)
                 self.reporter.on_step(step, loss, tokens_per_s)
@@ -162,12 +163,12 @@ class Trainer:
         every = self.cfg.checkpoint.every_rounds
         if every and round_index % every == 0:
             self._save_checkpoint()
-        self._publish(self.summary.last_loss or float("nan"), 0.0, force=True)
+        self._publish(self.summary.last_loss or float("nan"), self.tokens_per_s, force=True)
         if self.sync is not None:
             self.sync.after_round()
             if self._log_sync_events():
                 self._note_anchor()
-                self._publish(self.summary.last_loss or float("nan"), 0.0, force=True)
+                self._publish(self.summary.last_loss or float("nan"), self.tokens_per_s, force=True)
 
     def _flush(self) -> None:
         """Apply the round still in flight (overlap modes), then evaluate the final anchor."""

@@ -20,7 +20,7 @@ def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run(cli(*args), capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.parametrize("command", [[], ["peer"], ["bootstrap"], ["swarm"], ["prepare-data"]])
+@pytest.mark.parametrize("command", [[], ["peer"], ["bootstrap"], ["swarm"], ["prepare-data"], ["status"]])
 def test_help(command):
     result = run(*command, "--help")
     assert result.returncode == 0, result.stderr

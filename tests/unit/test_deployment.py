@@ -17,6 +17,7 @@ import yaml
 from p2p_diloco.cli.common import config_from_args
 from p2p_diloco.cli.main import build_parser
 from p2p_diloco.cli.peer import pipeline_overrides
+from p2p_diloco.cli.status import status_config
 from p2p_diloco.cli.swarm import DEMO_DEFAULTS, LOOPBACK
 from p2p_diloco.config import Config, load_config, split_overrides
 
@@ -30,7 +31,7 @@ SYSTEMD_CONFIG = {"/etc/p2p-diloco/bootstrap.toml": ROOT / "bootstrap" / "bootst
 # ---------------------------------------------------------------------------------------------- helpers
 
 def cli_config(argv: list[str], files: dict[str, Path]) -> tuple:
-    """Parse ``p2p-diloco ARGV`` as the CLI does; for peer and bootstrap also build the validated config.
+    """Parse ``p2p-diloco ARGV`` as the CLI does; for peer, bootstrap and status also build the validated config.
 
     ``files`` maps paths on the target machine (a container, /etc) to the repository files they will be.
     """
@@ -40,11 +41,13 @@ def cli_config(argv: list[str], files: dict[str, Path]) -> tuple:
         raise AssertionError(f"the CLI rejects: p2p-diloco {shlex.join(argv)}") from e
     assert getattr(args, "accepts_overrides", False) or not rest, f"unrecognized arguments {rest}"
     overrides = split_overrides(rest)
-    if args.command not in ("peer", "bootstrap"):
+    if args.command not in ("peer", "bootstrap", "status"):
         return args, None
     args.target_config = args.config
     if args.config is not None:
         args.config = str(files.get(args.config, ROOT / args.config))
+    if args.command == "status":
+        return args, status_config(args)
     extra = pipeline_overrides(args) if args.command == "peer" else []
     return args, config_from_args(args, overrides, extra=extra)
 
@@ -157,21 +160,24 @@ def as_list(value) -> list[str]:
     return shlex.split(value) if isinstance(value, str) else list(value or [])
 
 
-def final_argv(service: dict, file_contents: dict[str, str]) -> tuple[list[str], str]:
+def final_argv(service: dict, file_contents: dict[str, str], run_args: list[str] | None = None
+               ) -> tuple[list[str], str]:
     """The arguments of the ``p2p-diloco`` process a service ends up running, and its shell wrapper (if any).
 
     A ``sh -c`` wrapper must end with ``exec p2p-diloco ...`` (so that p2p-diloco gets the stop signal);
-    ``$(cat FILE)`` in it is replaced by ``file_contents[FILE]``.
+    ``$(cat FILE)`` in it is replaced by ``file_contents[FILE]``, ``"$@"`` by the wrapper's arguments after
+    ``$0``. ``run_args``: the arguments of ``docker compose run SERVICE ARGS...``, which replace the command.
     """
     entrypoint = as_list(service["entrypoint"]) if "entrypoint" in service else json.loads(
         next(rest for kind, rest in dockerfile_instructions() if kind == "ENTRYPOINT"))
-    argv = entrypoint + as_list(service.get("command"))
+    argv = entrypoint + (as_list(service.get("command")) if run_args is None else list(run_args))
     script = ""
     if argv[:2] == ["sh", "-c"]:
         script = argv[2].strip()
         match = re.search(r"(?:^|[;&|\n])\s*exec\s+(p2p-diloco\s[^\n;&|]*)$", script)
         assert match, f"the wrapper does not end with `exec p2p-diloco ...`:\n{script}"
         line = re.sub(r"\$\(cat ([^)\s]+)\)", lambda m: file_contents[m.group(1)], match.group(1))
+        line = line.replace('"$@"', shlex.join(argv[4:]))
         assert "$" not in line, f"unexpanded shell variable in {line!r}"
         argv = shlex.split(line)
     assert argv[0] == "p2p-diloco", argv
@@ -260,6 +266,48 @@ def test_compose_peers_read_the_file_the_bootstrap_writes(compose, bootstrap):
         (read,) = set(re.findall(r"\$\(cat ([^)\s]+)\)", final_argv(service, {args.maddrs_file: "x"})[1]))
         assert source_of(service, read) == written, f"{name} reads {read}, not the bootstrap node's file"
         assert service["depends_on"]["bootstrap"]["condition"] == "service_healthy"
+
+
+def published(service: dict, container_port: int) -> list[tuple[str, str]]:
+    """(host address, host port) pairs that publish a container port ("ADDR:HOST:CONTAINER" or "HOST:CONTAINER")."""
+    result = []
+    for spec in service.get("ports", []):
+        *host, port = str(spec).split(":")
+        if int(port) == container_port:
+            result.append((host[0] if len(host) == 2 else "0.0.0.0", host[-1]))
+    return result
+
+
+def test_compose_every_service_serves_metrics_on_the_hosts_loopback_only(compose, bootstrap, maddrs_file):
+    host_ports = []
+    for name in ("bootstrap", "peer1", "peer2"):
+        service = compose["services"][name]
+        args, cfg = bootstrap if name == "bootstrap" else cli_config(final_argv(service, maddrs_file)[0],
+                                                                     config_files(service))
+        assert cfg.metrics.port and cfg.metrics.host == "0.0.0.0", f"{name}: metrics off or not reachable"
+        (where,) = published(service, cfg.metrics.port)
+        assert where[0] == "127.0.0.1", f"{name} publishes its metrics beyond the host"
+        host_ports.append(where[1])
+        if name != "bootstrap":  # a peer is healthy when its /health answers
+            test = " ".join(service["healthcheck"]["test"])
+            assert f"http://127.0.0.1:{cfg.metrics.port}/health" in test and test.startswith("CMD python -c")
+    assert len(set(host_ports)) == 3, host_ports
+
+
+@pytest.mark.parametrize("run_args", [None, ["--json"]])
+def test_compose_status_service_shows_the_peers_run_through_the_bootstrap_node(compose, maddrs_file, run_args):
+    service = compose["services"]["status"]
+    assert service["profiles"] == ["tools"], "`docker compose up` must not start it"
+    argv, script = final_argv(service, maddrs_file, run_args)
+    args, cfg = cli_config(argv, config_files(service))
+    assert args.command == "status" and args.json == bool(run_args)
+    (path,) = maddrs_file
+    assert cfg.dht.initial_peers == maddrs_file[path].split() and cfg.dht.client_mode
+    peer_cfg = cli_config(final_argv(compose["services"]["peer1"], maddrs_file)[0],
+                          config_files(compose["services"]["peer1"]))[1]
+    assert cfg.run.run_id == peer_cfg.run.run_id
+    assert cfg.dht.identity_path is None, "status must not take a peer's identity"
+    assert service["depends_on"]["bootstrap"]["condition"] == "service_healthy"
 
 
 # ---------------------------------------------------------------------------------------------- systemd
@@ -365,6 +413,32 @@ def readme_commands() -> list[list[str]]:
             elif words[:2] == ["docker", "run"] and "p2p-diloco" in words:  # the image name, then its arguments
                 commands.append(words[words.index("p2p-diloco") + 1:])
     return commands
+
+
+def operating_commands() -> list[list[str]]:
+    """The p2p-diloco argument lists in the bash blocks of README.md's "Operating a swarm" section."""
+    text = (ROOT / "README.md").read_text()
+    section = text.split("\n## Operating a swarm\n", 1)[1].split("\n## ", 1)[0]
+    commands = []
+    for block in re.findall(r"^```bash\n(.*?)^```", section, re.M | re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            words = shlex.split(line, comments=True)
+            if words[:1] == ["p2p-diloco"]:
+                commands.append(words[1:])
+    return commands
+
+
+def test_readme_operating_commands_are_accepted_by_the_cli():
+    commands = operating_commands()
+    assert {argv[0] for argv in commands} == {"peer", "bootstrap", "status"}
+    for argv in commands:
+        args, cfg = cli_config(argv, {})
+        if args.command in ("peer", "status"):
+            assert cfg.dht.initial_peers, f"no initial peers in: p2p-diloco {shlex.join(argv)}"
+        if args.command == "status":
+            assert cfg.run.run_id == "my-run"
+    resumes = [cli_config(argv, {})[1].checkpoint.resume for argv in commands if argv[0] == "peer"]
+    assert True in resumes and False in resumes, "the resume section shows both resuming and starting fresh"
 
 
 def test_readme_commands_are_accepted_by_the_cli(compose):

@@ -1,0 +1,60 @@
+"""Options of the operations commands, parsed as the CLI does: NAT and relay shortcuts, metrics keys, and the
+mistakes that `bootstrap` and `status` refuse before starting anything. No network: every case here ends before
+a DHT would start."""
+
+from __future__ import annotations
+
+import pytest
+
+from p2p_diloco.cli.common import config_from_args
+from p2p_diloco.cli.main import build_parser, main
+from p2p_diloco.config import split_overrides
+
+BOOT = "/ip4/127.0.0.1/tcp/31337/p2p/QmX7HoVd7Cthwu6qmfMXPSXVcrpUP9encNo3v5SBbbpWGM"
+
+
+def config_of(argv: list[str]):
+    args, rest = build_parser().parse_known_args(argv)
+    return config_from_args(args, split_overrides(rest))
+
+
+@pytest.mark.parametrize("command", ["peer", "bootstrap"])
+def test_nat_shortcuts_set_the_dht_keys(command):
+    default = config_of([command]).dht
+    assert (default.client_mode, default.use_relay, default.use_auto_relay) == (False, True, False)
+    cfg = config_of([command, "--client-mode", "--no-relay", "--use-auto-relay"]).dht
+    assert (cfg.client_mode, cfg.use_relay, cfg.use_auto_relay) == (True, False, True)
+
+
+def test_metrics_keys_on_the_command_line():
+    cfg = config_of(["peer", "--metrics.port", "9100", "--metrics.host", "0.0.0.0"])
+    assert (cfg.metrics.port, cfg.metrics.host) == (9100, "0.0.0.0")
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["bootstrap", "--client-mode"], "dht.client_mode: a bootstrap node must accept incoming connections"),
+    (["bootstrap", "--liveness-every", "0"], "--liveness-every: must be a positive number of seconds"),
+    (["bootstrap", "--metrics.port", "65536"], "metrics.port: must be a TCP port"),
+    (["status", "--initial-peers", BOOT], "run.run_id: which run? give --run-id"),
+    (["status", "--run-id", "r1"], "dht.initial_peers: status needs the multiaddr of a running bootstrap node"),
+    (["status", "--run-id", "r1", "--initial-peers", "/ip4/127.0.0.1/tcp/31337"], "has no /p2p/<peer id> part"),
+    (["status", "--run-id", "bad id!", "--initial-peers", BOOT], "run.run_id: must be 1-64 letters"),
+])
+def test_refused_before_anything_starts(argv, expected, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: ") and expected in err[-1], err
+
+
+def test_status_takes_run_and_peers_from_a_config_but_never_its_identity(tmp_path):
+    from p2p_diloco.cli.status import status_config
+
+    config = tmp_path / "peer.toml"
+    config.write_text(f'[run]\nrun_id = "from-file"\n[dht]\ninitial_peers = ["{BOOT}"]\nidentity_path = "peer.id"\n'
+                      '[metrics]\nport = 9100\n')
+    args = build_parser().parse_args(["status", "--config", str(config)])
+    cfg = status_config(args)
+    assert (cfg.run.run_id, cfg.dht.initial_peers) == ("from-file", [BOOT])
+    assert cfg.dht.client_mode and cfg.dht.identity_path is None and cfg.metrics.port is None
+    args = build_parser().parse_args(["status", "--config", str(config), "--run-id", "other"])
+    assert status_config(args).run.run_id == "other"  # the option wins
