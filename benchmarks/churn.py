@@ -195,13 +195,18 @@ def analyse(out: Path, args, names, kills, restarts, rss, codes) -> dict:
             if reference.get(applied) == e["anchor_sha256"]:
                 found = count
                 break
-        to_sync.append(found)
+        round_ends = sum(e["kind"] == "round" for e in timeline)
+        # None: it never held the swarm's anchor before it was killed again (or the run ended)
+        to_sync.append({"peer": n, "rounds": found, "round_ends_before_next_kill": round_ends,
+                        "killed_again": bool(nxt)})
 
     growth = []
-    for key, samples in rss.items():
-        if len(samples) >= 4 and samples[-1][0] - samples[0][0] >= 3:
-            growth.append({"incarnation": key, "rounds": samples[-1][0] - samples[0][0],
-                           "first_mb": samples[1][1], "last_mb": samples[-1][1]})
+    for key, samples in rss.items():  # from two rounds after the incarnation started (start-up excluded)
+        settled = [x for x in samples if x[0] >= samples[0][0] + 2]
+        if len(settled) >= 4 and settled[-1][0] - settled[0][0] >= 3:
+            growth.append({"incarnation": key, "rounds": settled[-1][0] - settled[0][0],
+                           "first_mb": settled[0][1], "last_mb": settled[-1][1],
+                           "max_mb": max(mb for _, mb in settled)})
     longest = max(growth, key=lambda g: g["rounds"], default=None)
     s = list(summaries.values())
     return {
@@ -217,6 +222,7 @@ def analyse(out: Path, args, names, kills, restarts, rss, codes) -> dict:
         "resyncs": sum(x.get("resyncs", 0) for x in s), "joins": sum(x.get("joins", 0) for x in s),
         "leaves": sum(x.get("leaves", 0) for x in s),
         "memory": longest, "peak_rss_mb": max((mb for v in rss.values() for _, mb in v), default=None),
+        "rss_samples": dict(rss), "kill_log": kills,
     }
 
 
@@ -275,6 +281,12 @@ TINY_COMMON = ["--data.eval_batches", "2", "--train.log_every", "10", "--train.p
                "--run.num_threads", "1", "--train.eval_every_rounds", "0", "--checkpoint.every_rounds", "0"]
 
 
+def _resync_text(entry: dict) -> str:
+    if entry["rounds"] is not None:
+        return str(entry["rounds"])
+    return f"killed again after {entry['round_ends_before_next_kill']}" if entry["killed_again"] else "never"
+
+
 def report(results: dict, args) -> str:
     lines = []
     if "churn" in results:
@@ -285,7 +297,8 @@ def report(results: dict, args) -> str:
                   f"survivors' next round end after a kill: {s['completed']}/{s['attempted']} completed, "
                   f"{s['averaged']} of them averaged; median {s['median_s_after_kill']:.1f} s after the kill, "
                   f"max {s['max_s_after_kill']:.1f} s",
-                  f"round ends a restarted peer needed to hold the swarm's anchor again: {churn['rounds_to_resync']}",
+                  "round ends a restarted peer needed to hold the swarm's anchor again: "
+                  + ", ".join(_resync_text(x) for x in churn["rounds_to_resync"]),
                   "",
                   "run     eval loss  tokens     averaged  fallback  reloads  resyncs  joins  leaves",
                   ]
@@ -297,9 +310,10 @@ def report(results: dict, args) -> str:
         lines.append(f"eval loss with churn vs without: {gap:+.2%}")
         m = churn["memory"]
         if m:
-            lines.append(f"memory of the longest-lived peer ({m['incarnation']}, {m['rounds']} rounds): "
-                         f"{m['first_mb']:.0f} MB -> {m['last_mb']:.0f} MB "
-                         f"({(m['last_mb'] - m['first_mb']) / m['rounds']:+.1f} MB per round)")
+            lines.append(f"memory (RSS of all its processes) of the longest-lived peer ({m['incarnation']}, "
+                         f"{m['rounds']} rounds after start-up): {m['first_mb']:.0f} MB -> {m['last_mb']:.0f} MB "
+                         f"({(m['last_mb'] - m['first_mb']) / m['rounds']:+.1f} MB per round), "
+                         f"max {m['max_mb']:.0f} MB")
     if "download" in results:
         lines += ["", "link Mbit/s (measured)  state MB  download s  bytes/rate s  ratio"]
         for rate, r in results["download"].items():
