@@ -36,12 +36,13 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace, overrides: list[tuple[str, str]]) -> int:
     from p2p_diloco.cli.main import configure_logging
     from p2p_diloco.swarm import start_dht, visible_maddrs
+    from p2p_diloco.swarm.records import run_record_validators
 
     extra = [] if args.identity_path or any(k == "dht.identity_path" for k, _ in overrides) \
         else [("dht.identity_path", DEFAULT_IDENTITY)]
     cfg = config_from_args(args, overrides, extra=extra)
     configure_logging(cfg.run.log_level)
-    dht = start_dht(cfg.dht)
+    dht = start_dht(cfg.dht, record_validators=run_record_validators(cfg.run.run_id))  # signatures: any run
     # handlers go in after the DHT process is forked: a child must keep the default (die on SIGTERM)
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
