@@ -72,6 +72,15 @@ def load_data(cfg: Config, max_seq_len: int) -> StageData:
     return StageData(train, eval_split, seq_len)
 
 
+def check_vocab(data: StageData, vocab_size: int) -> None:
+    """Refuse, before training, data with token ids the model's embedding does not have (a model.vocab_size below
+    the data's); DataError names the file and its largest id."""
+    if vocab_size < data.train.vocab_size:
+        for split in (data.train, data.eval):
+            if split is not None:
+                split.check_token_range(vocab_size)
+
+
 def resolve_split(cfg: Config, model_args) -> list[int]:
     """Blocks per stage: the configured split, or one balanced by parameter count."""
     if cfg.pipeline.stage_layers is not None:
@@ -109,22 +118,24 @@ def run_stage(cfg: Config, *, pipeline=None, reporter: Optional[Reporter] = None
     from p2p_diloco.monitoring import serve_stage_metrics
     from p2p_diloco.swarm import PseudoGradientAverager, SwarmLink, start_dht, visible_maddrs
     from p2p_diloco.swarm.fingerprint import check_fingerprint, config_fingerprint
+    from p2p_diloco.swarm.records import run_record_validators
 
     stage_index = pipeline.stage_index if pipeline is not None else 0
     device = pipeline.device if pipeline is not None else select_device(cfg.run.device)
     output_dir = Path(cfg.run.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    if stage_index == 0:
-        (output_dir / "config.toml").write_text(dump_config(cfg))
-
     data = load_data(cfg, max_seq_len=_max_seq_len(cfg))
     model_args = model_args_from_config(cfg.model, data.train.vocab_size)
+    check_vocab(data, model_args.vocab_size)
     split = resolve_split(cfg, model_args)
     model = build_stage_model(model_args, split, stage_index).to(device)
     fingerprint = config_fingerprint(model_args, split, data.train.meta)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    if stage_index == 0:  # only once config, data and model passed their checks: a bad start leaves the old one
+        (output_dir / "config.toml").write_text(dump_config(cfg))
 
     own_dht = dht is None
-    dht = start_dht(stage_dht_config(cfg.dht, stage_index, len(split))) if own_dht else dht
+    dht = start_dht(stage_dht_config(cfg.dht, stage_index, len(split)),
+                    record_validators=run_record_validators(cfg.run.run_id)) if own_dht else dht
     stage, metrics_server = None, None
     try:
         logger.info(f"Stage {stage_index}: DHT node up; others can join through: {' '.join(visible_maddrs(dht))}")

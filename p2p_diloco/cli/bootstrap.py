@@ -42,6 +42,7 @@ def run(args: argparse.Namespace, overrides: list[tuple[str, str]]) -> int:
     from p2p_diloco.monitoring import serve_bootstrap_metrics
     from p2p_diloco.monitoring.nodes import PeerCounts
     from p2p_diloco.swarm import start_dht, visible_maddrs
+    from p2p_diloco.swarm.records import run_record_validators
 
     extra = [] if args.identity_path or any(k == "dht.identity_path" for k, _ in overrides) \
         else [("dht.identity_path", DEFAULT_IDENTITY)]
@@ -51,7 +52,7 @@ def run(args: argparse.Namespace, overrides: list[tuple[str, str]]) -> int:
     if cfg.dht.client_mode:
         raise ConfigError("dht.client_mode: a bootstrap node must accept incoming connections; drop --client-mode")
     configure_logging(cfg.run.log_level)
-    dht = start_dht(cfg.dht)
+    dht = start_dht(cfg.dht, record_validators=run_record_validators(cfg.run.run_id))  # signatures: any run
     server = None
     # handlers go in after the DHT process is forked: a child must keep the default (die on SIGTERM)
     stop = threading.Event()

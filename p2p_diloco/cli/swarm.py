@@ -67,7 +67,7 @@ def run(args: argparse.Namespace, overrides: list[tuple[str, str]]) -> int:
     print(f"Swarm folder: {root}  (bootstrap + {args.peers} peer(s) x {cfg.pipeline.stages} stage(s))", flush=True)
     processes: dict[str, subprocess.Popen] = {}
     try:
-        processes["bootstrap"] = _start_bootstrap(root)
+        processes["bootstrap"] = _start_bootstrap(root, cfg.run.run_id)
         maddrs = _wait_for_maddrs(root / "bootstrap.maddrs", processes["bootstrap"])
         print(f"Bootstrap node up at {maddrs[0]}", flush=True)
         threads = max(1, (os.cpu_count() or 1) // (args.peers * cfg.pipeline.stages))
@@ -102,11 +102,11 @@ def _command(*args: str) -> list[str]:
     return [sys.executable, "-m", "p2p_diloco", *args]
 
 
-def _start_bootstrap(root: Path) -> subprocess.Popen:
+def _start_bootstrap(root: Path, run_id: str) -> subprocess.Popen:
     log = open(root / "bootstrap.log", "w")
-    return subprocess.Popen(
+    return subprocess.Popen(  # with the run's id, the bootstrap node checks the run's record schemas too
         _command("bootstrap", "--host-maddrs", LOOPBACK, "--identity-path", str(root / "bootstrap.id"),
-                 "--maddrs-file", str(root / "bootstrap.maddrs")),
+                 "--maddrs-file", str(root / "bootstrap.maddrs"), "--run-id", run_id),
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent,
     )
 

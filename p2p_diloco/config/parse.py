@@ -33,6 +33,7 @@ from p2p_diloco.config.sections import (
 _TRUE = ("true", "yes", "1", "on")
 _FALSE = ("false", "no", "0", "off")
 _NONE = ("none", "null", "")
+_TOML_ESCAPES = {'"': '\\"', "\\": "\\\\"}
 
 
 @dataclass
@@ -71,6 +72,20 @@ class Config:
                 "model.tie_embeddings: tied embeddings need the embedding and the head on one stage; "
                 f"they cannot be used with pipeline.stages = {self.pipeline.stages}"
             )
+        self._check_split()
+
+    def _check_split(self) -> None:
+        """The model must split into the stages asked for, checked here so that no stage process is started."""
+        from p2p_diloco.model.presets import PRESETS  # local import: the model package pulls in torch
+
+        n_layers = self.model.n_layers or PRESETS[self.model.preset]["n_layers"]
+        if self.pipeline.stages > n_layers:
+            raise ConfigError(f"pipeline.stages: {self.pipeline.stages} stages need at least {self.pipeline.stages} "
+                              f"blocks, but the model has {n_layers} (model.n_layers)")
+        layers = self.pipeline.stage_layers
+        if layers is not None and sum(layers) != n_layers:
+            raise ConfigError(f"pipeline.stage_layers: {layers} adds up to {sum(layers)} blocks, but the model has "
+                              f"{n_layers} (model.n_layers); the blocks per stage must add up to it")
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
@@ -152,9 +167,13 @@ def load_config(path: str | Path | None = None, overrides: list[tuple[str, str]]
     if path is not None:
         path = Path(path)
         try:
-            data = tomllib.loads(path.read_text())
+            data = tomllib.loads(path.read_bytes().decode("utf-8"))
         except FileNotFoundError:
             raise ConfigError(f"config file {path} does not exist") from None
+        except OSError as e:
+            raise ConfigError(f"config file {path} cannot be read: {e.strerror or e}") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
         for section_name, section_values in data.items():
@@ -192,8 +211,9 @@ def _toml_value(value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, (int, float)):
         return repr(value)
-    if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, str):  # a TOML basic string: quotes, backslashes and control characters escaped
+        return '"' + "".join(_TOML_ESCAPES.get(c) or (f"\\u{ord(c):04x}" if ord(c) < 0x20 or ord(c) == 0x7F else c)
+                             for c in value) + '"'
     if isinstance(value, list):
         return "[" + ", ".join(_toml_value(item) for item in value) + "]"
     raise TypeError(f"cannot write {value!r} as TOML")

@@ -280,16 +280,23 @@ class ShardDataset:
                             f"{META_FILE} says {num_tokens}; the folder is incomplete or corrupt")
         return paths
 
-    def check_token_range(self, chunk_tokens: int = 2**24) -> None:
-        """Scan the split in chunks and raise DataError naming the file and id if any id is >= vocab_size."""
+    def check_token_range(self, vocab_size: int | None = None, chunk_tokens: int = 2**24) -> None:
+        """Scan the split in chunks; raise DataError naming the file, its largest id and the first offending
+        position if any id is >= ``vocab_size`` (default: meta.json's; the peer also checks the model's)."""
+        limit = self.vocab_size if vocab_size is None else vocab_size
+        source = f"vocab_size {limit} from {META_FILE}" if vocab_size is None else \
+            f"the model's vocabulary size {limit} (model.vocab_size)"
         for file, array in zip(self.files, self._arrays, strict=True):
+            first, max_id = None, -1
             for begin in range(0, len(array), chunk_tokens):
                 chunk = array[begin:begin + chunk_tokens]
-                if int(chunk.max()) >= self.vocab_size:
-                    position = begin + int(np.argmax(chunk >= self.vocab_size))
-                    raise DataError(f"{file}: token id {int(array[position])} at position {position} is not below "
-                                    f"vocab_size {self.vocab_size} from {META_FILE}; the data does not match "
-                                    "its tokenizer or is corrupt")
+                max_id = max(max_id, int(chunk.max()))
+                if first is None and max_id >= limit:
+                    first = begin + int(np.argmax(chunk >= limit))
+            if first is not None:
+                raise DataError(f"{file}: token id {int(array[first])} at position {first} is not below {source} "
+                                f"(the largest id in this file is {max_id}); the data does not match its tokenizer "
+                                "or this model, or is corrupt")
 
     def window(self, start: int, length: int) -> np.ndarray:
         """Return tokens ``[start, start + length)`` of the split as a new int64 array (may span several files)."""

@@ -16,6 +16,7 @@ from p2p_diloco.config import DHTConfig
 from p2p_diloco.process import die_with_parent, lower_priority
 from p2p_diloco.swarm.errors import SwarmError
 from p2p_diloco.swarm.identity import IdentityLock, ensure_identity
+from p2p_diloco.swarm.records import bind_signer, with_signer
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +31,7 @@ class _DHT(hivemind.DHT):
     def run(self) -> None:
         die_with_parent(signal.SIGKILL)
         lower_priority()  # this process and its p2pd daemon yield the CPU to training
+        logging.getLogger("hivemind.dht.dht").addFilter(_not_a_vanished_sender)
         super().run()
 
     def shutdown(self) -> None:
@@ -40,12 +42,21 @@ class _DHT(hivemind.DHT):
                 self.identity_lock.release()
 
 
+def _not_a_vanished_sender(record: logging.LogRecord) -> bool:
+    """Drops the traceback hivemind logs when a process that sent this DHT a request (an averager shutting down
+    with its periodic store in flight) is gone before the request could be read (the pipe's resources went with
+    it): harmless, the DHT carries on, but it would print a traceback above the one-line error of a peer that
+    stops early."""
+    return not (record.funcName == "_run" and record.exc_info and isinstance(record.exc_info[1], OSError))
+
+
 def start_dht(cfg: DHTConfig, record_validators: Iterable = (), check_identity_free: bool = True):
     """Start a DHT node in a background process and wait until it is ready.
 
     Args:
         cfg: the ``[dht]`` section.
-        record_validators: hivemind record validators (signatures, schemas) for this node.
+        record_validators: hivemind record validators (schemas, e.g. ``run_record_validators(run_id)``) for this
+            node; a signature validator with a key of this node's own is always added (see ``swarm.records``).
         check_identity_free: refuse an identity that a running node of the swarm already holds.
 
     Returns:
@@ -61,6 +72,7 @@ def start_dht(cfg: DHTConfig, record_validators: Iterable = (), check_identity_f
         lock = IdentityLock(cfg.identity_path)
         identity_path = str(cfg.identity_path)
         logger.info(f"{'Created' if created else 'Using'} identity {identity_path} (peer id {peer_id})")
+    record_validators = with_signer(record_validators)
     try:
         dht = _DHT(
             initial_peers=list(cfg.initial_peers) or None,
@@ -81,15 +93,18 @@ def start_dht(cfg: DHTConfig, record_validators: Iterable = (), check_identity_f
             lock.release()
         raise SwarmError(_explain_start_failure(e, cfg.initial_peers)) from None
     dht.identity_lock = lock
+    bind_signer(dht, record_validators)
     return dht
 
 
 def _explain_start_failure(error: Exception, initial_peers: Sequence[str]) -> str:
     text = str(error).strip().splitlines()[-1] if str(error).strip() else repr(error)
-    if "bootstrap peers" in text:
+    # an initial peer that accepts connections but never answers shows up as the daemon's start timing out
+    if "bootstrap peers" in text or (initial_peers and "failed to start in" in text):
         return (
             f"could not reach any initial peer ({', '.join(initial_peers)}): check the addresses, that the "
-            "nodes are running and that their ports are reachable from here"
+            "nodes are running and that their ports are reachable from here (a slow link may need a larger "
+            "dht.startup_timeout_s)"
         )
     if "already taken" in text:
         return f"{text}: another running node uses this identity; give each node its own --identity-path"

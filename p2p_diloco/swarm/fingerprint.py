@@ -1,10 +1,11 @@
 """The run's config fingerprint in the DHT: what every peer of a swarm must share to average together.
 
 Model shape, pipeline stages and split, vocabulary and data format. Each stage process publishes its
-fingerprint under ``<run_id>_config`` (subkey: its DHT peer id) and, before training, compares it with the
-live ones: a peer whose stages would not line up with the swarm's is refused with a message naming each
-key that differs. (The averager's group key and tensor schema keep mismatched peers apart anyway; this
-turns a silent "never finds a group" into a clear error.) Called by :func:`p2p_diloco.peer.run_stage`.
+fingerprint under ``<run_id>_config`` (subkey: its public key; signed and schema-checked, see
+:mod:`p2p_diloco.swarm.records`) and, before training, compares it with the live ones: a peer whose stages
+would not line up with the swarm's is refused with a message naming each key that differs. (The averager's
+group key and tensor schema keep mismatched peers apart anyway; this turns a silent "never finds a group" into
+a clear error.) Called by :func:`p2p_diloco.peer.run_stage`.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import logging
 from typing import Any
 
 from p2p_diloco.swarm.errors import SwarmError
+from p2p_diloco.swarm.records import FingerprintValue, is_owner_subkey, record_owner
 
 logger = logging.getLogger(__name__)
 FINGERPRINT_VERSION = 1
@@ -49,6 +51,7 @@ def check_fingerprint(dht, run_id: str, fingerprint: dict[str, Any], timeout_s: 
     Raises:
         SwarmError: naming every key that differs from the swarm's.
     """
+    me = record_owner(dht, run_id)  # a node that checks signatures, and now the run's schemas too
     try:
         found = dht.get(config_key(run_id), latest=True, return_future=True).result(timeout=timeout_s)
     except Exception as e:  # an unreadable DHT is not a reason to refuse; averaging keeps peers apart anyway
@@ -56,9 +59,8 @@ def check_fingerprint(dht, run_id: str, fingerprint: dict[str, Any], timeout_s: 
         return
     if found is None or not isinstance(found.value, dict):
         return
-    me = dht.peer_id.to_base58()
     for subkey, entry in found.value.items():
-        if str(subkey) == me or not isinstance(getattr(entry, "value", None), dict):
+        if subkey == me or not is_owner_subkey(subkey) or not _well_formed(entry.value):
             continue
         diff = differences(fingerprint, entry.value)
         if diff:
@@ -66,8 +68,16 @@ def check_fingerprint(dht, run_id: str, fingerprint: dict[str, Any], timeout_s: 
                              + ". Use the swarm's settings, or another --run-id")
 
 
+def _well_formed(value) -> bool:
+    try:
+        FingerprintValue.parse_obj(value)
+    except ValueError:  # pydantic's ValidationError is one
+        return False
+    return True
+
+
 def publish_fingerprint(dht, run_id: str, fingerprint: dict[str, Any], ttl_s: float) -> None:
     from hivemind.utils import get_dht_time
 
-    dht.store(config_key(run_id), subkey=dht.peer_id.to_base58(), value=fingerprint,
+    dht.store(config_key(run_id), subkey=record_owner(dht, run_id), value=fingerprint,
               expiration_time=get_dht_time() + ttl_s, return_future=True)

@@ -1,16 +1,20 @@
 """Progress records in the DHT: who is training in a run, on which stage and round, how fast.
 
-Every stage process publishes one record under ``<run_id>_progress`` (subkey: its own DHT peer id) that
-expires unless refreshed. Peers read them to know how many groupmates to expect in a round (so a group
-is assembled as soon as everyone is in, and a peer alone skips the network); ``p2p-diloco swarm`` and
-``status`` read them to show the swarm. Called by the trainer and the CLI.
+Every stage process publishes one record under ``<run_id>_progress`` that expires unless refreshed; its subkey
+is the writer's public key and the record is signed and schema-checked (:mod:`p2p_diloco.swarm.records`), so
+nobody can write or overwrite another's record, and a malformed one is never read. Peers read them to know how
+many groupmates to expect in a round (so a group is assembled as soon as everyone is in, and a peer alone skips
+the network); ``p2p-diloco swarm`` and ``status`` read them to show the swarm. Called by the trainer and the CLI.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import asdict, dataclass, fields
 from typing import Optional
+
+from p2p_diloco.swarm.records import ProgressValue, is_owner_subkey, record_owner
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +35,7 @@ class ProgressRecord:
     inner_step: int
     tokens_per_s: float
     loss: float
+    """NaN while there is none yet."""
     time: float
     """Wall-clock time (DHT time) of the record."""
     applied_round: int = -1
@@ -38,21 +43,25 @@ class ProgressRecord:
     anchor: str = ""
     """Fingerprint of the anchor after that round (see ``anchor_fingerprint``)."""
     node: str = ""
-    """DHT peer id of the stage process that wrote it (the subkey)."""
+    """DHT peer id of the stage process that wrote it (part of its signed record; one record per writer's key)."""
     expiration: float = 0.0
 
 
 def publish_progress(dht, run_id: str, record: ProgressRecord, ttl_s: float) -> None:
-    """Store (or refresh) this node's record without waiting for the DHT."""
+    """Store (or refresh) this node's record, signed, without waiting for the DHT."""
     from hivemind.utils import get_dht_time
 
-    value = {f.name: getattr(record, f.name) for f in fields(record) if f.name not in ("node", "expiration")}
-    dht.store(progress_key(run_id), subkey=dht.peer_id.to_base58(), value=value,
+    value = {f.name: getattr(record, f.name) for f in fields(record) if f.name != "expiration"}
+    value.update(node=dht.peer_id.to_base58(), loss=float(record.loss) if math.isfinite(record.loss) else None,
+                 tokens_per_s=max(0.0, float(record.tokens_per_s)) if math.isfinite(record.tokens_per_s) else 0.0)
+    dht.store(progress_key(run_id), subkey=record_owner(dht, run_id), value=value,
               expiration_time=get_dht_time() + ttl_s, return_future=True)
 
 
 def fetch_progress(dht, run_id: str, timeout_s: float = 10.0) -> list[ProgressRecord]:
-    """All unexpired records of a run; malformed ones are skipped with a debug log."""
+    """All unexpired records of a run. The DHT node's validators have dropped unsigned and malformed ones; what
+    is not a signed entry of the schema (a node without them) is skipped too, with a debug log."""
+    record_owner(dht, run_id)  # a node that checks signatures, and now the run's schemas too
     try:
         found = dht.get(progress_key(run_id), latest=True, return_future=True).result(timeout=timeout_s)
     except Exception as e:  # a slow or broken DHT must not stop training: no records means "alone"
@@ -63,10 +72,14 @@ def fetch_progress(dht, run_id: str, timeout_s: float = 10.0) -> list[ProgressRe
     records = []
     for subkey, entry in found.value.items():
         try:
-            record = ProgressRecord(**entry.value, node=str(subkey), expiration=float(entry.expiration_time))
-            records.append(record)
-        except (TypeError, AttributeError) as e:
-            logger.debug(f"Skipping a malformed progress record from {subkey!r}: {e!r}")
+            if not is_owner_subkey(subkey):
+                raise ValueError("the subkey is not a public key")
+            value = ProgressValue.parse_obj(entry.value).dict()
+        except ValueError as e:  # pydantic's ValidationError is one
+            logger.debug(f"Skipping a malformed progress record under {subkey!r}: {e!r}")
+            continue
+        loss = float("nan") if value["loss"] is None else value["loss"]
+        records.append(ProgressRecord(**dict(value, loss=loss), expiration=float(entry.expiration_time)))
     return records
 
 
@@ -104,6 +117,7 @@ class SwarmLink:
         self.joined_swarm = joined_swarm
         self.anchor_fingerprint = ""  # set by the trainer after every round end
         self.node = dht.peer_id.to_base58()
+        record_owner(dht, run_id)  # fails here, not later, on a DHT node that does not check signatures
         self.publish_every_s, self.ttl_s = publish_every_s, ttl_s
         self._last_publish = float("-inf")
 

@@ -44,6 +44,10 @@ def resume_stage(folder: Path, stage: Stage, sampler, summary: TrainSummary, run
         return None
     checkpoint = load_latest_checkpoint(folder, at_most_step=max(common))
     loaded = executor.common_value(None if checkpoint is None else checkpoint.step)
+    if checkpoint is None and set(loaded) == {None}:  # every candidate failed its checks (warnings above)
+        raise CheckpointError(f"no checkpoint in {folder} can be loaded: each is truncated, corrupt or of another "
+                              "format (see the warnings above); nothing was changed. Restore a good checkpoint, or "
+                              "start fresh with --no-resume or another checkpoint folder")
     if checkpoint is None or len(set(loaded)) != 1:
         raise CheckpointError(f"the stages of this peer could not agree on a checkpoint to resume from (they would "
                               f"load steps {loaded}); use --no-resume or remove the newer checkpoints")

@@ -1,0 +1,167 @@
+"""Signed, schema-checked DHT records of a run, with hivemind's own validators.
+
+A run keeps two kinds of records in the DHT, both a dictionary with one entry per writing stage process:
+``<run_id>_progress`` (:mod:`p2p_diloco.swarm.progress`) and ``<run_id>_config`` (the config fingerprint,
+:mod:`p2p_diloco.swarm.fingerprint`). Each entry's subkey is its writer's public key (``[owner:<RSA key>]``) and
+its value is signed with the matching private key (hivemind's ``RSASignatureValidator``), so nobody can write or
+overwrite another process's entry; ``SchemaValidator`` checks every entry against the pydantic schemas below
+(strict types, no NaN, no negative round, no missing or unknown field). Every DHT node that holds the validators
+refuses a bad record when asked to store it and when another node returns it, so a reader never sees one.
+
+Each DHT node signs with its own fresh key (:func:`with_signer`, used by :func:`p2p_diloco.swarm.dht.start_dht`,
+so that the node checks signatures from its first record on); :func:`record_owner` gives the subkey its records go
+under. Readers also parse every entry with the schemas, so a node that got its run's schemas late (``p2p-diloco
+status``) reads no malformed one either. A record's ``node`` (the writer's DHT peer id) is the writer's own signed
+claim: the key, not the claim, is what nobody else can use. Called by the DHT start, the progress and fingerprint
+records, and the commands that start DHT nodes (their run's schemas: :func:`run_record_validators`).
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Optional
+
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
+from hivemind.dht.validation import RecordValidatorBase
+from hivemind.utils.crypto import RSAPrivateKey
+from pydantic.v1 import BaseModel, Extra, Field, StrictBool, confloat, conint, conlist, constr, root_validator
+
+from p2p_diloco.swarm.errors import SwarmError
+
+# the base58 peer ids this project writes, or any other short printable name
+_NAME = constr(strict=True, min_length=1, max_length=128, regex=r"^[A-Za-z0-9._-]+$")
+_COUNT = conint(strict=True, ge=0, le=2**62)
+_FINITE = confloat(strict=True, allow_inf_nan=False)
+MAX_STAGES = 1024
+_OWNER = re.compile(RSASignatureValidator.PUBLIC_KEY_REGEX)
+
+
+class ProgressValue(BaseModel):
+    """One stage process's progress record (see :class:`p2p_diloco.swarm.progress.ProgressRecord`)."""
+
+    peer: _NAME
+    node: _NAME
+    stage: conint(strict=True, ge=0, lt=MAX_STAGES)
+    num_stages: conint(strict=True, ge=1, le=MAX_STAGES)
+    round: _COUNT
+    inner_step: _COUNT
+    tokens_per_s: confloat(strict=True, ge=0, allow_inf_nan=False)
+    loss: Optional[_FINITE] = Field(...)  # None: no loss yet
+    time: confloat(strict=True, ge=0, allow_inf_nan=False)
+    applied_round: conint(strict=True, ge=-1, le=2**62)
+    anchor: constr(strict=True, max_length=128, regex=r"^[0-9a-f]*$")
+
+    class Config:
+        extra = Extra.forbid
+
+    @root_validator(skip_on_failure=True)
+    def _stage_of_its_peer(cls, values: dict) -> dict:
+        if values["stage"] >= values["num_stages"]:
+            raise ValueError(f"stage {values['stage']} is not a stage of {values['num_stages']}")
+        return values
+
+
+class FingerprintValue(BaseModel):
+    """One stage process's config fingerprint (see :func:`p2p_diloco.swarm.fingerprint.config_fingerprint`)."""
+
+    version: conint(strict=True, ge=1)
+    model_dim: conint(strict=True, ge=1) = Field(..., alias="model.dim")
+    model_n_layers: conint(strict=True, ge=1) = Field(..., alias="model.n_layers")
+    model_n_heads: conint(strict=True, ge=1) = Field(..., alias="model.n_heads")
+    model_n_kv_heads: conint(strict=True, ge=1) = Field(..., alias="model.n_kv_heads")
+    model_ffn_dim: conint(strict=True, ge=1) = Field(..., alias="model.ffn_dim")
+    model_vocab_size: conint(strict=True, ge=1) = Field(..., alias="model.vocab_size")
+    model_max_seq_len: conint(strict=True, ge=1) = Field(..., alias="model.max_seq_len")
+    model_tie_embeddings: StrictBool = Field(..., alias="model.tie_embeddings")
+    model_init_seed: conint(strict=True) = Field(..., alias="model.init_seed")
+    pipeline_stages: conint(strict=True, ge=1, le=MAX_STAGES) = Field(..., alias="pipeline.stages")
+    pipeline_stage_layers: conlist(conint(strict=True, ge=1), min_items=1, max_items=MAX_STAGES) = \
+        Field(..., alias="pipeline.stage_layers")
+    data_vocab_size: Optional[conint(strict=True, ge=1)] = Field(..., alias="data.vocab_size")
+    data_dtype: Optional[constr(strict=True, max_length=32)] = Field(..., alias="data.dtype")
+    data_tokenizer: Optional[constr(strict=True, max_length=256)] = Field(..., alias="data.tokenizer")
+
+    class Config:
+        extra = Extra.forbid
+
+
+class ProgressSchema(BaseModel):
+    progress: dict[BytesWithPublicKey, ProgressValue]
+
+
+class FingerprintSchema(BaseModel):
+    config: dict[BytesWithPublicKey, FingerprintValue]
+
+
+class RunSchemaValidator(SchemaValidator):
+    """hivemind's SchemaValidator for the keys of one run, which remembers the run."""
+
+    def __init__(self, schema: type[BaseModel], run_id: str):
+        super().__init__(schema, allow_extra_keys=True, prefix=run_id)
+        self.run_id = run_id
+
+
+def run_record_validators(run_id: str) -> list[RecordValidatorBase]:
+    """Schemas of the records of run ``run_id`` (keys ``<run_id>_progress`` and ``<run_id>_config``); other keys
+    (the averagers' matchmaking, other runs) pass. Give them to :func:`~p2p_diloco.swarm.dht.start_dht`."""
+    return [RunSchemaValidator(ProgressSchema, run_id), RunSchemaValidator(FingerprintSchema, run_id)]
+
+
+def with_signer(validators: Iterable[RecordValidatorBase]) -> list[RecordValidatorBase]:
+    """``validators`` plus an ``RSASignatureValidator`` with a fresh key of its own, unless they hold one (hivemind
+    keeps only the first one a DHT node is given). A key per node, not hivemind's process-wide one: several nodes
+    of one process (tests, a local swarm) must not share, and overwrite, one another's entries."""
+    validators = list(validators)
+    if not any(isinstance(v, RSASignatureValidator) for v in validators):
+        validators.append(RSASignatureValidator(RSAPrivateKey()))
+    return validators
+
+
+@dataclass
+class _Signing:
+    signer: RSASignatureValidator
+    runs: set = field(default_factory=set)
+
+
+_signing: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # DHT -> its _Signing
+_lock = threading.Lock()
+
+
+def bind_signer(dht, validators: Iterable[RecordValidatorBase]) -> None:
+    """Remember that ``dht`` was started with ``validators`` (from :func:`with_signer`)."""
+    validators = list(validators)
+    signer = next(v for v in validators if isinstance(v, RSASignatureValidator))
+    runs = {v.run_id for v in validators if isinstance(v, RunSchemaValidator)}
+    with _lock:
+        _signing[dht] = _Signing(signer, runs)
+
+
+def record_owner(dht, run_id: Optional[str] = None) -> bytes:
+    """The subkey under which ``dht`` writes its entries: ``[owner:<its public key>]``.
+
+    With ``run_id``, a node started without that run's schemas (``p2p-diloco status``) gets them now (hivemind's
+    ``DHT.add_validators``); its signature checks were in from the start, and readers parse every entry anyway.
+
+    Raises:
+        SwarmError: ``dht`` was not started by :func:`~p2p_diloco.swarm.dht.start_dht`: without a signature
+            validator from its start, entries other nodes handed it could not be told from forged ones.
+    """
+    with _lock:
+        signing = _signing.get(dht)
+        if signing is None:
+            raise SwarmError("this DHT node was not started by p2p_diloco.swarm.start_dht, so it does not check "
+                             "record signatures; start it with start_dht to read or write a run's records")
+        if run_id is not None and run_id not in signing.runs:
+            dht.add_validators(run_record_validators(run_id))
+            signing.runs.add(run_id)
+        return signing.signer.local_public_key
+
+
+def is_owner_subkey(subkey) -> bool:
+    """Whether a subkey names a public key (a signed entry); readers skip any other."""
+    return isinstance(subkey, bytes) and _OWNER.search(subkey) is not None

@@ -1,0 +1,224 @@
+"""Signed, schema-checked DHT records with real hivemind DHTs on 127.0.0.1: nobody can overwrite another's
+progress record, a forged or malformed record never reaches a reader, honest records round-trip."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from functools import partial
+
+import hivemind
+import pytest
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import RecordValidatorBase
+from hivemind.utils import get_dht_time
+from hivemind.utils.crypto import RSAPrivateKey
+
+from p2p_diloco.config import DHTConfig
+from p2p_diloco.swarm import SwarmError, fetch_progress, publish_progress, start_dht, visible_maddrs
+from p2p_diloco.swarm.fingerprint import check_fingerprint, config_key, publish_fingerprint
+from p2p_diloco.swarm.progress import ProgressRecord, progress_key
+from p2p_diloco.swarm.records import record_owner, run_record_validators
+
+pytestmark = pytest.mark.timeout(120)
+RUN = "records-test"
+LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
+FINGERPRINT = {"version": 1, "model.dim": 32, "model.n_layers": 2, "model.n_heads": 4, "model.n_kv_heads": 2,
+               "model.ffn_dim": 64, "model.vocab_size": 61, "model.max_seq_len": 16, "model.tie_embeddings": False,
+               "model.init_seed": 0, "pipeline.stages": 1, "pipeline.stage_layers": [2], "data.vocab_size": 61,
+               "data.dtype": "uint16", "data.tokenizer": "byte"}
+
+
+class Forger(RecordValidatorBase):
+    """An attacker's DHT node: it stores whatever it is given, signs entries under its own two keys (``own``,
+    ``other``), and signs entries under ``victim``'s key with its own private key (a wrong signature)."""
+
+    def __init__(self, victim: bytes):
+        key = RSAPrivateKey()
+        self.own, self.other = RSASignatureValidator(key), RSASignatureValidator(RSAPrivateKey())
+        self.impostor = RSASignatureValidator(key)
+        self.impostor._local_public_key = victim  # signs as the victim, with the wrong private key
+        self.victim = victim
+
+    def validate(self, record) -> bool:
+        return True
+
+    def sign_value(self, record) -> bytes:
+        signer = self.impostor if self.victim in record.subkey else \
+            self.other if self.other.local_public_key in record.subkey else self.own
+        return signer.sign_value(record)
+
+    def strip_value(self, record) -> bytes:
+        return self.own.strip_value(record)
+
+
+def record(round_index: int = 1, **changes) -> ProgressRecord:
+    return dataclasses.replace(ProgressRecord(peer="QmPeerA", stage=0, num_stages=1, round=round_index,
+                                              inner_step=10 * round_index, tokens_per_s=100.0, loss=2.5,
+                                              time=get_dht_time()), **changes)
+
+
+def wait_for(predicate, timeout_s: float = 20.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(0.3)
+
+
+@pytest.fixture
+def swarm():
+    """Three honest nodes started as the peers start theirs (signatures and the run's schemas)."""
+    nodes = [start_dht(DHTConfig(host_maddrs=LOOPBACK), record_validators=run_record_validators(RUN))]
+    try:
+        initial = visible_maddrs(nodes[0])
+        for _ in range(2):
+            nodes.append(start_dht(DHTConfig(host_maddrs=LOOPBACK, initial_peers=initial),
+                                   record_validators=run_record_validators(RUN)))
+        yield nodes
+    finally:
+        for node in nodes:
+            node.shutdown()
+
+
+@pytest.fixture
+def attacker(swarm):
+    """A node that checks nothing and forges as it pleases: ``attacker(victim)`` starts one that signs entries under
+    ``victim``'s key with its own private key; returns the node and its :class:`Forger`."""
+    started = []
+
+    def start(victim: bytes) -> tuple[hivemind.DHT, Forger]:
+        forger = Forger(victim)
+        node = hivemind.DHT(start=True, initial_peers=visible_maddrs(swarm[0]), host_maddrs=LOOPBACK,
+                            record_validators=[forger])
+        started.append(node)
+        return node, forger
+
+    yield start
+    for node in started:
+        node.shutdown()
+
+
+def progress_value(round_index: int, node: str, **changes) -> dict:
+    """A progress record as it goes into the DHT."""
+    value = {k: v for k, v in vars(record(round_index)).items() if k != "expiration"}
+    return dict(value, node=node, **changes)
+
+
+def store(node, subkey, value, key: str = progress_key(RUN)) -> bool:
+    """Store and wait; True if the first node that answered kept it."""
+    return node.store(key, subkey=subkey, value=value, expiration_time=get_dht_time() + 120)
+
+
+def held(node, subkey, key: str = progress_key(RUN)) -> bool:
+    """Whether ``node`` keeps an entry under ``subkey`` in its own storage (it will hand it to whoever asks)."""
+    return subkey in node.run_coroutine(partial(_local_subkeys, key=key))
+
+
+async def _local_subkeys(_dht, node, key: str) -> list:
+    found = node.protocol.storage.get(DHTID.generate(source=key))
+    return [] if found is None else [subkey for subkey, _ in found.value.items()]
+
+
+def by_node(records: list[ProgressRecord]) -> dict[str, ProgressRecord]:
+    return {r.node: r for r in records}
+
+
+def test_honest_records_round_trip_and_refresh(swarm):
+    a, b, reader = swarm
+    publish_progress(a, RUN, record(1, loss=float("nan")), ttl_s=60)  # NaN: no loss yet, sent as None
+    publish_progress(b, RUN, record(1, peer="QmPeerB", stage=0, applied_round=0, anchor="00ff"), ttl_s=60)
+    seen = wait_for(lambda: len(fetch_progress(reader, RUN)) == 2 and fetch_progress(reader, RUN))
+    got = by_node(seen)
+    a_id, b_id = a.peer_id.to_base58(), b.peer_id.to_base58()
+    assert set(got) == {a_id, b_id}
+    assert got[a_id].peer == "QmPeerA" and got[a_id].round == 1 and got[a_id].loss != got[a_id].loss  # NaN
+    assert (got[b_id].peer, got[b_id].applied_round, got[b_id].anchor, got[b_id].loss) == ("QmPeerB", 0, "00ff", 2.5)
+    assert got[b_id].expiration > get_dht_time()
+    publish_progress(a, RUN, record(2), ttl_s=60)  # the owner refreshes its own record
+    assert wait_for(lambda: by_node(fetch_progress(reader, RUN)).get(a_id, record(0)).round == 2)
+    assert len(fetch_progress(reader, RUN)) == 2
+
+
+def test_nobody_overwrites_another_peers_record(swarm, attacker):
+    a, b, reader = swarm
+    publish_progress(a, RUN, record(1), ttl_s=60)
+    a_id, a_subkey = a.peer_id.to_base58(), record_owner(a, RUN)
+    assert wait_for(lambda: a_id in by_node(fetch_progress(reader, RUN)))
+    forged = progress_value(99, a_id, loss=0.1)
+    # an honest node's DHT cannot sign for A: the write goes out unsigned and every node refuses it
+    assert not store(b, a_subkey, forged)
+    # an attacker signs it with its own key, as if it were A's, and keeps it in its own storage
+    mallory, _ = attacker(a_subkey)
+    store(mallory, a_subkey, forged)
+    assert held(mallory, a_subkey)  # the attacker's node keeps it and hands it out
+    for node in (a, b, reader):
+        records = fetch_progress(node, RUN)
+        assert [(r.node, r.round, r.loss) for r in records] == [(a_id, 1, 2.5)]
+
+
+@pytest.mark.parametrize("damage", ["unsigned", "wrong signature", "missing field", "wrong type", "negative round",
+                                    "nan loss", "unknown field", "stage out of range", "plain subkey"])
+def test_forged_or_malformed_records_are_never_read(swarm, attacker, damage):
+    a, _, honest_reader = swarm
+    victim = RSASignatureValidator(RSAPrivateKey()).local_public_key
+    mallory, forger = attacker(victim)
+    mallory_id, subkey = mallory.peer_id.to_base58(), forger.own.local_public_key
+    value = progress_value(3, mallory_id)
+    if damage == "unsigned":  # names a key, carries no signature
+        subkey = RSASignatureValidator(RSAPrivateKey()).local_public_key
+    elif damage == "wrong signature":
+        subkey = victim
+    elif damage == "missing field":
+        del value["round"]
+    elif damage == "wrong type":
+        value["stage"] = "0"
+    elif damage == "negative round":
+        value["round"] = -1
+    elif damage == "nan loss":
+        value["loss"] = float("nan")
+    elif damage == "unknown field":
+        value["admin"] = True
+    elif damage == "stage out of range":
+        value["stage"] = 1
+    elif damage == "plain subkey":
+        subkey = "QmNotAKey"
+    store(mallory, subkey, value)
+    assert held(mallory, subkey)  # the attacker's node keeps it: it is in the DHT for others to find
+    assert store(mallory, forger.other.local_public_key, progress_value(4, mallory_id))  # this one is fine
+    status_reader = start_dht(DHTConfig(host_maddrs=LOOPBACK, initial_peers=visible_maddrs(a)))  # as `status` does
+    try:
+        for reader in (honest_reader, status_reader):  # status_reader gets the run's schemas on its first read
+            records = wait_for(lambda r=reader: fetch_progress(r, RUN))
+            assert [(r.node, r.round) for r in records] == [(mallory_id, 4)], damage
+        found = honest_reader.get(progress_key(RUN), latest=True)  # its validators dropped it, not only our parse
+        assert subkey not in found.value and forger.other.local_public_key in found.value
+    finally:
+        status_reader.shutdown()
+
+
+def test_a_dht_node_that_does_not_check_signatures_is_refused(swarm):
+    plain = hivemind.DHT(start=True, initial_peers=visible_maddrs(swarm[0]), host_maddrs=LOOPBACK)
+    try:
+        with pytest.raises(SwarmError, match="not started by p2p_diloco.swarm.start_dht"):
+            fetch_progress(plain, RUN)
+    finally:
+        plain.shutdown()
+
+
+def test_fingerprint_mismatch_is_refused_but_a_forged_one_is_ignored(swarm, attacker):
+    a, b, newcomer = swarm
+    mallory, forger = attacker(victim=record_owner(a, RUN))
+    other_dim = dict(FINGERPRINT, **{"model.dim": 64})
+    # forged: a wrong type under the attacker's own key, and a well-formed one under A's key, wrongly signed
+    store(mallory, forger.own.local_public_key, dict(other_dim, **{"model.dim": "64"}), key=config_key(RUN))
+    store(mallory, record_owner(a, RUN), other_dim, key=config_key(RUN))
+    assert held(mallory, record_owner(a, RUN), key=config_key(RUN))
+    publish_fingerprint(a, RUN, FINGERPRINT, ttl_s=60)
+    assert wait_for(lambda: newcomer.get(config_key(RUN), latest=True))
+    check_fingerprint(newcomer, RUN, FINGERPRINT)  # the forged ones are not read: no refusal
+    publish_fingerprint(b, RUN, other_dim, ttl_s=60)
+    with pytest.raises(SwarmError, match=r"model.dim is 32 here but 64 in the swarm"):
+        wait_for(lambda: check_fingerprint(newcomer, RUN, FINGERPRINT))
