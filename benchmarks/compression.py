@@ -127,12 +127,21 @@ def convergence_benchmark(workdir: Path, rounds: int, schemes: list[str], extra:
             tokens_per_step = 8 * 128
             curves.append([(e["inner_step"] * tokens_per_step, sent.get(e["round"], 0), float(e["eval_loss"]))
                            for e in events(f, "eval") if e["eval_loss"] is not None])
-        final = statistics.mean(json.loads((f / "summary-stage0.json").read_text())["eval_loss_final"] for f in folders)
+        summaries = [json.loads((f / "summary-stage0.json").read_text()) for f in folders]
+        final = statistics.mean(x["eval_loss_final"] for x in summaries)
+        counts = {k: sum(x.get(k, 0) for x in summaries) for k in ("averaged_rounds", "fallback_rounds", "reloads",
+                                                                   "resyncs")}
         ranks = [(e["compression"].get("rank", 0), round(e["compression"].get("compression_error", 0.0), 3))
                  for e in events(folders[0], "round") if e["averaged"]]
-        results[scheme] = {"eval_loss_final": final, "curve": curves[0], "ranks_errors": ranks}
-        print(f"convergence {scheme}: eval loss {final:.4f}, (rank, error) by round {ranks}", flush=True)
+        results[scheme] = {"eval_loss_final": final, "curve": curves[0], "ranks_errors": ranks, **counts}
+        print(f"convergence {scheme}: eval loss {final:.4f}, (rank, error) by round {ranks}; over the 4 peers: "
+              f"{counts}", flush=True)
     return results
+
+
+def _counts(r: dict) -> str:
+    return (f"(4 peers: {r.get('averaged_rounds', '?')} averaged, {r.get('fallback_rounds', '?')} fallback rounds, "
+            f"{r.get('reloads', '?')} reloads, {r.get('resyncs', '?')} resyncs)")
 
 
 def report(results: dict) -> str:
@@ -156,8 +165,9 @@ def report(results: dict) -> str:
         c = results["convergence"]
         gap = (c["adaptive"]["eval_loss_final"] - c["none"]["eval_loss_final"]) / c["none"]["eval_loss_final"]
         lines += ["", "convergence, 4 peers, H = 50, same tokens:",
-                  f"  none      eval loss {c['none']['eval_loss_final']:.4f}",
-                  f"  adaptive  eval loss {c['adaptive']['eval_loss_final']:.4f}  ({gap:+.2%}; target within 1%)"]
+                  f"  none      eval loss {c['none']['eval_loss_final']:.4f}  {_counts(c['none'])}",
+                  f"  adaptive  eval loss {c['adaptive']['eval_loss_final']:.4f}  {_counts(c['adaptive'])}  "
+                  f"({gap:+.2%}; target within 1%)"]
     return "\n".join(lines)
 
 
