@@ -1,16 +1,35 @@
-"""Fault injection for tests (torchft-style): a process dies at a named point when told to.
+"""Fault injection for tests (torchft-style): a process dies at a named point, or a peer turns hostile, when told to.
 
 ``P2P_DILOCO_FAULT=<point>:<n>`` makes the process exit at the n-th time it passes ``fault_point(<point>)``
 (``os._exit``: no cleanup, like a power cut or SIGKILL). Unset, a fault point costs a dictionary lookup.
 Points: ``checkpoint-data-written`` (a checkpoint's data file is in place, its manifest is not).
+
+``P2P_DILOCO_HOSTILE=<kind>[:<value>]`` makes this peer's averager lie to its groupmates (a test hook for the
+robust aggregation of :mod:`p2p_diloco.swarm.robust`; the peer's own training is unchanged). Kinds:
+
+- on the wire, every phase (whole tensors, low-rank P and Q), right before the all-reduce sends them:
+  ``scale:K`` (contribution times K, default 1000), ``noise:K`` (Gaussian noise of K times the contribution's norm,
+  default 100), ``nan``, ``inf``, ``shape`` (every part it sends declares one value more than it holds);
+- in the round's metadata: ``tokens:K`` (claims K times its tokens as its weight, default 1000), ``stale:K``
+  (replays its contribution of K rounds ago and claims that round, default 1), ``metadata`` (a malformed
+  compression proposal);
+- as a reducer: ``reply-nan`` and ``reply-scale:K`` (the averages it returns are NaN, or K times too large).
 """
 
 from __future__ import annotations
 
+import math
 import os
+from typing import Optional
+
+import torch
 
 ENV = "P2P_DILOCO_FAULT"
 FAULT_EXIT_CODE = 17
+HOSTILE_ENV = "P2P_DILOCO_HOSTILE"
+# kind -> default value (None: the kind takes no value)
+HOSTILE_KINDS = {"scale": 1000.0, "noise": 100.0, "nan": None, "inf": None, "shape": None, "tokens": 1000.0,
+                 "stale": 1.0, "metadata": None, "reply-nan": None, "reply-scale": 1000.0}
 _passes: dict[str, int] = {}
 
 
@@ -24,3 +43,80 @@ def fault_point(name: str) -> None:
     _passes[name] = _passes.get(name, 0) + 1
     if _passes[name] >= int(count or 1):
         os._exit(FAULT_EXIT_CODE)
+
+
+class Hostility:
+    """What a hostile peer does to what it sends (see the module docstring); built by :func:`hostility_from_env`."""
+
+    def __init__(self, kind: str, value: Optional[float]):
+        self.kind, self.value = kind, value
+        self._sent: dict[int, list[torch.Tensor]] = {}  # stale: contributions of the last rounds
+
+    def __repr__(self) -> str:
+        return f"Hostility({self.kind}{'' if self.value is None else f':{self.value:g}'})"
+
+    def claim(self, contribution: list[torch.Tensor], round_index: int,
+              weight: float) -> tuple[list[torch.Tensor], int, float]:
+        """(contribution, round, weight) this peer claims for a round (in the training process)."""
+        if self.kind == "tokens":
+            return contribution, round_index, weight * self.value
+        if self.kind != "stale":
+            return contribution, round_index, weight
+        lag = int(self.value)
+        self._sent[round_index] = [t.detach().clone() for t in contribution]
+        self._sent = {r: c for r, c in self._sent.items() if r >= round_index - lag}
+        old = round_index - lag
+        return (self._sent[old], old, weight) if old in self._sent else (contribution, round_index, weight)
+
+    def gather(self, metadata: dict) -> dict:
+        """The round's metadata as this peer sends it to its group."""
+        return dict(metadata, compression={"rank": "all of it"}) if self.kind == "metadata" else metadata
+
+    def outgoing(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The tensors of one all-reduce phase as this peer sends them (in the averager process)."""
+        if self.kind == "scale":
+            return [t * self.value for t in tensors]
+        if self.kind in ("nan", "inf"):
+            return [torch.full_like(t, math.nan if self.kind == "nan" else math.inf) for t in tensors]
+        if self.kind == "noise":
+            norm = torch.sqrt(sum(t.double().pow(2).sum() for t in tensors))
+            noise = [torch.randn_like(t) for t in tensors]
+            scale = float(self.value * norm / torch.sqrt(sum(n.double().pow(2).sum() for n in noise)))
+            return [n * scale for n in noise]
+        return tensors
+
+    def part(self, serialized_part):
+        """A part of this peer's contribution as it goes to a reducer (a hivemind ``runtime_pb2.Tensor``)."""
+        if self.kind == "shape":
+            serialized_part.size[0] += 1
+        return serialized_part
+
+    def reply(self, averaged_part: torch.Tensor) -> torch.Tensor:
+        """The average this peer returns to a sender as a reducer."""
+        if self.kind == "reply-nan":
+            return torch.full_like(averaged_part, math.nan)
+        if self.kind == "reply-scale":
+            return averaged_part * self.value
+        return averaged_part
+
+
+def hostility_from_env() -> Optional[Hostility]:
+    """The hostility ``P2P_DILOCO_HOSTILE`` asks for, or None; ValueError naming the variable if it is malformed."""
+    spec = os.environ.get(HOSTILE_ENV, "").strip()
+    if not spec:
+        return None
+    kind, _, value = spec.partition(":")
+    if kind not in HOSTILE_KINDS:
+        raise ValueError(f"{HOSTILE_ENV}: unknown kind {kind!r}; one of {', '.join(HOSTILE_KINDS)}")
+    default = HOSTILE_KINDS[kind]
+    if default is None:
+        if value:
+            raise ValueError(f"{HOSTILE_ENV}: {kind} takes no value, got {spec!r}")
+        return Hostility(kind, None)
+    try:
+        number = float(value) if value else default
+    except ValueError:
+        raise ValueError(f"{HOSTILE_ENV}: {kind} takes a number, got {value!r}") from None
+    if not math.isfinite(number) or number <= 0:
+        raise ValueError(f"{HOSTILE_ENV}: {kind} takes a positive number, got {value!r}")
+    return Hostility(kind, number)

@@ -245,6 +245,24 @@ class AveragingConfig:
     """Give up an all-reduce that has not finished after this long."""
     next_chunk_timeout_s: float = 10.0
     """A groupmate that sends nothing for this long is dropped from the all-reduce."""
+    outlier_norm_ratio: float = 10.0
+    """A groupmate's part of a pseudo-gradient whose norm is above this multiple of the median of the group's parts
+    (non-finite parts too) is left out of the average and counts as an offence; with only 2 parts there is no
+    majority, and the larger is scaled down to this multiple of the smaller. 0 disables (not recommended)."""
+    clip_ratio: float = 2.0
+    """CenteredClip radius, as a multiple of the median distance of the group's parts to their coordinate-wise
+    median: parts farther from the average are clipped to it (bounded influence, reported, no offence). Honest parts
+    rarely are, and then the average is the plain weighted mean, bit for bit. 0 disables."""
+    max_weight_ratio: float = 2.0
+    """A groupmate's claimed tokens (its weight in the average) are capped at this multiple of the group's median
+    claim. 0 disables."""
+    ban_after: int = 3
+    """Rounds with an offence (non-finite, far too large or malformed parts, a wrong round, malformed metadata, an
+    implausible average returned as a reducer) after which this peer stops grouping with that peer (until this
+    peer restarts). 0: never ban."""
+    allowlist: list[str] = field(default_factory=list)
+    """A private swarm: the peer ids (base58) of its members, one for each stage process of each peer (see
+    --identity-path). Join requests, groups, state requests and state donors outside it are refused. Empty: public."""
 
     def validate(self) -> None:
         _require(self.compression in COMPRESSIONS, "averaging.compression",
@@ -269,6 +287,25 @@ class AveragingConfig:
                  f"got {self.request_timeout_s}")
         _require(self.round_timeout_s > self.matchmaking_time_s, "averaging.round_timeout_s",
                  f"must be above averaging.matchmaking_time_s ({self.matchmaking_time_s}), got {self.round_timeout_s}")
+        for name in ("outlier_norm_ratio", "clip_ratio", "max_weight_ratio"):
+            value = getattr(self, name)
+            _require(math.isfinite(value) and (value == 0 or value >= 1), f"averaging.{name}",
+                     f"must be 0 (off) or a number >= 1, got {value!r}")
+        _require(self.ban_after >= 0, "averaging.ban_after", f"must be >= 0, got {self.ban_after!r}")
+        _check_peer_ids(self.allowlist, "averaging.allowlist")
+
+
+def _check_peer_ids(peer_ids: list[str], key: str) -> None:
+    from hivemind.p2p import PeerID  # local import: config stays free of hivemind at import
+
+    for peer_id in peer_ids:
+        try:
+            multihash = PeerID.from_base58(peer_id).to_bytes()
+        except ValueError:
+            multihash = b""
+        # a peer id is a multihash: sha2-256 (0x12) or identity (0x00), then the digest length, then the digest
+        if len(multihash) < 3 or multihash[0] not in (0x00, 0x12) or multihash[1] != len(multihash) - 2:
+            raise ConfigError(f"{key}: {peer_id!r} is not a peer id (base58, like 12D3KooW... or Qm...)")
 
 
 @dataclass

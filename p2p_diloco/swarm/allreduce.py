@@ -1,4 +1,4 @@
-"""A hivemind all-reduce whose result is bit-identical on every groupmate, with traffic counters.
+"""A hivemind all-reduce whose result is bit-identical on every groupmate and robust to hostile groupmates.
 
 hivemind's ``AllReduceRunner`` sends each sender ``average - sender's part`` and the sender adds it to
 its own part, so groupmates end up a few ulps apart. DiLoCo needs every peer that saw the same average
@@ -8,6 +8,13 @@ what its codec would have sent, as everyone else's. Decoding goes through our co
 knows hivemind's) and checks every part's shape. The byte counters (payload bytes of the
 protobuf messages, both directions) feed the per-round metrics.
 
+Against broken or hostile groupmates: the reducer keeps every sender's part and combines them with
+:func:`p2p_diloco.swarm.robust.combine` (non-finite and far too large parts left out, CenteredClip), weighting each
+sender by the group's capped record of its tokens rather than the weight written in its messages
+(:class:`RobustPartReducer`); a part that cannot be decoded or has the wrong shape is refused; an average returned
+by a reducer is refused when it is non-finite or far larger than this peer's own part. Every such finding lands
+in ``runner.flags`` as (peer id, reason).
+
 Built on hivemind 1.1.12 internals (``AllReduceRunner``, ``TensorPartContainer``); the version is pinned.
 Called only by :class:`p2p_diloco.swarm.averager.PseudoGradientAverager`.
 """
@@ -15,17 +22,21 @@ Called only by :class:`p2p_diloco.swarm.averager.PseudoGradientAverager`.
 from __future__ import annotations
 
 import asyncio
+import typing
 from collections.abc import AsyncIterator
+from typing import Optional
 
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner
-from hivemind.averaging.partition import AllreduceException, BannedException
-from hivemind.p2p import PeerID
+from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
+from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_logger
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_event_on_finished
 
 from p2p_diloco.compression.codecs import decode_tensor
+from p2p_diloco.swarm.guard import BAD_AVERAGE, MALFORMED
+from p2p_diloco.swarm.robust import RobustRule, combine
 
 logger = get_logger(__name__)
 
@@ -38,16 +49,28 @@ class ExactAllReduceRunner(AllReduceRunner):
 
     Args:
         traffic: a shared int64 tensor of two counters (bytes sent, bytes received), updated in place.
+        weights: peer id -> the weight of its parts in this peer's reductions (absent: 0).
+        rule: how this peer's reducer combines the parts.
+        average_bound: an average returned by a reducer whose norm is more than this many times this peer's own
+            part is refused (0: no bound).
+        hostility: a test hook (:mod:`p2p_diloco.faults`): corrupts the parts this peer sends and the averages it
+            returns as a reducer.
         kwargs: everything ``AllReduceRunner`` takes.
     """
 
-    def __init__(self, *, traffic: torch.Tensor, **kwargs):
+    def __init__(self, *, traffic: torch.Tensor, weights: dict, rule: RobustRule, average_bound: float = 0.0,
+                 hostility=None, **kwargs):
         super().__init__(**kwargs)
-        self._traffic = traffic
+        self._traffic, self._average_bound, self._hostility = traffic, average_bound, hostility
+        self.flags: list[tuple[PeerID, str]] = []
         container = self.tensor_part_container
         container.return_deltas = False  # a failed reducer's parts fall back to our own values, not zeros
         my_index = self.ordered_peer_ids.index(self.peer_id)
         self._my_part_infos = [info for _part, info in container._input_parts_by_peer[my_index]]
+        self.tensor_part_reducer.finished.set()  # hivemind's plain reducer is replaced before it ever ran
+        self.tensor_part_reducer = RobustPartReducer(
+            self.tensor_part_reducer.part_shapes, [weights.get(peer_id, 0.0) for peer_id in self.sender_peer_ids],
+            rule, on_flag=lambda sender, reason: self.flags.append((self.sender_peer_ids[sender], reason)))
 
     def _encode_result(self, averaged_part: torch.Tensor, part_index: int):
         """The reducer encodes each averaged part once; every groupmate decodes the same bytes."""
@@ -71,13 +94,19 @@ class ExactAllReduceRunner(AllReduceRunner):
             def decode(message):
                 if message.code != averaging_pb2.AVERAGED_PART:
                     raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(message.code)}")
-                return decode_tensor(message.tensor_part)
+                return _decode_part(message)
 
             part_index = 0
             async for averaged_part in amap_in_executor(decode, aiter_with_timeout(stream, self.reducer_timeout),
                                                         max_prefetch=self.tensor_part_container.prefetch):
-                if part_index >= len(expected_shapes) or averaged_part.shape != expected_shapes[part_index]:
-                    raise AllreduceException(f"{peer_id} sent an averaged part of the wrong shape")
+                if isinstance(averaged_part, Exception) or part_index >= len(expected_shapes) or \
+                        averaged_part.shape != expected_shapes[part_index]:
+                    self.flags.append((peer_id, MALFORMED))
+                    raise AllreduceException(f"{peer_id} sent a malformed average: {averaged_part!r:.200}")
+                problem = self._implausible(averaged_part, parts[part_index][0])
+                if problem:
+                    self.flags.append((peer_id, BAD_AVERAGE))
+                    raise AllreduceException(f"{peer_id} returned {problem}")
                 self.tensor_part_container.register_processed_part(peer_index, part_index, averaged_part)
                 part_index += 1
             if part_index != len(expected_shapes):
@@ -101,36 +130,67 @@ class ExactAllReduceRunner(AllReduceRunner):
             )
             self.tensor_part_container.register_processed_part(peer_index, part_index, local_copy)
 
+    def _implausible(self, average: torch.Tensor, own_part: torch.Tensor) -> str:
+        """Why an average returned by a reducer cannot be the robust combination of the group's parts, or ""."""
+        if not torch.isfinite(average).all():
+            return "a non-finite average"
+        own_norm = float(torch.linalg.vector_norm(own_part.float()))
+        if self._average_bound > 0 and own_norm > 0 and \
+                float(torch.linalg.vector_norm(average)) > self._average_bound * own_norm:
+            return f"an average more than {self._average_bound:g} times the norm of this peer's part"
+        return ""
+
     def _roundtrip(self, part: torch.Tensor, part_index: int) -> torch.Tensor:
-        return decode_tensor(self.tensor_part_container.compression.compress(part, self._my_part_infos[part_index]))
+        try:
+            return decode_tensor(self.tensor_part_container.compression.compress(part, self._my_part_infos[part_index]))
+        except ValueError:  # a non-finite part that the codec cannot carry: the reducer leaves it out
+            return part
 
     async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
         async for message in super()._generate_input_for_peer(peer_index):
+            if self._hostility is not None:
+                self._hostility.part(message.tensor_part)
             self._traffic[BYTES_SENT] += message.ByteSize()
             yield message
 
     def _get_peer_stub(self, peer: PeerID):
         return _CountingStub(super()._get_peer_stub(peer), self._traffic)
 
+    async def rpc_aggregate_part(  # typing's AsyncIterator: hivemind registers handlers from these annotations
+        self, stream: typing.AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> typing.AsyncIterator[averaging_pb2.AveragingData]:
+        """Refuse peers that are not senders of this all-reduce (excluded groupmates, strangers) up front."""
+        if context.remote_id not in self.sender_peer_ids:
+            yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        async for message in super().rpc_aggregate_part(stream, context):
+            yield message
+
     async def _accumulate_parts_streaming(self, stream: AsyncIterator[averaging_pb2.AveragingData], sender_index: int):
-        """As in hivemind, but the reply is the encoded average rather than ``average - sender's part``."""
+        """As in hivemind, but the reply is the encoded average rather than ``average - sender's part``, and a part
+        that cannot be decoded or has the wrong shape flags its sender and is left out of the average."""
         part_index = 0
         try:
             loop = asyncio.get_event_loop()
-            async for tensor_part, weight in amap_in_executor(
-                lambda msg: (decode_tensor(msg.tensor_part), msg.weight),
-                _count_received(stream, self._traffic),
-                max_prefetch=self.tensor_part_container.prefetch,
+            async for tensor_part in amap_in_executor(
+                _decode_part, _count_received(stream, self._traffic), max_prefetch=self.tensor_part_container.prefetch,
             ):
-                if part_index >= self.tensor_part_reducer.num_parts or \
+                if part_index >= self.tensor_part_reducer.num_parts:
+                    self.flags.append((self.sender_peer_ids[sender_index], MALFORMED))
+                    raise AllreduceException(f"sender {sender_index} sent more parts than this peer reduces")
+                if isinstance(tensor_part, Exception) or \
                         tensor_part.shape != self.tensor_part_reducer.part_shapes[part_index]:
-                    raise AllreduceException(f"sender {sender_index} sent a part of the wrong shape")
+                    logger.debug(f"Sender {sender_index} sent a malformed part: {tensor_part!r:.200}")
+                    self.flags.append((self.sender_peer_ids[sender_index], MALFORMED))
+                    tensor_part = None  # left out of this part; the exchange goes on, so a peer that sent an
+                    # undecodable part (e.g. NaN scales) still serves its own slice to the group
                 try:
-                    averaged_part = await self.tensor_part_reducer.accumulate_part(
-                        sender_index, part_index, tensor_part, weight=weight
-                    )
+                    averaged_part = await self.tensor_part_reducer.accumulate_part(sender_index, part_index,
+                                                                                   tensor_part)
                 except BannedException:
                     break  # the sender was banned in the meantime: it gets nothing more
+                if self._hostility is not None:
+                    averaged_part = self._hostility.reply(averaged_part)
                 serialized = await loop.run_in_executor(
                     None, lambda i=part_index, avg=averaged_part: self._encode_result(avg, i)
                 )
@@ -141,6 +201,80 @@ class ExactAllReduceRunner(AllReduceRunner):
         finally:
             if part_index != self.tensor_part_reducer.num_parts:
                 await self._ban_sender(self.sender_peer_ids[sender_index])
+
+
+class RobustPartReducer(TensorPartReducer):
+    """hivemind's reducer of one slice, but every sender's part is kept until all are in and then combined with
+    :func:`p2p_diloco.swarm.robust.combine` in sender order (so the result does not depend on arrival order).
+
+    Args:
+        part_shapes: shapes of the parts of this peer's slice.
+        weights: each sender's weight, in sender order (the weight a sender writes in its messages is ignored).
+        rule: the combination's thresholds.
+        on_flag: called with (sender index, reason) for every part left out or clipped.
+    """
+
+    def __init__(self, part_shapes, weights: list[float], rule: RobustRule, on_flag):
+        self.weights, self.rule, self.on_flag = weights, rule, on_flag
+        self.received: list = []
+        self._combining = None  # the task combining the current part, while it runs
+        super().__init__(part_shapes, len(weights))
+
+    def reset_accumulators(self):
+        self.received = [None] * self.num_senders
+        super().reset_accumulators()
+
+    async def accumulate_part(self, sender_index: int, part_index: int, tensor_part: Optional[torch.Tensor],
+                              weight: float = 1.0) -> torch.Tensor:
+        """Keep a sender's part (None: a malformed one, left out), wait until every sender's part is in, then return
+        the combined part."""
+        assert 0 <= sender_index < self.num_senders and 0 <= part_index < self.num_parts
+        self.num_parts_received[sender_index] += 1
+        while part_index > self.current_part_index:  # wait for the previous parts to be combined
+            finished = asyncio.create_task(self.finished.wait())
+            await asyncio.wait({self.current_part_future, finished}, return_when=asyncio.FIRST_COMPLETED)
+            finished.cancel()
+            if self.finished.is_set():
+                raise AllreduceException(f"part {part_index} arrived after the reducer finished")
+        if self.sender_failed_after[sender_index] != float("inf"):
+            raise BannedException(f"sender {sender_index} was banned in background")
+        assert part_index == self.current_part_index
+        current_part_future = self.current_part_future
+        self.received[sender_index] = tensor_part
+        self.current_part_accumulated_from += 1
+        self.check_current_part_finished()
+        return await current_part_future
+
+    def check_current_part_finished(self):
+        assert self.current_part_accumulated_from <= self.num_current_senders
+        if self.current_part_accumulated_from == self.num_current_senders and self._combining is None:
+            self._combining = asyncio.create_task(self._combine_current_part())
+
+    async def _combine_current_part(self) -> None:
+        """Combine the current part in a thread (it takes a while on large parts; the event loop keeps serving the
+        other streams meanwhile), then release the senders waiting for it and move on to the next part."""
+        combined = await asyncio.get_event_loop().run_in_executor(
+            None, combine, list(self.received), self.weights, self.rule, self.part_shapes[self.current_part_index])
+        self._combining = None
+        if self.finished.is_set():
+            return
+        for sender, reason in combined.flags.items():
+            self.on_flag(sender, reason)
+        if combined.average is None:  # every part was left out: this slice has no average to return
+            self.current_part_future.set_exception(
+                AllreduceException(f"no usable contribution to part {self.current_part_index}"))
+            self.finalize()
+            return
+        self.current_part_future.set_result(combined.average)
+        self.reset_accumulators()
+
+
+def _decode_part(message: averaging_pb2.AveragingData):
+    """The tensor of a message, or the exception that decoding it raised (a malformed part flags its sender)."""
+    try:
+        return decode_tensor(message.tensor_part)
+    except Exception as e:
+        return e
 
 
 class _CountingStub:

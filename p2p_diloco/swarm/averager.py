@@ -1,11 +1,15 @@
 """Averaging one stage's pseudo-gradients with the same stage of other peers, one round at a time.
 
 :class:`PseudoGradientAverager` is a hivemind ``DecentralizedAverager`` (its own background process,
-matchmaking through the DHT, butterfly all-reduce over libp2p) with four additions:
+matchmaking through the DHT, butterfly all-reduce over libp2p) with these additions:
 
 - the group key is ``<run_id>_s<stage>of<P>.0b<round bits>``: peers of another run, stage split or round
   never land in the same group, and the round carried in the gathered metadata is checked again;
 - contributions are weighted by the tokens each peer trained on in the round;
+- a broken or hostile groupmate cannot poison the average: its metadata is checked and its claims capped
+  (:mod:`p2p_diloco.swarm.guard`), reducers combine parts robustly (:mod:`p2p_diloco.swarm.robust`), averages
+  returned by reducers are checked; offenders are reported with each round, and banned after repeat offences;
+  with ``averaging.allowlist``, only members of a private swarm are grouped with and exchange state;
 - the result is bit-identical on every groupmate (:mod:`p2p_diloco.swarm.allreduce`);
 - pseudo-gradients are compressed under a plan the group agrees on from its gathered metadata
   (:mod:`p2p_diloco.compression.policy`), low-rank ones in two phases (:mod:`p2p_diloco.swarm.reduce`), all in
@@ -31,7 +35,7 @@ from typing import Optional
 
 import torch
 from hivemind.averaging import DecentralizedAverager
-from hivemind.averaging.allreduce import AllreduceException, AveragingMode
+from hivemind.averaging.allreduce import AllreduceException
 from hivemind.averaging.control import AveragingStage
 from hivemind.averaging.load_balancing import load_balance_peers
 from hivemind.averaging.matchmaking import MatchmakingException
@@ -41,9 +45,12 @@ from hivemind.utils.asyncio import enter_asynchronously
 from p2p_diloco.compression.codecs import CODECS
 from p2p_diloco.compression.policy import CompressionPolicy
 from p2p_diloco.config import AveragingConfig
+from p2p_diloco.faults import hostility_from_env
 from p2p_diloco.process import die_with_parent, lower_priority
 from p2p_diloco.swarm.allreduce import BYTES_RECEIVED, BYTES_SENT, ExactAllReduceRunner
+from p2p_diloco.swarm.guard import GroupView, GuardedAverager, PeerGuard, read_group
 from p2p_diloco.swarm.reduce import RoundReducer
+from p2p_diloco.swarm.robust import RobustRule
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +84,10 @@ class RoundResult:
     """This peer's error feedback: its contribution minus what the wire carried of it."""
     stats: dict = field(default_factory=dict)
     """Compression of the round: rank, codecs, payload bytes, relative compression error, measured bandwidth."""
+    suspects: dict = field(default_factory=dict)
+    """Groupmates flagged in the round (peer id -> reasons: see :mod:`p2p_diloco.swarm.guard`)."""
+    banned: list = field(default_factory=list)
+    """Peers this peer no longer groups with."""
 
 
 @dataclass
@@ -87,7 +98,7 @@ class _PendingRound:
     traffic_at_start: tuple[int, int]
 
 
-class PseudoGradientAverager(DecentralizedAverager):
+class PseudoGradientAverager(GuardedAverager, DecentralizedAverager):
     """Averages pseudo-gradients of one pipeline stage across peers.
 
     Args:
@@ -115,6 +126,11 @@ class PseudoGradientAverager(DecentralizedAverager):
         self.bandwidth_mbit = cfg.assumed_bandwidth_mbit
         self.last_error: Optional[float] = None
         self.state_provider = None  # () -> (metadata, tensors): what this stage serves to newcomers
+        self.guard = PeerGuard(cfg.ban_after, cfg.allowlist)  # its state lives in the background process
+        self.rule = RobustRule(outlier_ratio=cfg.outlier_norm_ratio, clip_ratio=cfg.clip_ratio)
+        self.hostility = hostility_from_env()  # a test hook; None unless P2P_DILOCO_HOSTILE is set
+        if self.hostility is not None:
+            logger.warning(f"This peer is hostile to its groupmates ({self.hostility}): a test hook")
         super().__init__(
             buffers,
             dht,
@@ -153,21 +169,17 @@ class PseudoGradientAverager(DecentralizedAverager):
     async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs):
         """Agree on the round's plan, average under it, and leave the average and the residual in shared memory."""
         try:
-            bandwidths, mode_ids, user_bytes = zip(*map(self.serializer.loads, group_info.gathered))
-            gathered = dict(zip(group_info.peer_ids, map(self.serializer.loads, user_bytes)))
-            infos = list(gathered.values())
-            my_round = gathered[self.peer_id]["round"]
-            if any(info["round"] != my_round for info in infos):
-                raise AllreduceException(f"groupmates are on rounds {[i['round'] for i in infos]}, not {my_round}")
-            plan = self.policy.agree(infos)
-            modes = tuple(map(AveragingMode, mode_ids))
+            view = read_group(group_info, self.serializer, self.peer_id, self.guard, self.cfg.max_weight_ratio)
+            my_round = view.round_index
+            plan = self.policy.agree(list(view.infos.values()))
             fractions = await asyncio.get_event_loop().run_in_executor(
-                None, load_balance_peers, self.total_size,
-                [b if m != AveragingMode.CLIENT else 0.0 for b, m in zip(bandwidths, modes)], min_vector_size)
+                None, load_balance_peers, self.total_size, view.bandwidths, min_vector_size)
             kwargs.pop("compression", None), kwargs.pop("tensor_infos", None)
 
             async def allreduce(tensors, codecs, phase):
-                return await self._allreduce_phase(tensors, codecs, group_info, group_info.group_id + phase,
+                if self.hostility is not None:
+                    tensors = self.hostility.outgoing(tensors)
+                return await self._allreduce_phase(tensors, codecs, group_info, group_info.group_id + phase, view,
                                                    peer_fractions=fractions, **kwargs)
 
             received_before, started = int(self.traffic[BYTES_RECEIVED]), time.monotonic()
@@ -183,23 +195,34 @@ class PseudoGradientAverager(DecentralizedAverager):
             # a throughput sample only when the payload amortizes the latency and the waits of the group
             measured = received * 8 / 1e6 / max(time.monotonic() - started, 1e-3) if received >= 2**20 else None
             proposal = self.policy.next_proposal(plan, outcome.q_avgs, my_round)
-            return {"gathered": gathered, "stats": dict(outcome.stats, bandwidth_mbit=measured), "next": proposal}
+            stats = dict(outcome.stats, bandwidth_mbit=measured)
+            return {"gathered": view.infos, "tokens": view.tokens, "stats": stats, "next": proposal}
         except BaseException as e:
             if isinstance(e, Exception):
                 logger.debug(f"Averaging failed: {e!r}", exc_info=True)
             raise MatchmakingException(f"Unable to run All-Reduce: {e}") from e
 
-    async def _allreduce_phase(self, tensors, codecs, group_info, group_id, **kwargs) -> list[torch.Tensor]:
-        """One exact all-reduce of ``tensors`` (codec ``codecs[i]`` for tensor i) in the round's group."""
+    async def _allreduce_phase(self, tensors, codecs, group_info, group_id, view: GroupView,
+                               **kwargs) -> list[torch.Tensor]:
+        """One exact, robust all-reduce of ``tensors`` (codec ``codecs[i]`` for tensor i) in the round's group."""
+        # an honest average is no larger than outlier_ratio x the median part (larger ones are left out); this
+        # peer's part stands in for the median, scaled by how many fewer tokens it trained on, with a factor 2 to spare
+        average_bound = 2 * self.rule.outlier_ratio * view.catch_up
         runner = ExactAllReduceRunner(
-            traffic=self.traffic, p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors,
-            group_id=group_id, ordered_peer_ids=group_info.peer_ids,
+            traffic=self.traffic, weights=view.weights, rule=self.rule, average_bound=average_bound,
+            hostility=self.hostility, p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors,
+            group_id=group_id,
+            ordered_peer_ids=group_info.peer_ids, modes=view.modes,
             compression=PerTensorCompression([CODECS[c] for c in codecs]),
             tensor_infos=[CompressionInfo.from_tensor(t, key=i) for i, t in enumerate(tensors)], **kwargs,
         )
         assert group_id in self._running_groups, f"group {group_id} was not registered"
         self._running_groups[group_id].set_result(runner)
-        averaged = [average async for average in runner]
+        try:
+            averaged = [average async for average in runner]
+        finally:
+            for peer_id, reason in runner.flags:
+                self.guard.record(view.round_index, peer_id, reason)
         failed = runner.tensor_part_container.failed_size
         if failed:
             # some reducer vanished: part of the result is our own values, so the round is not an average
@@ -210,6 +233,9 @@ class PseudoGradientAverager(DecentralizedAverager):
         self._matchmaking.target_group_size = size
         self._matchmaking.potential_leaders.target_group_size = size
         future.set_result(None)
+
+    async def _report_flags(self, round_index: int, future) -> None:
+        future.set_result(self.guard.report(round_index))
 
     # ---- called from the training process -----------------------------------------------------------
     def set_expected_group_size(self, size: Optional[int]) -> None:
@@ -234,15 +260,19 @@ class PseudoGradientAverager(DecentralizedAverager):
         assert self._pending is None, "finish the previous round before starting another"
         self._collect_abandoned()
         assert weight > 0, "a contribution needs a positive weight (tokens trained on)"
+        claimed_round = round_index
+        if self.hostility is not None:
+            contribution, claimed_round, weight = self.hostility.claim(list(contribution), round_index, weight)
         with self.get_tensors() as buffers:
             for buffer, tensor in zip(buffers, contribution):
                 buffer.copy_(tensor.detach().to(dtype=torch.float32, device="cpu"))
             self._buffered_round[0] = round_index
         self.set_group_bits(round_bits(round_index))
-        control = self.step(
-            gather=dict(round=round_index, tokens=float(weight), compute_s=float(compute_s),
+        metadata = dict(round=claimed_round, tokens=float(weight), compute_s=float(compute_s),
                         bandwidth_mbit=float(self.bandwidth_mbit), compression=self.proposal,
-                        last_error=self.last_error),
+                        last_error=self.last_error)
+        control = self.step(
+            gather=metadata if self.hostility is None else self.hostility.gather(metadata),
             weight=float(weight),
             timeout=self.cfg.round_timeout_s,
             allow_retries=True,
@@ -295,15 +325,29 @@ class PseudoGradientAverager(DecentralizedAverager):
             if outcome["stats"].get("bandwidth_mbit"):  # an average of the recent samples, with little lag
                 self.bandwidth_mbit = 0.5 * self.bandwidth_mbit + 0.5 * float(outcome["stats"]["bandwidth_mbit"])
             result.group_size = len(gathered)
-            result.group_tokens = float(sum(info["tokens"] for info in gathered.values()))
+            result.group_tokens = float(outcome["tokens"])  # claims capped as in the average
             result.peer_ids = sorted(str(peer_id) for peer_id in gathered)
         except Exception as e:  # network failures of every kind end in a fallback, never in a crash
             pending.control.cancel()
             result.error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        result.suspects, result.banned = self._flags_of(pending.round_index)
         result.duration_s = time.monotonic() - pending.started_at
         result.bytes_sent = int(self.traffic[BYTES_SENT]) - pending.traffic_at_start[0]
         result.bytes_received = int(self.traffic[BYTES_RECEIVED]) - pending.traffic_at_start[1]
         return result
+
+    def _flags_of(self, round_index: int) -> tuple[dict, list]:
+        """The groupmates flagged in a round and the peers banned so far, from the background process."""
+        from hivemind.utils import MPFuture
+
+        future = MPFuture()
+        try:
+            self._outer_pipe.send(("_report_flags", [], dict(round_index=round_index, future=future)))
+            report = future.result(timeout=10)
+            return report["suspects"], report["banned"]
+        except Exception as e:  # the report is for metrics only: never fail a round over it
+            logger.warning(f"Could not read the groupmates flagged in round {round_index}: {e!r}")
+            return {}, []
 
     # ---- state sharing (hivemind's load_state_from_peers / rpc_download_state) ------------------------
     def get_current_state(self):

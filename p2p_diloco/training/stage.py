@@ -51,6 +51,10 @@ class RoundReport:
     """Of the applied round: rank, codecs, payload bytes, relative compression error, measured bandwidth."""
     group_peers: list[str] = field(default_factory=list)
     """DHT peer ids of the applied round's group (empty when it fell back)."""
+    suspects: dict = field(default_factory=dict)
+    """Of the applied round: groupmates whose contributions or metadata were flagged (peer id -> reasons)."""
+    banned: list = field(default_factory=list)
+    """Peers this stage no longer groups with (repeat offenders)."""
 
 
 @dataclass
@@ -75,6 +79,9 @@ class PendingRound:
     """Its error feedback: the contribution minus what the wire carried of it."""
     compression: dict = field(default_factory=dict)
     """Rank, codecs, payload bytes and relative error of its compression."""
+    suspects: dict = field(default_factory=dict)
+    """Groupmates flagged in its averaging (peer id -> reasons)."""
+    banned: list = field(default_factory=list)
 
 
 class Stage:
@@ -259,6 +266,10 @@ class Stage:
         pending.group_size, pending.group_tokens = result.group_size, result.group_tokens
         pending.group_peers = list(result.peer_ids or [])
         pending.residual, pending.compression = result.residual, dict(result.stats)
+        pending.suspects, pending.banned = result.suspects, result.banned
+        if result.suspects:
+            logger.warning(f"Stage {self.stage_index} round {pending.round_index}: flagged groupmates "
+                           f"{result.suspects}")
         if result.averaged is None:
             pending.reason = result.error or "averaging failed"
             logger.warning(f"Stage {self.stage_index} round {pending.round_index}: averaging failed "
@@ -280,6 +291,7 @@ class Stage:
         report.averaging_s = pending.stats.get("averaging_s", 0.0)
         report.group_size = pending.group_size
         report.compression = pending.compression
+        report.suspects, report.banned = pending.suspects, pending.banned
         if pending.averaged is None:  # the whole own contribution, feedback included, is applied: nothing is owed
             report.fallback_reason = pending.reason
             if self.feedback is not None:

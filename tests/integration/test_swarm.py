@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from p2p_diloco.swarm.guard import OFFENCES
 from p2p_diloco.training import read_metrics
 from tests.integration.conftest import FAST_AVERAGING, LOOPBACK, TINY_TRAINING, processes_mentioning
 
@@ -68,6 +69,8 @@ def test_three_peers_identical_anchors_and_runs_never_mix(tmp_path, processes, b
         for name, rounds_seen in zip(names, per_peer):
             assert [e["applied_round"] for e in rounds_seen] == list(range(rounds)), name
             assert all(e["averaged"] and e["group_size"] == len(names) for e in rounds_seen), (name, rounds_seen)
+            # the robust averaging does not take honest peers for hostile ones
+            assert not [e["suspects"] for e in rounds_seen if any(set(r) & OFFENCES for r in e["suspects"].values())]
         for r in range(rounds):  # bit-identical anchors after every round
             assert len({p[r]["anchor_sha256"] for p in per_peer}) == 1, (run, r)
         # weights are tokens; bytes were really exchanged

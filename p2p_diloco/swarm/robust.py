@@ -1,0 +1,148 @@
+"""Robust combination of the senders' parts at a reducer: one broken or hostile groupmate cannot poison the average.
+
+In the butterfly all-reduce every peer reduces a slice of the vector: it receives every groupmate's part of that
+slice and sends back the combined part. :func:`combine` is that combination, run by the reducer alone (every
+groupmate receives the reducer's bytes, so the result stays bit-identical across the group). In sender order:
+
+1. a part of the wrong shape or with a non-finite value, or from a sender whose weight is 0 (banned, excluded),
+   is left out;
+2. with 3 or more parts left, a part whose norm is more than ``outlier_ratio`` times the median norm is left out
+   (with an honest majority the median is an honest norm); with 2 there is no majority to judge by, and the larger
+   part is only scaled down to ``outlier_ratio`` times the smaller;
+3. the weighted mean of the parts left, ``sum_i w_i x_i / sum_i w_i``, computed as hivemind's reducer computes it;
+4. CenteredClip (Karimireddy, He and Jaggi, "Learning from History for Byzantine Robust Optimization", ICML 2021)
+   with 3 or more parts: ``v <- v + sum_i w_i clip(x_i - v, tau) / sum_i w_i`` from v = the mean, with
+   ``tau = clip_ratio`` times the median distance of the parts to their coordinate-wise median (the honest
+   majority's spread, which an outlier cannot inflate). When no part lies beyond tau from the mean (the usual
+   honest case) the result is the plain weighted mean, bit for bit; otherwise an outlier moves the result by at
+   most about tau times its weight share.
+
+Leaving a part out (steps 1 and 2) is an offence of its sender; clipping it (steps 2 with 2 parts, and 4) is only
+reported. Weights are the tokens each groupmate claims, capped by :func:`cap_weights`. Pure tensor logic, no
+network; called by :class:`p2p_diloco.swarm.allreduce.RobustPartReducer` and the averager.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+MALFORMED, NONFINITE, TOO_LARGE, CLIPPED = "malformed", "nonfinite", "norm", "clipped"
+CLIP_ITERATIONS = 5  # CenteredClip converges in a few steps from the mean (the paper uses 1-3 from a momentum)
+SPREAD_SAMPLE = 65536  # coordinates the clip radius is estimated on (a fixed stride: the same on every call)
+
+
+@dataclass(frozen=True)
+class RobustRule:
+    """How a reducer combines parts; 0 disables a step."""
+
+    outlier_ratio: float = 10.0
+    """Parts whose norm is above this multiple of the median norm are left out."""
+    clip_ratio: float = 2.0
+    """CenteredClip radius as a multiple of the median distance of the parts to their coordinate-wise median."""
+
+
+@dataclass
+class Combined:
+    average: Optional[torch.Tensor]
+    """The combined part; None when no part was usable."""
+    flags: dict[int, str] = field(default_factory=dict)
+    """Sender index -> why its part was left out or clipped."""
+
+
+def lower_median(values: Sequence[float]) -> float:
+    """The median, the lower of the two middle values for an even count (of two values: the smaller)."""
+    ordered = sorted(values)
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def cap_weights(claims: Sequence[float], ratio: float) -> list[float]:
+    """Claimed weights capped at ``ratio`` times their median (no cap when ``ratio`` is 0)."""
+    if ratio <= 0 or not claims:
+        return list(claims)
+    cap = ratio * lower_median(claims)
+    return [min(claim, cap) for claim in claims]
+
+
+def weighted_mean(parts: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
+    """``sum_i w_i x_i / sum_i w_i`` in the given order, with hivemind's reducer's operations (fp32 accumulator)."""
+    accumulator = torch.zeros_like(parts[0], dtype=torch.float32)
+    for part, weight in zip(parts, weights):
+        accumulator.add_(part, alpha=weight)
+    return accumulator.div_(sum(weights))
+
+
+def combine(parts: Sequence[Optional[torch.Tensor]], weights: Sequence[float], rule: RobustRule,
+            shape: Optional[torch.Size] = None) -> Combined:
+    """Combine one part of the vector from every sender (None: the sender sent nothing), in sender order.
+
+    Args:
+        parts: each sender's part, or None.
+        weights: each sender's weight.
+        rule: the thresholds.
+        shape: the part's shape; parts of another shape are left out (default: the first part's).
+    """
+    flags: dict[int, str] = {}
+    kept = []
+    shape = shape if shape is not None else next((p.shape for p in parts if p is not None), None)
+    for i, (part, weight) in enumerate(zip(parts, weights)):
+        if part is None or weight <= 0:
+            continue
+        if part.shape != shape:
+            flags[i] = MALFORMED
+        elif not torch.isfinite(part).all():
+            flags[i] = NONFINITE
+        else:
+            kept.append(i)
+    values = {i: parts[i].float() for i in kept}
+    if rule.outlier_ratio > 0 and len(kept) >= 2:
+        norms = {i: float(torch.linalg.vector_norm(values[i])) for i in kept}
+        if len(kept) >= 3:
+            bound = rule.outlier_ratio * lower_median(list(norms.values()))
+            flags.update({i: TOO_LARGE for i in kept if norms[i] > bound})
+            kept = [i for i in kept if i not in flags]
+        else:
+            bound = rule.outlier_ratio * min(norms.values())
+            for i in kept:
+                if norms[i] > bound:
+                    values[i], flags[i] = values[i] * (bound / norms[i]), CLIPPED
+    if not kept:
+        return Combined(None, flags)
+    mean = weighted_mean([values[i] for i in kept], [weights[i] for i in kept])
+    if rule.clip_ratio > 0 and len(kept) >= 3:
+        mean, clipped = centered_clip([values[i] for i in kept], [weights[i] for i in kept], mean, rule.clip_ratio)
+        flags.update({kept[j]: CLIPPED for j in clipped})
+    return Combined(mean, flags)
+
+
+def centered_clip(parts: Sequence[torch.Tensor], weights: Sequence[float], start: torch.Tensor,
+                  clip_ratio: float) -> tuple[torch.Tensor, list[int]]:
+    """CenteredClip from ``start`` (the weighted mean); returns the result and the indices of the parts still farther
+    than tau from it (clipped in the last iteration).
+
+    tau is ``clip_ratio`` times the median distance of the parts to their coordinate-wise median: the spread of
+    the honest majority, which an outlier cannot inflate (as it would the distances to the mean); on large parts it
+    is estimated on every k-th coordinate. ``start`` comes back unchanged (the same tensor) when no part is farther
+    than tau from it.
+    """
+    numel = start.numel()
+    stride = -(-numel // SPREAD_SAMPLE)
+    sample = torch.stack([part.reshape(-1)[::stride] for part in parts])  # (num_parts, <= SPREAD_SAMPLE)
+    center_of_majority = sample.median(dim=0).values
+    spread = lower_median([float(torch.linalg.vector_norm(row - center_of_majority)) for row in sample])
+    tau = clip_ratio * spread * math.sqrt(numel / sample.shape[1])
+    distances = [float(torch.linalg.vector_norm(part - start)) for part in parts]
+    center, total = start, sum(weights)
+    for _ in range(CLIP_ITERATIONS):
+        if not any(d > tau for d in distances):
+            break
+        step = torch.zeros_like(center)
+        for part, weight, distance in zip(parts, weights, distances):
+            step.add_(part - center, alpha=weight * (tau / distance if distance > tau else 1.0) / total)
+        center = center + step
+        distances = [float(torch.linalg.vector_norm(part - center)) for part in parts]
+    return center, [j for j, d in enumerate(distances) if d > tau]

@@ -1,0 +1,219 @@
+"""Hostile groupmates against real hivemind DHTs and averager processes on 127.0.0.1, and in a swarm of real peer
+processes: what they send is left out, clipped or refused, honest peers still agree bit for bit, the hostile peers
+are named, and a repeat offender is banned. A private swarm (averaging.allowlist) refuses outsiders at matchmaking
+and at state download."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+import hivemind
+import pytest
+import torch
+
+from p2p_diloco.config import AveragingConfig
+from p2p_diloco.faults import HOSTILE_ENV
+from p2p_diloco.swarm import PseudoGradientAverager
+from p2p_diloco.swarm.guard import OFFENCES
+from p2p_diloco.swarm.robust import cap_weights
+from tests.integration.test_swarm import applied, peer_args, summary
+
+pytestmark = pytest.mark.timeout(180)
+LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
+CFG = AveragingConfig(matchmaking_time_s=3, request_timeout_s=1, round_timeout_s=8, allreduce_timeout_s=15,
+                      next_chunk_timeout_s=5, compression="none")
+# ten tensors, each one part of the all-reduce: every groupmate reduces some (a peer only flags what it reduces)
+TEMPLATES = [torch.zeros(40, 50) for _ in range(6)] + [torch.zeros(2000) for _ in range(4)]
+TOKENS = 1024.0
+
+
+class Network:
+    """A bootstrap DHT; averagers are added on DHTs of their own, hostile ones with P2P_DILOCO_HOSTILE set."""
+
+    def __init__(self, monkeypatch):
+        self.monkeypatch = monkeypatch
+        self.root = hivemind.DHT(start=True, host_maddrs=LOOPBACK)
+        self.initial = [str(m) for m in self.root.get_visible_maddrs()]
+        self.dhts, self.averagers = [self.root], []
+
+    def dht(self) -> hivemind.DHT:
+        self.dhts.append(hivemind.DHT(start=True, initial_peers=self.initial, host_maddrs=LOOPBACK))
+        return self.dhts[-1]
+
+    def averager(self, hostile: str = "", cfg: AveragingConfig = CFG, dht=None) -> PseudoGradientAverager:
+        self.monkeypatch.setenv(HOSTILE_ENV, hostile)  # read when the averager is made, inherited by its process
+        averager = PseudoGradientAverager(TEMPLATES, dht or self.dht(), run_id="run", stage_index=0, num_stages=1,
+                                          cfg=cfg)
+        self.monkeypatch.delenv(HOSTILE_ENV)
+        self.averagers.append(averager)
+        return averager
+
+    def shutdown(self) -> None:
+        for averager in self.averagers:
+            averager.shutdown()
+        for dht in self.dhts:
+            dht.shutdown()
+
+
+@pytest.fixture
+def network(monkeypatch):
+    net = Network(monkeypatch)
+    yield net
+    net.shutdown()
+
+
+def average_round(averagers, round_index: int, seed: int = 0):
+    """Every averager starts the round with its own random contribution; returns (contributions, results)."""
+    g = torch.Generator().manual_seed(seed)
+    contributions = [[torch.randn(t.shape, generator=g) for t in TEMPLATES] for _ in averagers]
+    for averager in averagers:
+        averager.set_expected_group_size(len(averagers))
+    for averager, contribution in zip(averagers, contributions):
+        averager.start_round(contribution, round_index, TOKENS)
+    return contributions, [averager.finish_round() for averager in averagers]
+
+
+def peer_id(averager) -> str:
+    return str(averager.peer_id)
+
+
+def assert_honest_agree(honest_results, honest_contributions) -> None:
+    """The honest peers averaged, hold the same bits, and their average is no larger than an honest contribution
+    (it is a robust mean of theirs; an attack that got through would be orders of magnitude larger)."""
+    assert all(r.error == "" for r in honest_results), [r.error for r in honest_results]
+    first = honest_results[0].averaged
+    for result in honest_results:
+        assert all(torch.equal(a, b) for a, b in zip(result.averaged, first))
+    for i, average in enumerate(first):
+        assert torch.isfinite(average).all()
+        assert average.norm() <= 1.01 * max(c[i].norm() for c in honest_contributions), i
+
+
+@pytest.mark.parametrize("kinds, compression, reasons", [
+    (("scale:1000", "nan"), "none", ({"norm"}, {"nonfinite"})),
+    (("inf", "shape"), "none", ({"nonfinite"}, {"malformed"})),
+    # low rank: the attacks hit the P and the Q phase (int8 factors: a NaN cannot even be decoded)
+    (("nan", "noise:100"), "lowrank", ({"nonfinite", "malformed"}, {"norm"})),
+])
+def test_hostile_parts_are_left_out_and_named(network, kinds, compression, reasons):
+    cfg = dataclasses.replace(CFG, compression=compression, rank=4, lowrank_min_size=1000)
+    honest = [network.averager(cfg=cfg) for _ in range(3)]
+    hostile = [network.averager(kind, cfg=cfg) for kind in kinds]
+    contributions, results = average_round(honest + hostile, round_index=0)
+    assert_honest_agree(results[:3], contributions[:3])
+    # exactly the honest peers' mean: the hostile parts weigh nothing (but the slice a "shape" peer reduces holds
+    # its own part, which only its messages to the others misstate)
+    if compression == "none" and "shape" not in kinds:
+        for i in range(len(TEMPLATES)):
+            honest_mean = sum(c[i].double() for c in contributions[:3]) / 3
+            torch.testing.assert_close(results[0].averaged[i].double(), honest_mean, rtol=0, atol=1e-6)
+    named = {}  # what the honest peers found, together
+    for result in results[:3]:
+        for suspect, found in result.suspects.items():
+            named.setdefault(suspect, set()).update(found)
+    for bad, expected in zip(hostile, reasons):
+        assert named.get(peer_id(bad), set()) & expected, (peer_id(bad), named)
+    assert not any(named.get(peer_id(h), set()) & OFFENCES for h in honest), named
+
+
+def test_lying_metadata_is_capped_or_excluded(network):
+    """A peer claiming 1000x its tokens weighs only max_weight_ratio x the median; a peer with a malformed record,
+    and one replaying its previous round's contribution under that round's number, are left out of the round
+    (auxiliary peers for the others); every honest peer names them."""
+    honest = [network.averager() for _ in range(3)]
+    greedy, stale, malformed = (network.averager(kind) for kind in ("tokens:1000", "stale:1", "metadata"))
+    group = honest + [greedy, stale, malformed]
+    for round_index in range(2):  # in round 0 the stale peer has nothing to replay yet: it is honest
+        contributions, results = average_round(group, round_index, seed=round_index)
+        assert_honest_agree(results[:3], contributions[:3] + [contributions[3]])
+        included = [i for i, a in enumerate(group) if peer_id(a) in results[0].peer_ids]
+        assert {0, 1, 2, 3} <= set(included) and 5 not in included and (round_index == 0 or 4 not in included)
+        weights = cap_weights([1000 * TOKENS if i == 3 else TOKENS for i in included], 2.0)
+        assert weights[included.index(3)] == 2 * TOKENS  # the greedy peer's claim, capped
+        for t in range(len(TEMPLATES)):
+            expected = sum(w * contributions[i][t].double() for w, i in zip(weights, included)) / sum(weights)
+            torch.testing.assert_close(results[0].averaged[t].double(), expected, rtol=0, atol=1e-6)
+        for result in results[:3]:
+            assert result.group_size == len(included) and result.suspects[peer_id(greedy)] == ["capped"]
+            assert result.suspects[peer_id(malformed)] == ["metadata"]
+            assert result.suspects.get(peer_id(stale)) == (["round"] if round_index == 1 else None)
+
+
+def test_repeat_offender_is_banned_and_the_others_go_on(network):
+    """A reducer that returns NaN averages makes the rounds it takes part in fail (a fallback, never a NaN anchor);
+    after ban_after (3) such rounds the honest peers refuse to group with it and average among themselves again."""
+    honest = [network.averager() for _ in range(3)]
+    hostile = network.averager("reply-nan")
+    for round_index in range(3):
+        _, results = average_round(honest + [hostile], round_index, seed=round_index)
+        for result in results[:3]:
+            assert result.averaged is None and result.error
+            assert result.suspects == {peer_id(hostile): ["bad average"]}
+    contributions, results = average_round(honest + [hostile], 3, seed=3)
+    assert_honest_agree(results[:3], contributions[:3])
+    for result in results[:3]:
+        assert result.group_size == 3 and set(result.peer_ids) == {peer_id(h) for h in honest}
+        assert result.banned == [peer_id(hostile)] and result.suspects == {}
+    assert results[3].averaged is None
+
+
+def test_private_swarm_refuses_outsiders(network):
+    """Two members of an allowlist average with each other and not with an outsider on the same run; the outsider
+    gets no state from them, and a member never downloads state from the outsider (who advertises the best)."""
+    member_dhts = [network.dht(), network.dht()]
+    private = dataclasses.replace(CFG, allowlist=[str(d.peer_id) for d in member_dhts])
+    members = [network.averager(cfg=private, dht=d) for d in member_dhts]
+    outsider = network.averager()
+    for averager, name in zip(members + [outsider], ("member0", "member1", "outsider")):
+        averager.state_provider = lambda name=name: ({"served_by": name}, [torch.ones(3)])
+    outsider.state_sharing_priority = 1e9  # the first donor anyone would ask
+    members[0].state_sharing_priority = 1.0
+    members[1].allow_state_sharing = False
+    _, results = average_round(members + [outsider], round_index=0)
+    for result in results[:2]:
+        assert result.error == "" and result.group_size == 2
+        assert set(result.peer_ids) == {peer_id(m) for m in members}
+    assert results[2].averaged is None
+    assert outsider.download_state(timeout_s=10) is None
+    downloaded = members[1].download_state(timeout_s=10)
+    assert downloaded is not None and downloaded[0] == {"served_by": "member0"}
+    assert math.isfinite(float(downloaded[1][0].sum()))
+
+
+@pytest.mark.timeout(300)
+def test_swarm_with_hostile_peers_trains_and_names_them(tmp_path, processes, bootstrap):
+    """Real peer processes: 3 honest tiny peers and 2 hostile ones (P2P_DILOCO_HOSTILE=scale:1000 and nan) train 3
+    rounds together. Every round of the honest peers averages, their anchors are finite and bit-identical after
+    every round, the eval loss falls, and each honest peer names both hostile peers in its round metrics."""
+    rounds, honest, hostile = 3, ["h0", "h1", "h2"], {"x-scale": "scale:1000", "x-nan": "nan"}
+    env = dict(os.environ)
+    # 5 processes on a busy machine: a groupmate that starts sending late must not be dropped as if it had left
+    patient = ["--averaging.next_chunk_timeout_s", "15"]
+    for name in honest:
+        processes.start(name, *peer_args(tmp_path, name, bootstrap, "byz", rounds, 5, *patient, wait_for=5),
+                        env={k: v for k, v in env.items() if k != HOSTILE_ENV})
+    for name, kind in hostile.items():
+        processes.start(name, *peer_args(tmp_path, name, bootstrap, "byz", rounds, 5, *patient, wait_for=5),
+                        env=dict(env, **{HOSTILE_ENV: kind}))
+    for name in [*honest, *hostile]:
+        assert processes.wait(name, timeout=240) == 0, processes.log(name)[-3000:]
+
+    per_peer = [applied(tmp_path, name) for name in honest]
+    for name, rounds_seen in zip(honest, per_peer):
+        assert [e["applied_round"] for e in rounds_seen] == list(range(rounds)), name
+        assert all(e["averaged"] and e["group_size"] == 5 for e in rounds_seen), (name, rounds_seen)
+    for r in range(rounds):
+        assert len({p[r]["anchor_sha256"] for p in per_peer}) == 1, r
+    hostile_ids = {name: summary(tmp_path, name)["peer"] for name in hostile}
+    for name, rounds_seen in zip(honest, per_peer):
+        named: dict[str, set] = {}
+        for event in rounds_seen:
+            for suspect, reasons in event["suspects"].items():
+                named.setdefault(suspect, set()).update(reasons)
+        assert "norm" in named.get(hostile_ids["x-scale"], set()), (name, named)
+        assert named.get(hostile_ids["x-nan"], set()) & {"nonfinite", "malformed"}, (name, named)
+        assert set(named) == set(hostile_ids.values()), (name, named)  # no honest peer is named
+        s = summary(tmp_path, name)
+        assert math.isfinite(s["eval_loss_final"]) and s["eval_loss_final"] < s["eval_loss_start"] - 0.3, s

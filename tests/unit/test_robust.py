@@ -1,0 +1,270 @@
+"""Unit tests of the defences against broken or hostile groupmates: the reducer's robust combination, the checks
+of gathered metadata, offences and bans, and the hostile test hook itself."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hivemind.averaging.allreduce import AllreduceException, AveragingMode
+from hivemind.p2p import PeerID
+from hivemind.utils import MSGPackSerializer
+
+from p2p_diloco.faults import HOSTILE_ENV, hostility_from_env
+from p2p_diloco.swarm.allreduce import RobustPartReducer
+from p2p_diloco.swarm.guard import PeerGuard, check_gathered, read_group
+from p2p_diloco.swarm.robust import RobustRule, cap_weights, combine, lower_median, weighted_mean
+
+DEFAULT = RobustRule()
+
+
+def honest_parts(num: int, size: int = 4096, seed: int = 0) -> list[torch.Tensor]:
+    """Pseudo-gradient parts of honest peers: a shared direction plus each peer's own noise, similar norms."""
+    g = torch.Generator().manual_seed(seed)
+    shared = torch.randn(size, generator=g)
+    return [0.5 * shared + torch.randn(size, generator=g) for _ in range(num)]
+
+
+def test_honest_parts_give_the_plain_weighted_mean_exactly():
+    parts, weights = honest_parts(4), [512.0, 1024.0, 1536.0, 1024.0]
+    plain = weighted_mean(parts, weights)
+    reference = sum(w * p.double() for w, p in zip(weights, parts)) / sum(weights)  # independent, in fp64
+    torch.testing.assert_close(plain.double(), reference, rtol=0, atol=1e-6)
+    for rule in (DEFAULT, RobustRule(outlier_ratio=1e9, clip_ratio=1e9), RobustRule(0, 0)):
+        combined = combine(parts, weights, rule)
+        assert combined.flags == {} and torch.equal(combined.average, plain), rule
+
+
+def test_one_scaled_outlier_is_left_out_and_named():
+    parts, weights = honest_parts(4), [1.0] * 4
+    hostile = [p.clone() for p in parts]
+    hostile[2] = parts[2] * 1000
+    combined = combine(hostile, weights, DEFAULT)
+    assert combined.flags == {2: "norm"}
+    assert torch.equal(combined.average, weighted_mean([parts[0], parts[1], parts[3]], [1.0] * 3))
+    undefended = combine(hostile, weights, RobustRule(0, 0)).average
+    assert undefended.norm() > 100 * combined.average.norm()  # what the defence prevents
+
+
+@pytest.mark.parametrize("attack", ["noise", "sign-flip"])
+def test_an_outlier_within_the_norm_bound_is_clipped_and_its_influence_bounded(attack):
+    """Below the norm bound a part is not left out, but CenteredClip bounds how far it moves the result: the error
+    stays at the honest spread however strong the attack, while the plain mean's grows with it."""
+    parts = honest_parts(4, seed=1)
+    honest, honest_mean = parts[1:], weighted_mean(parts[1:], [1.0] * 3)
+    spread = lower_median([float((h - honest_mean).norm()) for h in honest])
+    errors = {}
+    for magnitude in (5, 9):  # times an honest norm: under outlier_ratio (10)
+        bad = torch.randn(4096, generator=torch.Generator().manual_seed(7)) * (magnitude * parts[1].norm() / 64) \
+            if attack == "noise" else -magnitude * honest_mean
+        combined = combine([bad, *honest], [1.0] * 4, DEFAULT)
+        assert combined.flags == {0: "clipped"} and torch.isfinite(combined.average).all()
+        errors[magnitude] = (float((combined.average - honest_mean).norm()),
+                             float((weighted_mean([bad, *honest], [1.0] * 4) - honest_mean).norm()))
+    assert errors[9][0] < spread and errors[9][0] < 1.05 * errors[5][0], (errors, spread)
+    assert errors[9][1] > 2 * spread  # what the clipping prevents
+
+
+@pytest.mark.parametrize("bad_value", [math.nan, math.inf, -math.inf])
+def test_non_finite_parts_are_left_out(bad_value):
+    parts = honest_parts(3)
+    bad = parts[1].clone()
+    bad[17] = bad_value
+    combined = combine([parts[0], bad, parts[2]], [1.0, 1.0, 1.0], DEFAULT)
+    assert combined.flags == {1: "nonfinite"}
+    assert torch.equal(combined.average, weighted_mean([parts[0], parts[2]], [1.0, 1.0]))
+
+
+def test_wrong_shape_is_left_out():
+    parts = honest_parts(3)
+    combined = combine([parts[0], parts[1][:-1], parts[2]], [1.0] * 3, DEFAULT, shape=parts[0].shape)
+    assert combined.flags == {1: "malformed"}
+    assert combined.average.shape == parts[0].shape
+    assert combine([parts[0][:5], parts[1][:5]], [1.0, 1.0], DEFAULT, shape=parts[0].shape).average is None
+
+
+def test_two_parts_have_no_majority_the_larger_is_bounded_not_dropped():
+    small, large = honest_parts(2)
+    combined = combine([small, large * 1000], [1.0, 1.0], DEFAULT)
+    assert combined.flags == {1: "clipped"}
+    assert combined.average.norm() <= (1 + DEFAULT.outlier_ratio) / 2 * small.norm() * (1 + 1e-5)
+    honest = combine([small, large], [1.0, 1.0], DEFAULT)  # similar norms: untouched
+    assert honest.flags == {} and torch.equal(honest.average, weighted_mean([small, large], [1.0, 1.0]))
+
+
+def test_nothing_usable_gives_no_average_and_weight_zero_is_left_out():
+    parts = honest_parts(3)
+    assert combine([torch.full((8,), math.nan)] * 2, [1.0, 1.0], DEFAULT).average is None
+    assert combine([None, None], [1.0, 1.0], DEFAULT).average is None
+    combined = combine(parts, [1.0, 0.0, 1.0], DEFAULT)  # a banned sender's weight is 0
+    assert combined.flags == {} and torch.equal(combined.average, weighted_mean([parts[0], parts[2]], [1.0, 1.0]))
+
+
+def test_combination_is_deterministic():
+    parts, weights = honest_parts(5, seed=3), [1.0, 2.0, 3.0, 4.0, 5.0]
+    parts[4] = parts[4] * -8  # clipped: the iterations run
+    first, second = combine(parts, weights, DEFAULT), combine([p.clone() for p in parts], weights, DEFAULT)
+    assert first.flags == second.flags and torch.equal(first.average, second.average)
+
+
+def test_claimed_weights_are_capped_at_a_multiple_of_the_median():
+    assert lower_median([3.0, 1.0, 2.0]) == 2.0 and lower_median([4.0, 1.0]) == 1.0
+    assert cap_weights([1024.0, 1024.0, 1024.0, 1e12], 2.0) == [1024.0, 1024.0, 1024.0, 2048.0]
+    assert cap_weights([512.0, 1024.0, 1536.0], 2.0) == [512.0, 1024.0, 1536.0]
+    assert cap_weights([1.0, 1e12], 0.0) == [1.0, 1e12]
+
+
+def test_reducer_combines_in_sender_order_whatever_the_arrival_order():
+    """RobustPartReducer, as the all-reduce drives it: parts arrive in any order and from concurrent senders; the
+    result is the combination in sender order, the same every time; a hostile part is flagged."""
+    shapes = [torch.Size([256]), torch.Size([100])]
+    contributions = [[p[:256], p[256:356]] for p in honest_parts(4, size=356, seed=5)]
+    contributions[3] = [c * 1000 for c in contributions[3]]
+    weights = [1.0, 2.0, 1.0, 1.0]
+
+    async def reduce_once(order):
+        flags = []
+        reducer = RobustPartReducer(shapes, weights, DEFAULT, on_flag=lambda s, r: flags.append((s, r)))
+
+        async def send(sender):
+            return [await reducer.accumulate_part(sender, i, contributions[sender][i], weight=1e9) for i in range(2)]
+        results = await asyncio.gather(*(send(sender) for sender in order))
+        return results[0], flags
+
+    outputs = [asyncio.run(reduce_once(random.Random(seed).sample(range(4), 4))) for seed in range(3)]
+    for parts, flags in outputs:
+        assert sorted(flags) == [(3, "norm"), (3, "norm")]
+        for i in range(2):  # the weight written in the messages (1e9) is ignored
+            assert torch.equal(parts[i], weighted_mean([c[i] for c in contributions[:3]], weights[:3]))
+
+
+def test_reducer_with_nothing_usable_fails_instead_of_returning_nan():
+    async def run():
+        reducer = RobustPartReducer([torch.Size([8]), torch.Size([8])], [1.0, 1.0], DEFAULT, on_flag=lambda *a: None)
+        nan = torch.full((8,), math.nan)
+        return await asyncio.wait_for(asyncio.gather(reducer.accumulate_part(0, 0, nan), reducer.accumulate_part(
+            1, 0, nan), return_exceptions=True), timeout=5)
+    assert all(isinstance(r, AllreduceException) for r in asyncio.run(run()))
+
+
+# ---- gathered metadata, offences, bans ------------------------------------------------------------------------
+PEERS = [PeerID(bytes([0x12, 0x20]) + bytes([i]) * 32) for i in range(4)]
+
+
+def record(round_index=5, tokens=1024.0, **changes) -> bytes:
+    info = dict(round=round_index, tokens=tokens, compute_s=3.0, bandwidth_mbit=100.0, last_error=None,
+                compression={"rank": 8, "bits": 8, "q_round": -1})
+    info.update(changes)
+    return MSGPackSerializer.dumps([None, AveragingMode.NODE.value, MSGPackSerializer.dumps(info)])
+
+
+def group(*records) -> SimpleNamespace:
+    return SimpleNamespace(peer_ids=tuple(PEERS[: len(records)]), gathered=tuple(records))
+
+
+def test_honest_group_is_read_as_is():
+    guard = PeerGuard(ban_after=3)
+    view = read_group(group(record(), record(tokens=512.0), record()), MSGPackSerializer, PEERS[0], guard, 2.0)
+    assert view.round_index == 5 and list(view.infos) == PEERS[:3]
+    assert view.modes == (AveragingMode.NODE,) * 3 and view.bandwidths == (None,) * 3  # equal shares
+    assert view.weights == {PEERS[0]: 1024.0, PEERS[1]: 512.0, PEERS[2]: 1024.0}
+    assert guard.report(5) == {"suspects": {}, "banned": []}
+
+
+@pytest.mark.parametrize("bad, reason", [
+    (b"\xc1garbage", "metadata"),
+    (MSGPackSerializer.dumps([None, 7, b""]), "metadata"),  # no such averaging mode
+    (record(tokens=math.nan), "metadata"),
+    (record(tokens=-5.0), "metadata"),
+    (record(round_index="5"), "metadata"),
+    (record(compression={"rank": 0, "bits": 8, "q_round": -1}), "metadata"),
+    (record(compression={"rank": 8, "bits": 2, "q_round": -1}), "metadata"),
+    (record(round_index=4), "round"),
+])
+def test_malformed_or_stale_record_excludes_its_peer(bad, reason):
+    guard = PeerGuard(ban_after=3)
+    view = read_group(group(record(), bad, record(), record()), MSGPackSerializer, PEERS[0], guard, 2.0)
+    assert PEERS[1] not in view.infos and PEERS[1] not in view.weights
+    assert view.modes[1] == AveragingMode.AUX and view.bandwidths[1] == 0.0  # it neither sends nor reduces
+    assert guard.report(5)["suspects"] == {str(PEERS[1]): [reason]}
+
+
+def test_huge_token_claim_is_capped():
+    guard = PeerGuard(ban_after=3)
+    view = read_group(group(record(), record(tokens=1e15), record()), MSGPackSerializer, PEERS[0], guard, 2.0)
+    assert view.weights[PEERS[1]] == 2048.0
+    assert guard.report(5)["suspects"] == {str(PEERS[1]): ["capped"]}
+
+
+def test_unusable_groups_fail_cleanly():
+    guard = PeerGuard(ban_after=3)
+    with pytest.raises(AllreduceException, match="own metadata"):
+        read_group(group(b"junk", record()), MSGPackSerializer, PEERS[0], guard, 2.0)
+    with pytest.raises(AllreduceException, match="no groupmate left"):
+        read_group(group(record(), record(round_index=9)), MSGPackSerializer, PEERS[0], guard, 2.0)
+    private = PeerGuard(ban_after=3, allowlist=[str(PEERS[0]), str(PEERS[1])])
+    with pytest.raises(AllreduceException, match="allowlist"):
+        read_group(group(record(), record(), record()), MSGPackSerializer, PEERS[0], private, 2.0)
+
+
+def test_offences_in_enough_rounds_ban_and_are_reported():
+    guard = PeerGuard(ban_after=3)
+    for round_index in range(3):
+        guard.record(round_index, PEERS[1], "clipped")  # reported, not an offence
+        guard.record(round_index, PEERS[2], "norm")
+        guard.record(round_index, PEERS[2], "nonfinite")  # one offending round, however many findings
+        assert guard.refuses(PEERS[1]) is None
+        assert (guard.refuses(PEERS[2]) is None) == (round_index < 2)
+    assert guard.report(2) == {"suspects": {str(PEERS[1]): ["clipped"], str(PEERS[2]): ["nonfinite", "norm"]},
+                               "banned": [str(PEERS[2])]}
+    assert guard.report(2)["suspects"] == {}  # reported once
+    view = read_group(group(record(), record(), record()), MSGPackSerializer, PEERS[0], guard, 2.0)
+    assert view.weights[PEERS[2]] == 0.0 and guard.report(5)["suspects"] == {str(PEERS[2]): ["banned"]}
+    assert PeerGuard(ban_after=0).refuses(PEERS[2]) is None
+    private = PeerGuard(ban_after=3, allowlist=[str(PEERS[0])])
+    assert private.refuses(PEERS[0]) is None and "allowlist" in private.refuses(PEERS[1])
+
+
+def test_check_gathered_accepts_what_an_honest_peer_sends():
+    info = MSGPackSerializer.loads(MSGPackSerializer.loads(record(last_error=0.3))[2])
+    assert check_gathered(info) is info
+    with pytest.raises(KeyError):
+        check_gathered({"round": 1})
+
+
+# ---- the hostile test hook --------------------------------------------------------------------------------------
+def test_hostile_spec_parsing(monkeypatch):
+    monkeypatch.delenv(HOSTILE_ENV, raising=False)
+    assert hostility_from_env() is None
+    for spec, kind, value in [("scale:1000", "scale", 1000.0), ("noise", "noise", 100.0), ("nan", "nan", None),
+                              ("stale:2", "stale", 2.0), ("reply-nan", "reply-nan", None)]:
+        monkeypatch.setenv(HOSTILE_ENV, spec)
+        hostility = hostility_from_env()
+        assert (hostility.kind, hostility.value) == (kind, value)
+    for spec in ("scale:x", "scale:-1", "nan:3", "explode"):
+        monkeypatch.setenv(HOSTILE_ENV, spec)
+        with pytest.raises(ValueError, match=HOSTILE_ENV):
+            hostility_from_env()
+
+
+def test_hostile_corruptions(monkeypatch):
+    tensors = [torch.ones(10), torch.ones(3, 4)]
+
+    def hostile(spec):
+        monkeypatch.setenv(HOSTILE_ENV, spec)
+        return hostility_from_env()
+    assert torch.equal(hostile("scale:1000").outgoing(tensors)[1], torch.full((3, 4), 1000.0))
+    assert all(torch.isnan(t).all() for t in hostile("nan").outgoing(tensors))
+    noise = hostile("noise:100").outgoing(tensors)
+    assert math.isclose(math.sqrt(sum(float(t.pow(2).sum()) for t in noise)), 100 * math.sqrt(22), rel_tol=1e-4)
+    assert list(hostile("shape").part(SimpleNamespace(size=[256])).size) == [257]
+    assert hostile("tokens:1000").claim(tensors, 3, 64.0)[1:] == (3, 64000.0)
+    stale = hostile("stale:1")
+    assert stale.claim([torch.zeros(2)], 0, 1.0)[1] == 0  # nothing to replay yet
+    replayed, claimed_round, _ = stale.claim([torch.ones(2)], 1, 1.0)
+    assert claimed_round == 0 and torch.equal(replayed[0], torch.zeros(2))
+    assert torch.isnan(hostile("reply-nan").reply(torch.ones(3))).all()
