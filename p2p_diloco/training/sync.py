@@ -8,8 +8,9 @@ live stage process); states come from other peers through hivemind's state shari
   a round or more behind the swarm's newest round reloads too (a peer one whole round behind can never again
   meet the others' round key); one on the swarm's round simply rejoins;
 - after every round end, a stage that is behind reloads; one whose anchor fingerprint for an applied round
-  differs from what the other peers agree on (a round of its fell back while theirs averaged) ``resync``s its
-  anchor and momentum from a peer at the same point, keeping its own progress.
+  is not the swarm's canonical one (most votes, ties broken by the larger fingerprint; a round of its fell
+  back while theirs averaged) ``resync``s its anchor and momentum from a peer at the same point, keeping its
+  own progress; peers holding the canonical anchor rank first as donors.
 
 The stages of a pipelined peer change rounds together or not at all. Called by the trainer.
 """
@@ -45,6 +46,7 @@ class SwarmSync:
         self.fingerprints: dict[int, str] = {}  # applied round -> this stage's anchor fingerprint after it
         self.events: list[dict] = []
         self.last_download: dict = {}  # duration and bytes of the last state download
+        self.holds_canonical = True  # this stage's anchor is the one the swarm agrees on (see _diverged_round)
 
     def remember(self, fingerprint: str) -> None:
         """Note this stage's anchor fingerprint after its last applied round."""
@@ -56,7 +58,8 @@ class SwarmSync:
     def rank_as_donor(self) -> None:
         """Newcomers download from the most advanced stage first (a client-mode peer serves no state)."""
         if self.stage.averager is not None and not self.stage.averager.client_mode:
-            self.stage.averager.state_sharing_priority = float(self.stage.applied_round + 1)
+            bonus = 0.5 if self.holds_canonical else 0.0  # a peer off the canonical anchor is asked last
+            self.stage.averager.state_sharing_priority = float(self.stage.applied_round + 1) + bonus
 
     def at_start(self, resumed: bool) -> None:
         others = self.swarm.others(self.stage)
@@ -75,15 +78,25 @@ class SwarmSync:
         diverged = self._diverged_round(others)
         if diverged is not None:
             self._resync(diverged)
+        self.rank_as_donor()
 
     def _diverged_round(self, others) -> int | None:
-        """An applied round for which the other peers agree on an anchor and this stage's differs."""
+        """The newest applied round for which this stage's anchor is not the swarm's canonical one, or None.
+
+        The canonical anchor after a round is the fingerprint most stage processes report for it, ties broken by
+        the larger fingerprint: every peer computes the same from the same records, so exactly the peers off it
+        resync, also when there is no majority (two survivors of a broken round, each with its own anchor, would
+        otherwise keep averaging pseudo-gradients onto different anchors forever)."""
         for applied, mine in sorted(self.fingerprints.items(), reverse=True):
-            theirs = Counter(r.anchor for r in others if r.applied_round == applied and r.anchor)
+            theirs = [r.anchor for r in others if r.applied_round == applied and r.anchor]
             if not theirs:
                 continue
-            agreed, votes = theirs.most_common(1)[0]
-            return applied if agreed != mine and votes >= max(1, (len(others) + 1) // 2) else None
+            votes = Counter(theirs)
+            votes[mine] += 1
+            canonical = max(votes.items(), key=lambda item: (item[1], item[0]))[0]
+            self.holds_canonical = canonical == mine
+            return None if self.holds_canonical else applied
+        self.holds_canonical = True  # nobody to compare with
         return None
 
     def _download(self):

@@ -109,7 +109,7 @@ class FakeSwarm:
 
 class FakeAverager:
     def __init__(self, state):
-        self.state, self.downloads, self.state_sharing_priority = state, 0, 0.0
+        self.state, self.downloads, self.state_sharing_priority, self.client_mode = state, 0, 0.0, False
 
     def download_state(self, timeout_s):
         self.downloads += 1
@@ -202,4 +202,22 @@ def test_resync_from_a_donor_that_already_applied_the_round_in_flight():
     assert [e["action"] for e in sync.events] == ["resync"]
     assert (peer.applied_round, peer.pending, peer.averager.abandoned) == (7, None, True)
     assert all(torch.equal(a, b) for a, b in zip(peer.anchor, donor.anchor))
+
+
+def test_two_peers_with_different_anchors_converge_on_the_canonical_one():
+    """No majority (one other peer, another anchor): the tie is broken the same way on both sides, so exactly
+    one of the two resyncs."""
+    donor = make_stage(seed=1)
+    donor.round_index, donor.applied_round = 8, 7
+    donor.inner_step = donor.round_index * donor.diloco_cfg.inner_steps
+    state = shareable_state(donor, "run")
+    outcomes = {}
+    for mine, theirs in (("aaa", "zzz"), ("zzz", "aaa")):
+        peer = make_stage()
+        peer.round_index, peer.applied_round = 8, 7
+        sync = make_sync(peer, [Record(8, 7, theirs)], state)
+        sync.remember(mine)
+        sync.after_round()
+        outcomes[mine] = [e["action"] for e in sync.events]
+    assert outcomes == {"aaa": ["resync"], "zzz": []}
 
