@@ -23,6 +23,7 @@ import time
 from collections import Counter
 
 from p2p_diloco.training.stage import Stage
+from p2p_diloco.training.summary import anchor_fingerprint
 from p2p_diloco.training.swarm_state import StateError, adopt_state, check_state
 
 logger = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ class SwarmSync:
         self.events: list[dict] = []
         self.last_download: dict = {}  # duration and bytes of the last state download
         self.holds_canonical = True  # this stage's anchor is the one the swarm agrees on (see _diverged_round)
+        self.canonical: str | None = None  # that anchor's fingerprint, for the last diverged round
 
     def remember(self, fingerprint: str) -> None:
         """Note this stage's anchor fingerprint after its last applied round."""
@@ -94,7 +96,7 @@ class SwarmSync:
             votes = Counter(theirs)
             votes[mine] += 1
             canonical = max(votes.items(), key=lambda item: (item[1], item[0]))[0]
-            self.holds_canonical = canonical == mine
+            self.holds_canonical, self.canonical = canonical == mine, canonical
             return None if self.holds_canonical else applied
         self.holds_canonical = True  # nobody to compare with
         return None
@@ -140,9 +142,15 @@ class SwarmSync:
         if state is None:
             return
         meta, tensors = state
-        if meta["round"] != self.stage.round_index or meta["applied_round"] < self.stage.applied_round:
-            logger.info(f"Stage {self.stage.stage_index}: the donor is at another point "
-                        f"(round {meta['round']}, applied {meta['applied_round']}); resync later")
+        # the anchors are comparable by the rounds they took, not by the round each peer trains in (a donor can
+        # be a little behind or ahead in time); a donor missing rounds this peer applied cannot serve it
+        if meta["applied_round"] < self.stage.applied_round:
+            logger.info(f"Stage {self.stage.stage_index}: the donor's anchor is older (applied "
+                        f"{meta['applied_round']}, this stage {self.stage.applied_round}); resync later")
+            return
+        if meta["applied_round"] == diverged_round and self.canonical is not None and \
+                anchor_fingerprint(tensors[:len(self.stage.anchor)]) != self.canonical:
+            logger.info(f"Stage {self.stage.stage_index}: the donor is off the swarm's anchor too; resync later")
             return
         adopt_state(self.stage, meta, tensors, "resync")
         self.fingerprints.clear()

@@ -11,6 +11,7 @@ from p2p_diloco.config import load_config
 from p2p_diloco.model import ModelArgs, Transformer
 from p2p_diloco.training import Stage
 from p2p_diloco.training.stage import PendingRound
+from p2p_diloco.training.summary import anchor_fingerprint
 from p2p_diloco.training.swarm_state import StateError, adopt_state, check_state, shareable_state
 from p2p_diloco.training.sync import SwarmSync
 from tests.helpers import TINY_ARGS
@@ -157,11 +158,12 @@ def test_resync_only_when_the_others_agree_on_another_anchor():
     donor.round_index, donor.applied_round = 8, 7
     donor.inner_step = donor.round_index * donor.diloco_cfg.inner_steps
     state = shareable_state(donor, "run")
+    theirs = anchor_fingerprint(donor.anchor)
     peer = make_stage()
     peer.round_index, peer.applied_round = 8, 7
 
-    sync = make_sync(peer, [Record(8, 7, "theirs"), Record(8, 7, "theirs")], state)
-    sync.remember("theirs")
+    sync = make_sync(peer, [Record(8, 7, theirs), Record(8, 7, theirs)], state)
+    sync.remember(theirs)
     sync.after_round()
     assert not sync.events  # in agreement
 
@@ -170,7 +172,7 @@ def test_resync_only_when_the_others_agree_on_another_anchor():
     sync.after_round()
     assert not sync.events  # no majority to follow
 
-    sync = make_sync(peer, [Record(8, 7, "theirs"), Record(8, 7, "theirs")], state)
+    sync = make_sync(peer, [Record(8, 7, theirs), Record(8, 7, theirs)], state)
     sync.remember("mine")
     sync.after_round()
     assert [e["action"] for e in sync.events] == ["resync"]
@@ -179,7 +181,7 @@ def test_resync_only_when_the_others_agree_on_another_anchor():
     elsewhere = shareable_state(donor, "run")
     elsewhere[0]["applied_round"] = 6  # a donor at another point: the resync waits
     peer.applied_round = 7
-    sync = make_sync(peer, [Record(8, 7, "theirs")], elsewhere)
+    sync = make_sync(peer, [Record(8, 7, theirs)], elsewhere)
     sync.remember("mine")
     sync.after_round()
     assert not sync.events
@@ -212,12 +214,13 @@ def test_two_peers_with_different_anchors_converge_on_the_canonical_one():
     donor.inner_step = donor.round_index * donor.diloco_cfg.inner_steps
     state = shareable_state(donor, "run")
     outcomes = {}
-    for mine, theirs in (("aaa", "zzz"), ("zzz", "aaa")):
+    fingerprint = anchor_fingerprint(donor.anchor)
+    for mine, theirs in (("0" * 32, fingerprint), ("f" * 32, fingerprint)):
         peer = make_stage()
         peer.round_index, peer.applied_round = 8, 7
         sync = make_sync(peer, [Record(8, 7, theirs)], state)
         sync.remember(mine)
         sync.after_round()
         outcomes[mine] = [e["action"] for e in sync.events]
-    assert outcomes == {"aaa": ["resync"], "zzz": []}
+    assert outcomes == {"0" * 32: ["resync"], "f" * 32: []}
 
