@@ -27,6 +27,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from local_bootstrap import start_bootstrap  # noqa: E402
+
 ATTACKS = ("scale:1000", "noise:100", "nan", "stale:1")
 OFFENCES = {"malformed", "nonfinite", "norm", "round", "metadata", "bad average"}
 FAST = ["--averaging.matchmaking_time_s", "5", "--averaging.request_timeout_s", "2",
@@ -40,15 +43,9 @@ def run_swarm(workdir: Path, name: str, hostile: list[str], args: list[str]) -> 
     its data with seed i; returns the peers' folders once all have finished."""
     root = workdir / name
     root.mkdir(parents=True)
-    maddrs_file = root / "bootstrap.maddrs"
-    boot = subprocess.Popen([sys.executable, "-m", "p2p_diloco", "bootstrap", "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
-                             "--identity-path", str(root / "b.id"), "--maddrs-file", str(maddrs_file)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    boot, maddrs = start_bootstrap(root, start_new_session=True)
     procs = []
     try:
-        while not (maddrs_file.exists() and maddrs_file.read_text().strip()):
-            time.sleep(0.2)
-        maddrs = maddrs_file.read_text().split()
         folders = []
         for i, kind in enumerate(hostile):
             folders.append(root / f"peer{i}")

@@ -38,6 +38,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from local_bootstrap import start_bootstrap  # noqa: E402
+
 from p2p_diloco.training.metrics import read_metrics  # noqa: E402
 
 TINY = ["--model.preset", "tiny", "--data.batch_size", "8", "--data.seq_len", "64", "--data.eval_batches", "8",
@@ -78,17 +80,8 @@ class Swarm:
         self.out, self.args = out, args
         out.mkdir(parents=True, exist_ok=True)
         self.procs: dict[str, subprocess.Popen] = {}
-        maddrs = out / "bootstrap.maddrs"
-        self.bootstrap = subprocess.Popen(
-            [sys.executable, "-m", "p2p_diloco", "bootstrap", "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
-             "--identity-path", str(out / "bootstrap.id"), "--maddrs-file", str(maddrs)],
-            stdout=open(out / "bootstrap.log", "w"), stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
-        deadline = time.monotonic() + 60
-        while not (maddrs.exists() and maddrs.read_text().strip()):
-            if time.monotonic() > deadline or self.bootstrap.poll() is not None:
-                raise RuntimeError(f"the bootstrap node did not start; see {out / 'bootstrap.log'}")
-            time.sleep(0.2)
-        self.maddrs = maddrs.read_text().split()
+        self.bootstrap, self.maddrs = start_bootstrap(out, log=open(out / "bootstrap.log", "w"),
+                                                      start_new_session=True, cwd=ROOT)
 
     def command(self, name: str, run_id: str) -> list[str]:
         a = self.args
@@ -237,17 +230,12 @@ def run_download(out: Path, args) -> dict:
             measured = measure_rate(wan, megabytes=max(2.0, rate * 0.1))
             folder = out / f"{rate}mbit"
             folder.mkdir(parents=True, exist_ok=True)
-            maddrs = folder / "bootstrap.maddrs"
-            wan.popen(2, [sys.executable, "-m", "p2p_diloco", "bootstrap", "--host-maddrs",
-                          f"/ip4/{wan.ip(2)}/tcp/0", "--identity-path", str(folder / "bootstrap.id"),
-                          "--maddrs-file", str(maddrs)], stdout=open(folder / "bootstrap.log", "w"),
-                      stderr=subprocess.STDOUT, cwd=ROOT)
-            while not (maddrs.exists() and maddrs.read_text().strip()):
-                time.sleep(0.2)
+            _, maddrs = start_bootstrap(folder, host=wan.ip(2), log=open(folder / "bootstrap.log", "w"),
+                                        popen=lambda command, **kw: wan.popen(2, command, **kw), cwd=ROOT)
 
             def peer(host: int, name: str, rounds: int, folder=folder, maddrs=maddrs, rate=rate):
                 command = [sys.executable, "-m", "p2p_diloco", "peer", "--initial-peers",
-                           *maddrs.read_text().split(), "--host-maddrs", f"/ip4/{wan.ip(host)}/tcp/0",
+                           *maddrs, "--host-maddrs", f"/ip4/{wan.ip(host)}/tcp/0",
                            "--run-id", f"dl{rate}", "--output-dir", str(folder / name),
                            "--train.num_rounds", str(rounds), "--diloco.inner_steps", str(args.h),
                            "--train.state_timeout_s", "600", *args.model, *TINY_COMMON, *AVERAGING]

@@ -23,6 +23,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from local_bootstrap import start_bootstrap  # noqa: E402
+
 SCHEMES = ("none", "fp16", "int8", "lowrank", "adaptive")
 FAST = ["--averaging.matchmaking_time_s", "5", "--averaging.request_timeout_s", "2",
         "--averaging.round_timeout_s", "60", "--averaging.allreduce_timeout_s", "120",
@@ -33,14 +36,8 @@ def run_swarm(workdir: Path, name: str, num_peers: int, args: list[str]) -> list
     """A bootstrap node and ``num_peers`` peers on loopback; returns the peers' folders once all have finished."""
     root = workdir / name
     root.mkdir(parents=True)
-    maddrs_file = root / "bootstrap.maddrs"
-    boot = subprocess.Popen([sys.executable, "-m", "p2p_diloco", "bootstrap", "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
-                             "--identity-path", str(root / "b.id"), "--maddrs-file", str(maddrs_file)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    boot, maddrs = start_bootstrap(root, start_new_session=True)
     try:
-        while not (maddrs_file.exists() and maddrs_file.read_text().strip()):
-            time.sleep(0.2)
-        maddrs = maddrs_file.read_text().split()
         folders, procs = [], []
         for i in range(num_peers):
             folders.append(root / f"peer{i}")

@@ -69,13 +69,13 @@ class SwarmSync:
         if (not resumed and swarm_round > 0) or (resumed and swarm_round > self.stage.round_index):
             reason = "joining the swarm" if not resumed else \
                 f"{swarm_round - self.stage.round_index} round(s) behind the swarm"
-            self._reload(reason, swarm_round)
+            self._reload(reason)
 
     def after_round(self) -> None:
         others = self.swarm.others(self.stage)
         swarm_round = max((r.round for r in others), default=0)
         if swarm_round > self.stage.round_index:  # others are at least a whole round ahead
-            self._reload(f"{swarm_round - self.stage.round_index} round(s) behind the swarm", swarm_round)
+            self._reload(f"{swarm_round - self.stage.round_index} round(s) behind the swarm")
             return
         diverged = self._diverged_round(others)
         if diverged is not None:
@@ -124,7 +124,7 @@ class SwarmSync:
             meta["inner_step"] = min(meta["inner_step"] + travelled, meta["round_start_step"] + H - 1)
         return meta, tensors
 
-    def _reload(self, reason: str, swarm_round: int) -> None:
+    def _reload(self, reason: str) -> None:
         state = self._download()
         points = self.executor.common_value(None if state is None else (state[0]["round"], state[0]["inner_step"]))
         if state is None or None in points or len({r for r, _ in points}) != 1:
