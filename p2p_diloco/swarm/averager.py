@@ -116,6 +116,7 @@ class PseudoGradientAverager(GuardedAverager, DecentralizedAverager):
         self.traffic = torch.zeros(2, dtype=torch.int64).share_memory_()
         self._pending: Optional[_PendingRound] = None
         self._abandoned: Optional[_PendingRound] = None  # left to finish in the background, its result unread
+        self._last_control = None  # the step of the last round started, until the background has ended it
         # the round whose contribution the buffers hold; a late average of an abandoned round never lands there
         self._buffered_round = torch.full((1,), -1, dtype=torch.int64).share_memory_()
         buffers = [torch.zeros(t.shape, dtype=torch.float32) for t in templates]
@@ -259,6 +260,7 @@ class PseudoGradientAverager(GuardedAverager, DecentralizedAverager):
         """
         assert self._pending is None, "finish the previous round before starting another"
         self._collect_abandoned()
+        self._await_step_ended()
         assert weight > 0, "a contribution needs a positive weight (tokens trained on)"
         claimed_round = round_index
         if self.hostility is not None:
@@ -280,6 +282,21 @@ class PseudoGradientAverager(GuardedAverager, DecentralizedAverager):
         )
         traffic = (int(self.traffic[BYTES_SENT]), int(self.traffic[BYTES_RECEIVED]))
         self._pending = _PendingRound(round_index, control, time.monotonic(), traffic)
+        self._last_control = control
+
+    def _await_step_ended(self, timeout_s: float = 10.0) -> None:
+        """Wait until the background process has ended the previous round's step. A cancel reaches it through
+        another pipe than the next round's group key: a step cancelled but still matching when the key changes
+        would look for a group under the new round's key, with the old round's metadata (seen on a loaded
+        machine: the newcomer's stale step joined the others' next group, and its real step came too late)."""
+        control, self._last_control = self._last_control, None
+        deadline = time.monotonic() + timeout_s
+        while control is not None and control.stage != AveragingStage.FINISHED:
+            if time.monotonic() >= deadline:
+                logger.warning("The previous round's averaging step has not ended after "
+                               f"{timeout_s:.0f} s; starting the next round anyway")
+                return
+            time.sleep(0.01)
 
     @property
     def round_in_flight(self) -> Optional[int]:

@@ -121,7 +121,11 @@ class SwarmLink:
         self.publish_every_s, self.ttl_s = publish_every_s, ttl_s
         self._last_publish = float("-inf")
 
-    def publish(self, stage, loss: float, tokens_per_s: float, force: bool = False) -> None:
+    def publish(self, stage, loss: float, tokens_per_s: float, force: bool = False,
+                joining_round: Optional[int] = None) -> None:
+        """Refresh this stage's record (at most every ``publish_every_s`` unless ``force``). ``joining_round``:
+        the swarm's round this stage is about to reload into, published before the download, so that the peers
+        ending that round count it in their group size and wait for it (bounded by their matchmaking time)."""
         import time
 
         from hivemind.utils import get_dht_time
@@ -131,7 +135,9 @@ class SwarmLink:
             return
         self._last_publish = now
         record = ProgressRecord(peer=self.peer_name, stage=stage.stage_index, num_stages=stage.num_stages,
-                                round=stage.round_index, inner_step=stage.inner_step,
+                                round=stage.round_index if joining_round is None else joining_round,
+                                inner_step=stage.inner_step if joining_round is None else
+                                joining_round * stage.diloco_cfg.inner_steps,
                                 tokens_per_s=float(tokens_per_s), loss=float(loss), time=get_dht_time(),
                                 applied_round=stage.applied_round, anchor=self.anchor_fingerprint)
         try:

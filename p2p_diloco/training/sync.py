@@ -8,7 +8,7 @@ live stage process); states come from other peers through hivemind's state shari
   a round or more behind the swarm's newest round reloads too (a peer one whole round behind can never again
   meet the others' round key); one on the swarm's round simply rejoins;
 - after every round end, a stage that is behind reloads; one whose anchor fingerprint for an applied round
-  is not the swarm's canonical one (most votes, ties broken by the larger fingerprint; a round of its fell
+  is not the swarm's canonical one (most votes, ties go to the smallest node id; a round of its fell
   back while theirs averaged) ``resync``s its anchor and momentum from a peer at the same point, keeping its
   own progress; peers holding the canonical anchor rank first as donors.
 
@@ -66,16 +66,21 @@ class SwarmSync:
     def at_start(self, resumed: bool) -> None:
         others = self.swarm.others(self.stage)
         swarm_round = max((r.round for r in others), default=0)
-        if (not resumed and swarm_round > 0) or (resumed and swarm_round > self.stage.round_index):
-            reason = "joining the swarm" if not resumed else \
-                f"{swarm_round - self.stage.round_index} round(s) behind the swarm"
-            self._reload(reason)
+        behind = (not resumed and swarm_round > 0) or (resumed and swarm_round > self.stage.round_index)
+        reason = "joining the swarm" if not resumed else \
+            f"{swarm_round - self.stage.round_index} round(s) behind the swarm"
+        # the stages see the records at slightly different times: they decide together, or one would wait in the
+        # reload's collective while another trains on (a hang seen in CI)
+        if self.executor.any_stage(behind):
+            self._reload(reason if behind else "another stage of this peer is reloading", swarm_round)
 
     def after_round(self) -> None:
         others = self.swarm.others(self.stage)
         swarm_round = max((r.round for r in others), default=0)
-        if swarm_round > self.stage.round_index:  # others are at least a whole round ahead
-            self._reload(f"{swarm_round - self.stage.round_index} round(s) behind the swarm")
+        behind = swarm_round > self.stage.round_index  # others are at least a whole round ahead
+        if self.executor.any_stage(behind):  # the stages of a pipeline decide together (see at_start)
+            self._reload(f"{swarm_round - self.stage.round_index} round(s) behind the swarm" if behind
+                         else "another stage of this peer is reloading", swarm_round)
             return
         diverged = self._diverged_round(others)
         if diverged is not None:
@@ -85,17 +90,21 @@ class SwarmSync:
     def _diverged_round(self, others) -> int | None:
         """The newest applied round for which this stage's anchor is not the swarm's canonical one, or None.
 
-        The canonical anchor after a round is the fingerprint most stage processes report for it, ties broken by
-        the larger fingerprint: every peer computes the same from the same records, so exactly the peers off it
-        resync, also when there is no majority (two survivors of a broken round, each with its own anchor, would
-        otherwise keep averaging pseudo-gradients onto different anchors forever)."""
+        The canonical anchor after a round is the fingerprint most stage processes report for it; a tie goes to
+        the anchor held by the smallest node id. Every peer computes the same from the same records, so exactly
+        the peers off it resync, also when there is no majority (two survivors of a broken round, each with its
+        own anchor, would otherwise keep averaging pseudo-gradients onto different anchors forever). The
+        tie-break must not change from round to round: peers compare at whichever applied round their records
+        happen to share, and a tie-break by the fingerprint itself could name one peer at one round and the
+        other at the next, so that neither ever resyncs (seen on a loaded machine)."""
         for applied, mine in sorted(self.fingerprints.items(), reverse=True):
-            theirs = [r.anchor for r in others if r.applied_round == applied and r.anchor]
+            theirs = [r for r in others if r.applied_round == applied and r.anchor]
             if not theirs:
                 continue
-            votes = Counter(theirs)
-            votes[mine] += 1
-            canonical = max(votes.items(), key=lambda item: (item[1], item[0]))[0]
+            holders: dict[str, list[str]] = {mine: [self.swarm.node]}
+            for record in theirs:
+                holders.setdefault(record.anchor, []).append(record.node)
+            canonical = min(holders, key=lambda fp: (-len(holders[fp]), min(holders[fp])))
             self.holds_canonical, self.canonical = canonical == mine, canonical
             return None if self.holds_canonical else applied
         self.holds_canonical = True  # nobody to compare with
@@ -124,7 +133,9 @@ class SwarmSync:
             meta["inner_step"] = min(meta["inner_step"] + travelled, meta["round_start_step"] + H - 1)
         return meta, tensors
 
-    def _reload(self, reason: str) -> None:
+    def _reload(self, reason: str, swarm_round: int) -> None:
+        if swarm_round > self.stage.round_index:  # the others count this stage in while it downloads
+            self.swarm.publish(self.stage, float("nan"), 0.0, force=True, joining_round=swarm_round)
         state = self._download()
         points = self.executor.common_value(None if state is None else (state[0]["round"], state[0]["inner_step"]))
         if state is None or None in points or len({r for r, _ in points}) != 1:

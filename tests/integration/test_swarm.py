@@ -49,14 +49,7 @@ SETTINGS = {
 }
 
 
-KNOWN_FLAKY = pytest.mark.xfail(
-    strict=False, reason="known issue (open): since the robust reducer excludes a groupmate on another round instead "
-    "of failing the group, eager mode with low rank sometimes splits the first rounds (a peer falls back, then "
-    "reloads), so the 'every round averaged in a group of 3' assertions fail; the anchors re-converge")
-
-
-@pytest.mark.parametrize("setting", [s if s != "eager-lowrank" else pytest.param(s, marks=KNOWN_FLAKY)
-                                     for s in SETTINGS])
+@pytest.mark.parametrize("setting", list(SETTINGS))
 def test_three_peers_identical_anchors_and_runs_never_mix(tmp_path, processes, bootstrap, setting):
     """3 peers of run A train 4 rounds next to 2 peers of run B: A averages in groups of exactly 3, B of 2,
     every A peer holds the bit-identical anchor after every applied round, and eval loss falls. In every overlap

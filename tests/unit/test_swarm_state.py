@@ -98,11 +98,15 @@ class Record:
     round: int
     applied_round: int
     anchor: str
+    node: str = "other"
 
 
 class FakeSwarm:
-    def __init__(self, records):
-        self.records = records
+    def __init__(self, records, node="me"):
+        self.records, self.node, self.published = records, node, []
+
+    def publish(self, stage, loss, tokens_per_s, force=False, joining_round=None):
+        self.published.append(joining_round)
 
     def others(self, stage):
         return self.records
@@ -121,13 +125,19 @@ class FakeAverager:
 
 
 class OneStage:
+    def __init__(self, other_stage_flags: bool = False):
+        self.other_stage_flags = other_stage_flags  # what the peer's other stages report to any_stage
+
     def common_value(self, value):
         return [value]
 
+    def any_stage(self, flag: bool) -> bool:
+        return flag or self.other_stage_flags
 
-def make_sync(peer: Stage, records, state):
+
+def make_sync(peer: Stage, records, state, other_stage_flags: bool = False, node: str = "me"):
     peer.averager = FakeAverager(state)
-    return SwarmSync(peer, FakeSwarm(records), OneStage(), "run", download_timeout_s=5)
+    return SwarmSync(peer, FakeSwarm(records, node), OneStage(other_stage_flags), "run", download_timeout_s=5)
 
 
 def test_newcomer_and_laggard_reload_but_a_peer_on_the_swarms_round_rejoins():
@@ -139,6 +149,7 @@ def test_newcomer_and_laggard_reload_but_a_peer_on_the_swarms_round_rejoins():
     sync = make_sync(newcomer, [Record(6, 5, "x")], state)
     sync.at_start(resumed=False)
     assert newcomer.round_index == 6 and sync.events[0]["action"] == "reload"
+    assert sync.swarm.published == [6]  # announced on the swarm's round before downloading: others wait for it
 
     on_time = make_stage()
     on_time.round_index = 6
@@ -151,6 +162,25 @@ def test_newcomer_and_laggard_reload_but_a_peer_on_the_swarms_round_rejoins():
     sync = make_sync(behind, [Record(6, 4, "x")], state)
     sync.after_round()
     assert behind.round_index == 6 and sync.events[0]["action"] == "reload"
+
+
+def test_a_stage_reloads_when_another_stage_of_its_peer_does():
+    """The stages of a pipeline read the swarm's records at slightly different times; one that sees no reason
+    to reload still reloads with the others (else it trains on while they wait in the reload's collective)."""
+    donor = make_stage(seed=1)
+    donor.round_index, donor.applied_round = 1, 0
+    donor.inner_step = donor.round_index * donor.diloco_cfg.inner_steps
+    state = shareable_state(donor, "run")
+    for at_start in (True, False):
+        peer = make_stage()
+        sync = make_sync(peer, [Record(0, -1, "")], state, other_stage_flags=True)
+        sync.at_start(resumed=False) if at_start else sync.after_round()
+        assert [e["action"] for e in sync.events] == ["reload"] and peer.round_index == 1
+        assert "another stage" in sync.events[0]["reason"]
+    alone = make_stage()
+    sync = make_sync(alone, [Record(0, -1, "")], state, other_stage_flags=False)
+    sync.at_start(resumed=False)
+    assert not sync.events and alone.averager.downloads == 0
 
 
 def test_resync_only_when_the_others_agree_on_another_anchor():
@@ -207,20 +237,21 @@ def test_resync_from_a_donor_that_already_applied_the_round_in_flight():
 
 
 def test_two_peers_with_different_anchors_converge_on_the_canonical_one():
-    """No majority (one other peer, another anchor): the tie is broken the same way on both sides, so exactly
-    one of the two resyncs."""
+    """No majority (one other peer, another anchor): the tie goes to the smallest node id, the same at every
+    round whichever fingerprint is larger, so exactly one of the two resyncs wherever each compares."""
     donor = make_stage(seed=1)
     donor.round_index, donor.applied_round = 8, 7
     donor.inner_step = donor.round_index * donor.diloco_cfg.inner_steps
     state = shareable_state(donor, "run")
-    outcomes = {}
-    fingerprint = anchor_fingerprint(donor.anchor)
-    for mine, theirs in (("0" * 32, fingerprint), ("f" * 32, fingerprint)):
-        peer = make_stage()
-        peer.round_index, peer.applied_round = 8, 7
-        sync = make_sync(peer, [Record(8, 7, theirs)], state)
-        sync.remember(mine)
-        sync.after_round()
-        outcomes[mine] = [e["action"] for e in sync.events]
-    assert outcomes == {"0" * 32: ["resync"], "f" * 32: []}
-
+    donors = anchor_fingerprint(donor.anchor)  # node-a holds the donor's anchor
+    for off in ("0" * 32, "f" * 32):  # node-b's anchor sorts before node-a's, then after it
+        outcomes = {}
+        for me, mine, other, theirs in (("node-a", donors, "node-b", off), ("node-b", off, "node-a", donors)):
+            peer = make_stage()
+            peer.round_index, peer.applied_round = 8, 7
+            sync = make_sync(peer, [Record(8, 7, theirs, node=other)], state, node=me)
+            sync.remember(mine)
+            sync.after_round()
+            outcomes[me] = [e["action"] for e in sync.events]
+            assert sync.holds_canonical == (me == "node-a")
+        assert outcomes == {"node-a": [], "node-b": ["resync"]}
