@@ -191,11 +191,14 @@ def test_swarm_with_hostile_peers_trains_and_names_them(tmp_path, processes, boo
     env = dict(os.environ)
     # 5 processes on a busy machine: a groupmate that starts sending late must not be dropped as if it had left
     patient = ["--averaging.next_chunk_timeout_s", "15"]
+    # rounds of 15 steps: 5 processes starting on 2 cores see each other up to a second or two apart, and a
+    # peer that finds the others past their first round already reloads instead of averaging it with them
+    H = 15
     for name in honest:
-        processes.start(name, *peer_args(tmp_path, name, bootstrap, "byz", rounds, 5, *patient, wait_for=5),
+        processes.start(name, *peer_args(tmp_path, name, bootstrap, "byz", rounds, H, *patient, wait_for=5),
                         env={k: v for k, v in env.items() if k != HOSTILE_ENV})
     for name, kind in hostile.items():
-        processes.start(name, *peer_args(tmp_path, name, bootstrap, "byz", rounds, 5, *patient, wait_for=5),
+        processes.start(name, *peer_args(tmp_path, name, bootstrap, "byz", rounds, H, *patient, wait_for=5),
                         env=dict(env, **{HOSTILE_ENV: kind}))
     for name in [*honest, *hostile]:
         assert processes.wait(name, timeout=240) == 0, processes.log(name)[-3000:]
