@@ -153,6 +153,13 @@ class SwarmSync:
         if state is None:
             return
         meta, tensors = state
+        if meta["round"] > self.stage.round_index:
+            # the donor trains a later round: taking its anchor while staying on this round would leave this
+            # stage a round behind with a round nobody else averages (seen under load: resync, then reload, then
+            # resync again, round after round). A reload, decided by all stages together, catches up instead.
+            logger.info(f"Stage {self.stage.stage_index}: the donor is on a later round ({meta['round']}, this "
+                        f"stage {self.stage.round_index}); resync later")
+            return
         # the anchors are comparable by the rounds they took, not by the round each peer trains in (a donor can
         # be a little behind or ahead in time); a donor missing rounds this peer applied cannot serve it
         if meta["applied_round"] < self.stage.applied_round:
