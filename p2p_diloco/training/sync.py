@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections import Counter
 
 from p2p_diloco.training.stage import Stage
 from p2p_diloco.training.summary import anchor_fingerprint
