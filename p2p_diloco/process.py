@@ -24,6 +24,26 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
         pass
 
 
+def leave_signals_to_parent(own_group: bool = False) -> None:
+    """Ignore SIGINT and SIGTERM in a background process of a peer (DHT node, averager): its parent stops it.
+
+    Ctrl-C in a terminal and ``kill -- -PGID`` signal the whole process group; without this, they would take
+    the averager away in the middle of the round that the peer's graceful stop is waiting for (it then waited
+    out the round's timeouts for nothing). The parent shuts these processes down when it exits, and they die
+    with it if it is killed (:func:`die_with_parent`).
+
+    With ``own_group``, the process also leaves its parent's process group, so that what it starts (the DHT
+    process's p2pd daemon, a Go program that exits on SIGTERM whatever it inherited) is out of reach of signals
+    to the peer's group too; p2pd still ends with the DHT process (its output pipe closes)."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    if own_group:
+        try:
+            os.setpgid(0, 0)
+        except OSError:
+            pass
+
+
 def lower_priority(increment: int = 10) -> None:
     """Let the training process win the CPU over this one (background networking): raise its nice value."""
     try:

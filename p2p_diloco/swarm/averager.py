@@ -46,7 +46,7 @@ from p2p_diloco.compression.codecs import CODECS
 from p2p_diloco.compression.policy import CompressionPolicy
 from p2p_diloco.config import AveragingConfig
 from p2p_diloco.faults import hostility_from_env
-from p2p_diloco.process import die_with_parent, lower_priority
+from p2p_diloco.process import die_with_parent, leave_signals_to_parent, lower_priority
 from p2p_diloco.swarm.allreduce import BYTES_RECEIVED, BYTES_SENT, ExactAllReduceRunner
 from p2p_diloco.swarm.guard import GroupView, GuardedAverager, PeerGuard, read_group
 from p2p_diloco.swarm.reduce import RoundReducer
@@ -151,6 +151,7 @@ class PseudoGradientAverager(GuardedAverager, DecentralizedAverager):
     # ---- runs in the averager's background process -------------------------------------------------
     def run(self) -> None:
         die_with_parent(signal.SIGKILL)  # a peer killed with SIGKILL leaves no averager behind
+        leave_signals_to_parent()  # a signal to the whole group is for the training process to handle
         lower_priority()  # averaging in the background must not slow the inner steps down
         super().run()
 

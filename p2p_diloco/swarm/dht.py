@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 import hivemind
 
 from p2p_diloco.config import DHTConfig
-from p2p_diloco.process import die_with_parent, lower_priority
+from p2p_diloco.process import die_with_parent, leave_signals_to_parent, lower_priority
 from p2p_diloco.swarm.errors import SwarmError
 from p2p_diloco.swarm.identity import IdentityLock, ensure_identity
 from p2p_diloco.swarm.records import bind_signer, with_signer
@@ -30,6 +30,7 @@ class _DHT(hivemind.DHT):
 
     def run(self) -> None:
         die_with_parent(signal.SIGKILL)
+        leave_signals_to_parent(own_group=True)  # a signal to the peer's group is for the peer to handle
         lower_priority()  # this process and its p2pd daemon yield the CPU to training
         logging.getLogger("hivemind.dht.dht").addFilter(_not_a_vanished_sender)
         super().run()

@@ -6,14 +6,24 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
 from p2p_diloco.faults import FAULT_EXIT_CODE
 from p2p_diloco.training import list_checkpoints, read_checkpoint
+from tests.integration.conftest import _descendants
 from tests.integration.test_swarm import applied, events, peer_args, summary
 
 pytestmark = pytest.mark.timeout(420)
+
+
+def _state(pid: int) -> str | None:
+    """The state letter of a process (R, S, Z, ...), None if it is gone."""
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
 
 
 def wait_until(condition, timeout: float, proc=None, log=lambda: "") -> None:
@@ -131,10 +141,19 @@ def test_crash_in_the_middle_of_a_checkpoint_write_keeps_the_previous_one(tmp_pa
 
 
 def test_sigterm_exits_cleanly_with_a_fresh_checkpoint(tmp_path, processes, bootstrap):
+    """SIGTERM to the peer's whole process group (as Ctrl-C in a terminal does with SIGINT) while a round is
+    averaging in the background: the peer's DHT and averager processes are left to it (they do not die under
+    it), the round ends as a round ends (here: no group, a fallback; not a timeout on a dead averager), and
+    the peer exits 0 with a checkpoint at the step it stopped at."""
     proc = processes.start("p", *peer_args(tmp_path, "p", bootstrap, "term", 100, 10))
     wait_until(lambda: len(events(tmp_path, "p", "step")) >= 3, 240, proc, lambda: processes.log("p"))
+    children = _descendants(proc.pid)
     os.killpg(proc.pid, signal.SIGTERM)
+    time.sleep(1.0)
+    alive = [pid for pid in children if _state(pid) not in (None, "Z")]
+    assert proc.poll() is not None or len(alive) == len(children) >= 3, (children, alive)  # DHT, p2pd, averager
     assert proc.wait(timeout=120) == 0, processes.log("p")[-3000:]
+    assert "TimeoutError" not in processes.log("p"), processes.log("p")[-3000:]
     s = summary(tmp_path, "p")
     assert s["stopped_early"]
     newest = read_checkpoint(list_checkpoints(tmp_path / "p" / "checkpoints" / "stage0of1")[0])
