@@ -47,28 +47,34 @@ def survivor_digests(tmp_path, names) -> dict[int, set[str]]:
 
 
 def in_sync_after(tmp_path, name: str, since: float, reference: dict[int, set[str]]):
-    """How many round ends the peer went through after ``since`` before its anchor equalled one of
-    ``reference``'s for the same applied round (after a round end, or after a reload/resync) and stayed so at
-    every later round end; None if it never did. Also the timeline, for messages."""
+    """The peer's anchor against ``reference`` (the survivors' anchors by applied round) from ``since`` on.
+
+    Returns (round ends before the peer first held one of the survivors' anchors for the same applied round,
+    after a round end or a reload/resync; None if it never did), the round ends after that at which it was off
+    the survivors' anchor and did not get back at the very next event (a resync, a reload, or the next round
+    end), and the timeline, for messages. On a loaded machine a peer in sync can still miss one round's group
+    and fall back; it must then come back at once, as the survivors themselves do."""
     timeline = sorted((e for kind in ("round", "sync") for e in events(tmp_path, name, kind) if e["time"] >= since),
                       key=lambda e: e["time"])
-    rounds = 0
-    for i, e in enumerate(timeline):
-        rounds += e["kind"] == "round"
+
+    def state(e) -> bool | None:  # in sync, off, or nothing to compare with
         applied_round = e["anchor_applied_round"] if e["kind"] == "round" else e["applied_round"]
-        if e["anchor_sha256"] in reference.get(applied_round, ()):
-            later = [x for x in timeline[i + 1:] if x["kind"] == "round" and x["anchor_applied_round"] in reference]
-            if all(x["anchor_sha256"] in reference[x["anchor_applied_round"]] for x in later):
-                return rounds, timeline
-    return None, timeline
+        return e["anchor_sha256"] in reference[applied_round] if applied_round in reference else None
+
+    states = [state(e) for e in timeline]
+    if True not in states:
+        return None, [], timeline
+    first = states.index(True)
+    rounds = sum(e["kind"] == "round" for e in timeline[:first + 1])
+    lasting = [e for i, e in enumerate(timeline) if i > first and e["kind"] == "round" and states[i] is False
+               and i + 1 < len(timeline) and states[i + 1] is False]
+    return rounds, lasting, timeline
 
 
-@pytest.mark.xfail(strict=False, reason="known issue (open): under CPU load the survivors drift a round apart and "
-                   "a peer off the canonical anchor can cycle resync/reload for several rounds (seen once in a fresh-"
-                   "clone run of session 11); passes on an idle machine and 3/3 under moderate load")
 def test_killed_peer_restarted_on_its_checkpoint_is_back_in_sync(tmp_path, processes, bootstrap):
     """3 peers; one is killed with SIGKILL mid-round; the survivors go on; restarted on its checkpoint folder, it
-    holds the survivors' anchor again within 2 rounds."""
+    holds the survivors' anchor again within 2 rounds, and from then on any round it misses (a group formed
+    without it on a loaded machine) is mended at the very next event."""
     rounds = 10
     args = {name: peer_args(tmp_path, name, bootstrap, "churn", rounds, 25, "--checkpoint.every_rounds", "1",
                             wait_for=3) for name in ("p0", "p1", "p2")}
@@ -94,8 +100,9 @@ def test_killed_peer_restarted_on_its_checkpoint_is_back_in_sync(tmp_path, proce
     syncs = [e for e in events(tmp_path, "p2", "sync") if e["time"] >= restarted_at]
     assert syncs and syncs[0]["action"] == "reload", syncs  # it was rounds behind: it takes the swarm's state
     survivors = survivor_digests(tmp_path, ("p0", "p1"))
-    rounds_to_sync, timeline = in_sync_after(tmp_path, "p2", restarted_at, survivors)
+    rounds_to_sync, lasting, timeline = in_sync_after(tmp_path, "p2", restarted_at, survivors)
     assert rounds_to_sync is not None and rounds_to_sync <= 2, timeline  # back in sync within 2 rounds
+    assert not lasting, (lasting, timeline)  # and it stays with the swarm (a missed group is mended at once)
     assert restarted.returncode == 0
 
 
