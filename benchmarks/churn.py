@@ -45,9 +45,8 @@ from p2p_diloco.training.metrics import read_metrics  # noqa: E402
 TINY = ["--model.preset", "tiny", "--data.batch_size", "8", "--data.seq_len", "64", "--data.eval_batches", "8",
         "--train.log_every", "10", "--train.progress", "false", "--run.num_threads", "1",
         "--train.eval_every_rounds", "0"]
-AVERAGING = ["--averaging.matchmaking_time_s", "3", "--averaging.request_timeout_s", "2",
-             "--averaging.round_timeout_s", "15", "--averaging.allreduce_timeout_s", "15",
-             "--averaging.next_chunk_timeout_s", "5"]
+AVERAGING = ["--averaging.request_timeout_s", "2", "--averaging.round_timeout_s", "15",
+             "--averaging.allreduce_timeout_s", "15", "--averaging.next_chunk_timeout_s", "5"]
 
 
 def _events(folder: Path, kind: str) -> list[dict]:
@@ -88,7 +87,8 @@ class Swarm:
         return [sys.executable, "-m", "p2p_diloco", "peer", "--initial-peers", *self.maddrs,
                 "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--run-id", run_id, "--output-dir", str(self.out / name),
                 "--train.num_rounds", str(a.rounds), "--diloco.inner_steps", str(a.h),
-                "--checkpoint.every_rounds", "1", "--train.wait_for_peers", str(a.peers), *TINY, *AVERAGING]
+                "--checkpoint.every_rounds", "1", "--train.wait_for_peers", str(a.peers), *TINY, *AVERAGING,
+                "--averaging.matchmaking_time_s", str(a.matchmaking_s)]
 
     def start(self, name: str, run_id: str) -> subprocess.Popen:
         (self.out / name).mkdir(parents=True, exist_ok=True)
@@ -238,7 +238,8 @@ def run_download(out: Path, args) -> dict:
                            *maddrs, "--host-maddrs", f"/ip4/{wan.ip(host)}/tcp/0",
                            "--run-id", f"dl{rate}", "--output-dir", str(folder / name),
                            "--train.num_rounds", str(rounds), "--diloco.inner_steps", str(args.h),
-                           "--train.state_timeout_s", "600", *args.model, *TINY_COMMON, *AVERAGING]
+                           "--train.state_timeout_s", "600", *args.model, *TINY_COMMON, *AVERAGING,
+                           "--averaging.matchmaking_time_s", str(args.matchmaking_s)]
                 (folder / name).mkdir(parents=True, exist_ok=True)
                 return wan.popen(host, command, stdout=open(folder / name / "console.log", "w"),
                                  stderr=subprocess.STDOUT, cwd=ROOT)
@@ -318,6 +319,10 @@ def main() -> None:
     parser.add_argument("--h", type=int, default=100, help="inner steps per round")
     parser.add_argument("--kill-window-s", type=float, default=4.0,
                         help="a kill happens this many seconds at most after a new round starts")
+    parser.add_argument("--matchmaking-s", type=float, default=6.0,
+                        help="averaging.matchmaking_time_s of the peers: in `delayed` mode matchmaking overlaps "
+                             "the next round, so it can wait for peers whose round ends a few seconds later (4 "
+                             "peers on 2 cores drift that far apart; at 3 s a calm swarm kept splitting into pairs)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rates", type=lambda s: [int(x) for x in s.split(",")], default=[20, 50],
                         help="link rates (Mbit/s) of the download part, comma-separated")
