@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from p2p_diloco.config import Config, ConfigError, DHTConfig, dump_config
+from p2p_diloco.config import AveragingConfig, Config, ConfigError, DHTConfig, dump_config
 from p2p_diloco.data import ShardDataset, WindowSampler, eval_batches, resolve_data_path, seed_from_peer_id
 from p2p_diloco.model import balanced_split, build_stage_model, check_split, model_args_from_config
 from p2p_diloco.training.executor import LocalExecutor
@@ -31,6 +31,13 @@ from p2p_diloco.training.sync import SwarmSync
 from p2p_diloco.training.trainer import Trainer
 
 logger = logging.getLogger(__name__)
+
+
+def donor_wait_s(averaging: AveragingConfig) -> float:
+    """How long a donor waits for its round in flight before serving its state (see :func:`_serve_state`). It
+    stays well inside the newcomer's wait for the first chunk from each donor (hivemind's next_chunk_timeout),
+    or the newcomer gives up on every donor while they wait (seen in CI: a restarted peer could not reload)."""
+    return min(10.0, averaging.allreduce_timeout_s, 0.5 * averaging.next_chunk_timeout_s)
 
 
 def _serve_state(stage: Stage, averager, run_id: str, wait_s: float):
@@ -150,7 +157,7 @@ def run_stage(cfg: Config, *, pipeline=None, reporter: Optional[Reporter] = None
         stage = Stage(model, stage_index=stage_index, num_stages=len(split), inner_cfg=cfg.inner,
                       diloco_cfg=cfg.diloco, total_steps=total_steps, averager=averager)
         averager.state_provider = partial(_serve_state, stage, averager, cfg.run.run_id,
-                                          wait_s=min(10.0, cfg.averaging.allreduce_timeout_s))
+                                          wait_s=donor_wait_s(cfg.averaging))
         seed = cfg.data.seed if cfg.data.seed is not None else seed_from_peer_id(peer_name)
         sampler = WindowSampler(data.train, data.seq_len, cfg.data.batch_size, seed)
         eval_data = eval_batches(data.eval, data.seq_len, cfg.data.batch_size, cfg.data.eval_batches) \

@@ -375,15 +375,27 @@ class PseudoGradientAverager(GuardedAverager, DecentralizedAverager):
         metadata, tensors = self.state_provider()
         return metadata, tensors, None
 
-    def download_state(self, timeout_s: float):
+    def download_state(self, timeout_s: float, attempts: int = 2):
         """(metadata, tensors) of this stage from another peer (the most advanced donor first, the next one if a
-        donor fails mid-download), or None; never longer than ``timeout_s``."""
-        try:
-            future = self.load_state_from_peers(wait=False, timeout=timeout_s)
-            return future.result(timeout=timeout_s)
-        except Exception as e:  # every network failure ends in "no state", never in a crash
-            logger.warning(f"State download failed: {e!r}")
-            return None
+        donor fails mid-download), or None; never longer than ``timeout_s``. When every donor failed (or none was
+        found: a donor's declaration in the DHT can lapse for a moment while it renews it), the lookup is made
+        once more after a pause."""
+        deadline = time.monotonic() + timeout_s
+        for attempt in range(attempts):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                future = self.load_state_from_peers(wait=False, timeout=remaining)
+                downloaded = future.result(timeout=remaining)
+            except Exception as e:  # every network failure ends in "no state", never in a crash
+                logger.warning(f"State download failed: {e!r}")
+                downloaded = None
+            if downloaded is not None:
+                return downloaded
+            if attempt + 1 < attempts:
+                time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+        return None  # the caller says what it does without a state
 
     @property
     def round_settled(self) -> bool:

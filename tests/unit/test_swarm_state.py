@@ -255,3 +255,45 @@ def test_two_peers_with_different_anchors_converge_on_the_canonical_one():
             outcomes[me] = [e["action"] for e in sync.events]
             assert sync.holds_canonical == (me == "node-a")
         assert outcomes == {"node-a": [], "node-b": ["resync"]}
+
+
+class _Lookups:
+    """Stands in for the averager in :meth:`PseudoGradientAverager.download_state`: each lookup returns the next
+    of ``results`` (None: no donor found, or every donor failed)."""
+
+    def __init__(self, *results):
+        self.results, self.calls = list(results), 0
+
+    def load_state_from_peers(self, wait: bool, timeout: float):
+        from concurrent.futures import Future
+
+        self.calls += 1
+        future = Future()
+        future.set_result(self.results.pop(0) if self.results else None)
+        return future
+
+
+def test_state_download_looks_again_once_when_no_donor_served():
+    from p2p_diloco.swarm.averager import PseudoGradientAverager
+
+    state = ({"round": 3}, [torch.zeros(2)])
+    lapsed = _Lookups(None, state)  # a donor's declaration lapsed during the first lookup
+    assert PseudoGradientAverager.download_state(lapsed, timeout_s=5) == state and lapsed.calls == 2
+    nobody = _Lookups()
+    assert PseudoGradientAverager.download_state(nobody, timeout_s=5) is None and nobody.calls == 2
+    found = _Lookups(state)
+    assert PseudoGradientAverager.download_state(found, timeout_s=5) == state and found.calls == 1
+
+
+@pytest.mark.parametrize("overrides", [
+    [], [("averaging.next_chunk_timeout_s", "5")],
+    [("averaging.next_chunk_timeout_s", "60"), ("averaging.allreduce_timeout_s", "4")]])
+def test_donors_wait_for_their_round_well_inside_the_newcomers_first_chunk_timeout(overrides):
+    """A donor waits a little for its round in flight before it serves; a newcomer waits only
+    next_chunk_timeout_s for the first chunk from each donor. Were the donor's wait as long, the newcomer
+    would give up on every donor (seen in CI)."""
+    from p2p_diloco.peer import donor_wait_s
+
+    averaging = load_config(None, overrides).averaging
+    wait = donor_wait_s(averaging)
+    assert 0 < wait <= 0.5 * averaging.next_chunk_timeout_s and wait <= averaging.allreduce_timeout_s
