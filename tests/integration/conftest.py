@@ -16,7 +16,7 @@ LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 FAST_AVERAGING = [
     "--averaging.matchmaking_time_s", "4", "--averaging.request_timeout_s", "2",
     "--averaging.round_timeout_s", "20", "--averaging.allreduce_timeout_s", "20",
-    "--averaging.next_chunk_timeout_s", "5",
+    "--averaging.next_chunk_timeout_s", "10",
 ]
 TINY_TRAINING = [
     "--model.preset", "tiny", "--data.batch_size", "8", "--data.seq_len", "64", "--data.eval_batches", "2",
