@@ -160,9 +160,18 @@ class Stage:
 
     # ---- the round ----------------------------------------------------------------------------------
     def end_round(self, tokens: int, expected_group_size: int | None, compute_s: float = 0.0) -> RoundReport:
-        """Steps 2-6 of DESIGN.md's round (see :meth:`_end_round`), under the state lock."""
+        """Steps 2-6 of DESIGN.md's round (see :meth:`_end_round`), under the state lock.
+
+        In delayed/eager mode the wait for the previous round's average comes first, outside the lock: state
+        serving goes on meanwhile. (Held through the wait, the lock kept a peer whose rounds all failed after
+        their timeouts from serving newcomers almost all the time: seen in CI, a peer one round behind it could
+        never download and catch up, so the two never met in a round again.)"""
+        waited = self._settle(self.pending) if self.pending is not None and self.mode != "none" else 0.0
         with self.state_lock:
-            return self._end_round(tokens, expected_group_size, compute_s)
+            report = self._end_round(tokens, expected_group_size, compute_s)
+        report.waited_s += waited
+        report.round_end_s += waited
+        return report
 
     @torch.no_grad()
     def _end_round(self, tokens: int, expected_group_size: int | None, compute_s: float = 0.0) -> RoundReport:
