@@ -297,3 +297,18 @@ def test_donors_wait_for_their_round_well_inside_the_newcomers_first_chunk_timeo
     averaging = load_config(None, overrides).averaging
     wait = donor_wait_s(averaging)
     assert 0 < wait <= 0.5 * averaging.next_chunk_timeout_s and wait <= averaging.allreduce_timeout_s
+
+
+@pytest.mark.parametrize("record, reloads", [
+    (Record(1, -1, ""), False),  # delayed mode: its round 0 is still averaging, a newcomer can join it there
+    (Record(1, 0, "x"), True),  # round 0 applied already (blocking mode): too late for it
+    (Record(2, 0, "x"), True),  # a whole round ahead
+])
+def test_newcomer_joins_a_round_the_swarm_is_still_averaging_instead_of_reloading(record, reloads):
+    donor = make_stage(seed=1)
+    donor.round_index, donor.applied_round = record.round, record.applied_round
+    donor.inner_step = donor.round_index * donor.diloco_cfg.inner_steps
+    newcomer = make_stage()
+    sync = make_sync(newcomer, [record], shareable_state(donor, "run"))
+    sync.at_start(resumed=False)
+    assert bool(sync.events) == reloads and newcomer.averager.downloads == int(reloads)
