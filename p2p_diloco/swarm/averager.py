@@ -377,9 +377,9 @@ class PseudoGradientAverager(GuardedAverager, DecentralizedAverager):
 
     def download_state(self, timeout_s: float, attempts: int = 2):
         """(metadata, tensors) of this stage from another peer (the most advanced donor first, the next one if a
-        donor fails mid-download), or None; never longer than ``timeout_s``. When every donor failed (or none was
-        found: a donor's declaration in the DHT can lapse for a moment while it renews it), the lookup is made
-        once more after a pause."""
+        donor fails mid-download), or None; never longer than ``timeout_s``. When no donor served (none found,
+        or each one failed or was busy past the first-chunk timeout), the lookup is made once more after a
+        pause, within the same bound."""
         deadline = time.monotonic() + timeout_s
         for attempt in range(attempts):
             remaining = deadline - time.monotonic()

@@ -4,9 +4,10 @@ Decisions come from the swarm's progress records (round, last applied round and 
 live stage process); states come from other peers through hivemind's state sharing
 (:mod:`p2p_diloco.training.swarm_state`):
 
-- at start, a stage with no checkpoint joins a swarm already past round 0 by a ``reload``; a resumed one that is
-  a round or more behind the swarm's newest round reloads too (a peer one whole round behind can never again
-  meet the others' round key); one on the swarm's round simply rejoins;
+- at start, a stage (new or resumed) reloads when another peer is two rounds ahead of it, or one round ahead
+  with this stage's round already applied (a peer one whole round behind can never again meet the others'
+  round key); otherwise it trains its round and joins the others' averaging of it (in delayed mode a peer
+  on the next round is still averaging this one);
 - after every round end, a stage that is behind reloads; one whose anchor fingerprint for an applied round
   is not the swarm's canonical one (most votes, ties go to the smallest node id; a round of its fell
   back while theirs averaged) ``resync``s its anchor and momentum from a peer at the same point, keeping its
