@@ -82,6 +82,9 @@ class PendingRound:
     suspects: dict = field(default_factory=dict)
     """Groupmates flagged in its averaging (peer id -> reasons)."""
     banned: list = field(default_factory=list)
+    share: float = 1.0
+    """eager mode: the share of this contribution already in the peer's eager parameters (taken back when the
+    round's average is applied, so that the contribution counts exactly once)."""
 
 
 class Stage:
@@ -115,9 +118,11 @@ class Stage:
         compressed = getattr(getattr(averager, "cfg", None), "compression", "none") != "none"
         self.feedback = [torch.zeros_like(t) for t in self.anchor] if compressed else None
         self.inner_optimizer = _make_adamw(named, inner_cfg)
-        self.outer_optimizer = OuterOptimizer(
-            self.anchor, lr=diloco_cfg.outer_lr, momentum=diloco_cfg.outer_momentum, nesterov=diloco_cfg.nesterov
-        )
+        self.outer_optimizer = self._make_outer(self.anchor)
+        # eager mode: this peer's own copy of the outer state (DESIGN.md, "eager"); the shared anchor stays the
+        # agreed one (state sharing, fingerprints, evaluation) and this copy is where the peer trains from
+        self.eager_anchor = [t.clone() for t in self.anchor] if self.mode == "eager" else None
+        self.eager_optimizer = self._make_outer(self.eager_anchor) if self.mode == "eager" else None
         self.inner_step = 0
         self.round_first_step: int | None = None  # set when this round's work began mid-round (after a reload)
         self.seconds_per_step = 0.0  # recent inner step time (set by the trainer; served to newcomers)
@@ -195,16 +200,14 @@ class Stage:
             self._set_params(self.anchor)
         else:
             previous = self.pending
-            averaged = self._collect(report)  # 5. the previous round's average (bounded wait), and its residual
+            applied = self._collect(report)  # 5. the previous round's average (bounded wait), and its residual
             contribution = self._with_feedback(delta)  # 3.
-            eager_params = None
-            if averaged is not None:
-                if self.mode == "eager":  # phi only: the anchor below gets the plain average, as everywhere
-                    eager_params = self.outer_optimizer.peek(self._eager_gradient(averaged, previous, contribution))
-                self.outer_optimizer.step(averaged)  # 6. theta = outer_step(theta, avg_prev)
-            self._start(self.round_index, contribution, tokens, expected_group_size, compute_s)  # 4. background
-            if eager_params is not None:
-                self._set_params(eager_params)
+            if applied is not None:
+                self.outer_optimizer.step(applied)  # 6. theta = outer_step(theta, avg_prev)
+            share = self._eager_step(previous, applied, contribution) if self.mode == "eager" else 1.0
+            self._start(self.round_index, contribution, tokens, expected_group_size, compute_s, share)  # 4.
+            if self.mode == "eager":
+                self._set_params(self.eager_anchor)
             else:  # rebase: the new anchor plus the local progress not yet averaged
                 self._set_params([theta - d for theta, d in zip(self.anchor, delta)])
             self.round_start = [p.detach().to(device="cpu", dtype=torch.float32, copy=True) for p in self.params]
@@ -231,6 +234,11 @@ class Stage:
         progress = [start - p.detach().to(device="cpu", dtype=torch.float32)
                     for start, p in zip(self.round_start, self.params)]  # of a round stopped half-way
         self.outer_optimizer.step(self._collect(report))
+        if self.eager_anchor is not None:  # the shared anchor now holds every contribution, exactly once
+            outer = self.outer_optimizer
+            self.eager_optimizer.load_state_tensors(outer.momentum_buffers, outer.num_steps)
+            for theta_e, theta in zip(self.eager_anchor, self.anchor):
+                theta_e.copy_(theta)
         self._set_params([theta - d for theta, d in zip(self.anchor, progress)])
         self.round_start = [p.detach().to(device="cpu", dtype=torch.float32, copy=True) for p in self.params]
         return report
@@ -246,12 +254,13 @@ class Stage:
         (the swarm may have finished the round meanwhile, and then it falls back like any failed round)."""
         pending = self.pending
         if pending is not None and not pending.settled:
-            self._start(pending.round_index, pending.contribution, pending.weight, expected_group_size, 0.0)
+            self._start(pending.round_index, pending.contribution, pending.weight, expected_group_size, 0.0,
+                        pending.share)
 
     def _start(self, round_index: int, contribution: list[torch.Tensor], tokens: float,
-               expected_group_size: int | None, compute_s: float) -> None:
+               expected_group_size: int | None, compute_s: float, share: float = 1.0) -> None:
         """Step 4: start averaging a round's contribution (or note why the network is skipped)."""
-        pending = PendingRound(round_index, contribution, float(tokens))
+        pending = PendingRound(round_index, contribution, float(tokens), share=share)
         if self.averager is None:
             pending.settled, pending.reason = True, "training without a swarm"
         elif expected_group_size is not None and expected_group_size <= 1:
@@ -311,11 +320,29 @@ class Stage:
             self.feedback = pending.residual
         return pending.averaged
 
-    def _eager_gradient(self, averaged, previous: PendingRound, fresh) -> list[torch.Tensor]:
-        """The previous average with this peer's stale contribution replaced by its fresh one (same weight)."""
-        group_tokens = previous.group_tokens if previous.averaged is not None else previous.weight
-        share = previous.weight / group_tokens
-        return [avg + share * (new - old) for avg, new, old in zip(averaged, fresh, previous.contribution)]
+    def _eager_step(self, previous: PendingRound | None, applied: list[torch.Tensor] | None,
+                    fresh: list[torch.Tensor]) -> float:
+        """Step this peer's eager outer state (arXiv 2502.12996) and return the share of ``fresh`` it took.
+
+        The eager outer gradient is the previous round's applied average with this peer's stale contribution
+        replaced by its fresh one: ``avg(r-1) - s(r-1) c(r-1) + s(r) c(r)``. The share taken out is the one put
+        in a round earlier, so every contribution counts exactly once (with outer momentum 0 the eager params
+        are ``theta0 - lr (sum of the applied averages + s(r) c(r))``). ``s(r)`` is this peer's share in its
+        last group (its tokens over the group's), 1 before its first group, after a failed round, and alone:
+        then eager is blocking DiLoCo exactly. A failed round's own contribution is applied whole (``applied``
+        is that contribution), so nothing of it is dropped.
+        """
+        previous_ok = previous is not None and previous.averaged is not None and previous.group_tokens > 0
+        share = min(1.0, previous.weight / previous.group_tokens) if previous_ok else 1.0
+        gradient = [share * c for c in fresh]
+        if previous is not None:
+            gradient = [g + a - previous.share * old for g, a, old in zip(gradient, applied, previous.contribution)]
+        self.eager_optimizer.step(gradient)
+        return share
+
+    def _make_outer(self, anchor: list[torch.Tensor]) -> OuterOptimizer:
+        cfg = self.diloco_cfg
+        return OuterOptimizer(anchor, lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=cfg.nesterov)
 
     def _set_params(self, values: list[torch.Tensor]) -> None:
         for p, value in zip(self.params, values):
@@ -341,7 +368,10 @@ class Stage:
         params = sum(p.numel() * p.element_size() for p in self.params)
         inner = sum(t.numel() * t.element_size() for state in self.inner_optimizer.state.values()
                     for t in state.values() if torch.is_tensor(t))
-        outer = sum(t.numel() * t.element_size() for t in self.anchor + self.outer_optimizer.momentum_buffers)
+        outer_state = self.anchor + self.outer_optimizer.momentum_buffers
+        if self.eager_anchor is not None:
+            outer_state += self.eager_anchor + self.eager_optimizer.momentum_buffers
+        outer = sum(t.numel() * t.element_size() for t in outer_state)
         return {"params": params, "inner_optimizer": inner, "outer_state": outer}
 
     def shutdown(self) -> None:

@@ -3,7 +3,8 @@
 Tensors: working params phi, anchor theta, outer momentum, inner AdamW moments, the error-feedback residuals
 of compression, and with overlap
 (delayed/eager) the round's starting point phi0, the contribution whose average is not applied yet and,
-when it arrived before the checkpoint (a shutdown waits for it), that average. Metadata: inner step,
+when it arrived before the checkpoint (a shutdown waits for it), that average; in eager mode the peer's own
+eager outer state (params and momentum). Metadata: inner step,
 round, optimizer step counts, the pending round's outcome. A stage resumed from a checkpoint written
 while its round was in flight restarts that averaging (:meth:`Stage.restart_pending`): the rest of the
 swarm may have finished the round meanwhile, and then it falls back like any failed round.
@@ -28,6 +29,9 @@ def state_tensors(stage: Stage) -> dict[str, torch.Tensor]:
             tensors[f"round_start/{name}"] = stage.round_start[i]
         if stage.feedback is not None:
             tensors[f"feedback/{name}"] = stage.feedback[i]
+        if stage.eager_anchor is not None:
+            tensors[f"eager_anchor/{name}"] = stage.eager_anchor[i]
+            tensors[f"eager_momentum/{name}"] = stage.eager_optimizer.momentum_buffers[i]
         if stage.pending is not None:
             tensors[f"pending/{name}"] = stage.pending.contribution[i]
             if stage.pending.averaged is not None:
@@ -47,10 +51,11 @@ def state_meta(stage: Stage) -> dict:
             "outer_steps": stage.outer_optimizer.num_steps, "adam_step": adam_steps[0] if adam_steps else 0.0,
             "stage": stage.stage_index, "num_stages": stage.num_stages, "mode": stage.mode,
             "applied_round": stage.applied_round,
+            "eager_outer_steps": None if stage.eager_optimizer is None else stage.eager_optimizer.num_steps,
             "pending": None if pending is None else {
                 "round": pending.round_index, "weight": pending.weight, "settled": pending.settled,
                 "averaged": pending.averaged is not None, "group_size": pending.group_size,
-                "group_tokens": pending.group_tokens, "reason": pending.reason}}
+                "group_tokens": pending.group_tokens, "reason": pending.reason, "share": pending.share}}
 
 
 @torch.no_grad()
@@ -82,6 +87,13 @@ def load_state(stage: Stage, tensors: dict[str, torch.Tensor], meta: dict) -> No
             _copy_checked(tensors, f"pending_residual/{name}", residual[-1])
         if stage.feedback is not None and f"feedback/{name}" in tensors:
             _copy_checked(tensors, f"feedback/{name}", stage.feedback[i])
+        if stage.eager_anchor is not None:
+            if f"eager_anchor/{name}" in tensors:
+                _copy_checked(tensors, f"eager_anchor/{name}", stage.eager_anchor[i])
+                _copy_checked(tensors, f"eager_momentum/{name}", stage.eager_optimizer.momentum_buffers[i])
+            else:  # written before eager kept its own state, or in delayed mode: start it from the shared one
+                stage.eager_anchor[i].copy_(stage.anchor[i])
+                stage.eager_optimizer.momentum_buffers[i].copy_(stage.outer_optimizer.momentum_buffers[i])
         if f"adam_exp_avg/{name}" in tensors:
             state = stage.inner_optimizer.state[p]
             state["step"] = torch.tensor(float(meta["adam_step"]))
@@ -91,10 +103,12 @@ def load_state(stage: Stage, tensors: dict[str, torch.Tensor], meta: dict) -> No
     stage.inner_step, stage.round_index = int(meta["inner_step"]), int(meta["round"])
     stage.applied_round = int(meta.get("applied_round", stage.round_index - 1))
     stage.outer_optimizer.num_steps = int(meta["outer_steps"])
+    if stage.eager_optimizer is not None:
+        stage.eager_optimizer.num_steps = int(meta.get("eager_outer_steps") or meta["outer_steps"])
     stage.pending = None if pending is None else PendingRound(
         int(info["round"]), pending, float(info["weight"]), settled=bool(info["settled"]), averaged=average,
         group_size=int(info["group_size"]), group_tokens=float(info["group_tokens"]), reason=str(info["reason"]),
-        residual=residual)
+        residual=residual, share=float(info.get("share", 1.0)))
 
 
 def _copy_checked(tensors: dict[str, torch.Tensor], key: str, target: torch.Tensor) -> None:

@@ -13,9 +13,13 @@ at the end of it. Taking a state over has two strengths:
   gradient weighted by the tokens it trained, so it reaches the round's end with the others: starting at the
   round's first step instead would make it late for every matchmaking from then on;
 - ``resync``: replace the anchor and momentum, keep the local progress and the round in flight (a peer on the
-  swarm's round whose anchor diverged); the working params move by the same amount as the anchor. The donor
-  may be a little further on (its average of the round this peer still has in flight already applied): the
-  round in flight is then dropped, as its average is in the anchor taken over.
+  swarm's round whose anchor diverged); the working params move by the same amount as the anchor (in eager
+  mode the peer's eager state too). The donor may be a little further on (its average of the round this peer
+  still has in flight already applied): the round in flight is then settled and dropped. If this peer's
+  contribution was averaged, the anchor taken over holds it, and the error feedback becomes that round's
+  residual; if it was not, the whole contribution is carried into the next round (as error feedback when
+  pseudo-gradients are compressed, else as progress in the working params), so nothing is counted twice or
+  lost.
 
 Called by :class:`p2p_diloco.training.sync.SwarmSync` (taking over) and by the averager's state-sharing thread
 (serving), both through the stage's state lock.
@@ -98,6 +102,7 @@ def adopt_state(stage: Stage, meta: dict, tensors: list[torch.Tensor], how: str,
     count = len(stage.anchor)
     anchor, momentum = tensors[:count], tensors[count:]
     with stage.state_lock:
+        old_momentum = [m.clone() for m in stage.outer_optimizer.momentum_buffers]
         shift = [new.float() - old for new, old in zip(anchor, stage.anchor)]
         for theta, value in zip(stage.anchor, anchor):
             theta.copy_(value)
@@ -117,14 +122,48 @@ def adopt_state(stage: Stage, meta: dict, tensors: list[torch.Tensor], how: str,
             stage._set_params(stage.anchor)
             if stage.feedback is not None:
                 stage.feedback = [torch.zeros_like(e) for e in stage.feedback]
-        else:
-            pending = stage.pending
-            if pending is not None and pending.round_index <= stage.applied_round:
-                # the donor's anchor already holds that round's average: applying it again would count it twice
-                if pending.in_flight and stage.averager is not None:
-                    stage.averager.abandon_round()
-                stage.pending = None
+            _set_eager(stage, shift=None)
+            if stage.mode != "none":
+                stage.round_start = [t.clone() for t in stage.anchor]
+            return
+        progress = [s - p.detach().to("cpu", torch.float32) for s, p in zip(stage.round_start, stage.params)]
+        pending = stage.pending
+        if stage.mode == "none" or pending is None or pending.round_index > stage.applied_round:
             stage._set_params([p.detach().to("cpu", torch.float32) + d for p, d in zip(stage.params, shift)])
-        if stage.mode != "none":
-            stage.round_start = ([t.clone() for t in stage.anchor] if how == "reload"
-                                 else [s + d for s, d in zip(stage.round_start, shift)])
+            if stage.mode != "none":
+                stage.round_start = [s + d for s, d in zip(stage.round_start, shift)]
+            _set_eager(stage, shift=(shift, [m - old for m, old in zip(momentum, old_momentum)]))
+            return
+        # the donor's anchor already holds the round in flight: settle it, then drop it (applying it again would
+        # count it twice)
+        stage._settle(pending)
+        stage.pending = None
+        carried = [torch.zeros_like(t) for t in stage.anchor]
+        if pending.averaged is not None:
+            if stage.feedback is not None and pending.residual is not None:
+                stage.feedback = pending.residual
+        elif stage.feedback is not None:
+            stage.feedback = pending.contribution  # not in anyone's average: it goes out with the next round
+        else:
+            carried = pending.contribution  # not in anyone's average: it stays in this peer's progress
+        _set_eager(stage, shift=None)
+        start = stage.eager_anchor if stage.eager_anchor is not None else stage.anchor
+        stage.round_start = [t.clone() for t in start]
+        # the next pseudo-gradient (round start - params) includes what is carried
+        stage._set_params([t - c - d for t, c, d in zip(start, carried, progress)])
+
+
+def _set_eager(stage: Stage, shift) -> None:
+    """Eager mode: this peer's eager state becomes the shared one (``shift`` None), or moves by (anchor shift,
+    momentum shift)."""
+    if stage.eager_anchor is None:
+        return
+    if shift is None:
+        for theta_e, theta in zip(stage.eager_anchor, stage.anchor):
+            theta_e.copy_(theta)
+        stage.eager_optimizer.load_state_tensors(stage.outer_optimizer.momentum_buffers,
+                                                 stage.outer_optimizer.num_steps)
+        return
+    for theta_e, m_e, d_theta, d_m in zip(stage.eager_anchor, stage.eager_optimizer.momentum_buffers, *shift):
+        theta_e.add_(d_theta)
+        m_e.add_(d_m)

@@ -44,9 +44,10 @@ def config(tmp_path: Path, mode_overrides=()):
 def reference_diloco(cfg, dataset: ShardDataset, seeds: list[int]) -> list[torch.Tensor]:
     """DiLoCo with K workers as DESIGN.md states it: H AdamW steps, exact mean of pseudo-gradients, Nesterov outer
     SGD; in ``delayed`` mode round r's mean is applied at the end of round r+1 and each worker continues from the
-    new global parameters minus its own not yet averaged progress; ``eager`` does the same for the global
-    parameters, while each worker continues from an outer step (on a copy) whose gradient is that mean with the
-    worker's stale pseudo-gradient replaced by its fresh one."""
+    new global parameters minus its own not yet averaged progress; ``eager`` (arXiv 2502.12996) does the same
+    for the global parameters, while each worker keeps its own copy of the outer state (an SGD of its own) and
+    continues from it, stepped at the end of round r with ``mean(r-1) - s(r-1) delta_k(r-1) + s(r) delta_k(r)``,
+    where ``s`` is the worker's share in its last group (1 before the first: nothing is known of a group yet)."""
     mode = cfg.diloco.mode
     base = Transformer(ModelArgs(**ARGS))
     global_params = [p.detach().clone().requires_grad_(True) for p in base.parameters()]
@@ -59,7 +60,10 @@ def reference_diloco(cfg, dataset: ShardDataset, seeds: list[int]) -> list[torch
         lr=cfg.inner.lr, betas=(cfg.inner.beta1, cfg.inner.beta2), eps=cfg.inner.eps) for w in workers]
     samplers = [WindowSampler(dataset, SEQ, BATCH, seed) for seed in seeds]
     starts = [[g.detach().clone() for g in global_params] for _ in seeds]
-    previous = None
+    eager_params = [[g.detach().clone().requires_grad_(True) for g in global_params] for _ in seeds]
+    eager_opts = [torch.optim.SGD(params, lr=cfg.diloco.outer_lr, momentum=cfg.diloco.outer_momentum, nesterov=True)
+                  for params in eager_params]
+    previous, previous_share = None, 1.0
     for r in range(ROUNDS):
         deltas = []
         for k, (worker, opt, sampler) in enumerate(zip(workers, optimizers, samplers)):
@@ -73,11 +77,16 @@ def reference_diloco(cfg, dataset: ShardDataset, seeds: list[int]) -> list[torch
                 opt.zero_grad()
             deltas.append([s - p.detach() for s, p in zip(starts[k], worker.parameters())])
         to_apply = deltas if mode == "none" else previous
-        eager = None
-        if mode == "eager" and previous is not None:
-            eager = [_sgd_peek(global_params, outer, [m + (new - old) / len(seeds) for m, new, old in
-                                                      zip(_exact_mean(previous), deltas[k], previous[k])])
-                     for k in range(len(seeds))]
+        if mode == "eager":
+            share = 1.0 if previous is None else 1.0 / len(seeds)  # equal tokens: 1/K in every group
+            for k in range(len(seeds)):
+                fresh = [share * d for d in deltas[k]]
+                grads = fresh if previous is None else [
+                    f + m - previous_share * old for f, m, old in zip(fresh, _exact_mean(previous), previous[k])]
+                for e, grad in zip(eager_params[k], grads):
+                    e.grad = grad
+                eager_opts[k].step()
+            previous_share = share
         if to_apply is not None:
             for g, mean in zip(global_params, _exact_mean(to_apply)):
                 g.grad = mean
@@ -87,8 +96,8 @@ def reference_diloco(cfg, dataset: ShardDataset, seeds: list[int]) -> list[torch
                 for i, p in enumerate(worker.parameters()):
                     if mode == "none":
                         p.copy_(global_params[i])
-                    elif eager is not None:
-                        p.copy_(eager[k][i])
+                    elif mode == "eager":
+                        p.copy_(eager_params[k][i])
                     else:
                         p.copy_(global_params[i].detach() - deltas[k][i])
             starts[k] = [p.detach().clone() for p in worker.parameters()]
@@ -103,19 +112,6 @@ def reference_diloco(cfg, dataset: ShardDataset, seeds: list[int]) -> list[torch
 def _exact_mean(deltas: list[list[torch.Tensor]]) -> list[torch.Tensor]:
     """Exact averaging: the mean in float64, rounded once."""
     return [torch.stack([d[i] for d in deltas]).double().mean(dim=0).float() for i in range(len(deltas[0]))]
-
-
-def _sgd_peek(params, optimizer, grads) -> list[torch.Tensor]:
-    """The parameters torch's SGD would produce with ``grads``, on copies (the real ones are not touched)."""
-    copies = [p.detach().clone().requires_grad_(True) for p in params]
-    peek = torch.optim.SGD(copies, **{k: optimizer.defaults[k] for k in ("lr", "momentum", "nesterov")})
-    for copy_, original, grad in zip(copies, params, grads):
-        state = optimizer.state.get(original, {})
-        if "momentum_buffer" in state:
-            peek.state[copy_]["momentum_buffer"] = state["momentum_buffer"].clone()
-        copy_.grad = grad
-    peek.step()
-    return [c.detach() for c in copies]
 
 
 def _reference_lr(step: int, inner, total: int) -> float:

@@ -9,6 +9,7 @@ import torch
 
 from p2p_diloco.config import load_config
 from p2p_diloco.model import ModelArgs, Transformer
+from p2p_diloco.swarm.averager import RoundResult
 from p2p_diloco.training import Stage
 from p2p_diloco.training.stage import PendingRound
 from p2p_diloco.training.summary import anchor_fingerprint
@@ -113,8 +114,13 @@ class FakeSwarm:
 
 
 class FakeAverager:
-    def __init__(self, state):
+    def __init__(self, state, result=None):
         self.state, self.downloads, self.state_sharing_priority, self.client_mode = state, 0, 0.0, False
+        self.result, self.finished = result, 0
+
+    def finish_round(self, timeout=None, hopeless=None):
+        self.finished += 1
+        return self.result or RoundResult(0, None, error="it failed")
 
     def download_state(self, timeout_s):
         self.downloads += 1
@@ -219,7 +225,7 @@ def test_resync_only_when_the_others_agree_on_another_anchor():
 
 def test_resync_from_a_donor_that_already_applied_the_round_in_flight():
     """The donor has applied round 7 while this peer's round 7 is still averaging: the peer takes the donor's
-    anchor and drops its round in flight (applying that average again would count it twice)."""
+    anchor and settles, then drops its round in flight (applying that average again would count it twice)."""
     donor = make_stage(seed=1)
     donor.round_index, donor.applied_round = 8, 7
     donor.inner_step = donor.round_index * donor.diloco_cfg.inner_steps
@@ -232,8 +238,90 @@ def test_resync_from_a_donor_that_already_applied_the_round_in_flight():
     sync.remember("mine")
     sync.after_round()
     assert [e["action"] for e in sync.events] == ["resync"]
-    assert (peer.applied_round, peer.pending, peer.averager.abandoned) == (7, None, True)
+    assert (peer.applied_round, peer.pending, peer.averager.finished) == (7, None, 1)
     assert all(torch.equal(a, b) for a, b in zip(peer.anchor, donor.anchor))
+
+
+def _resync_dropping_round_7(peer: Stage, result: RoundResult | None):
+    """Resync ``peer`` (round 8, its round 7 in flight with contribution 0.3 everywhere) from a donor that applied
+    round 7; returns the donor and the peer's local progress of round 8 (0.05 everywhere)."""
+    donor = make_stage(seed=1)
+    donor.round_index, donor.applied_round = 8, 7
+    donor.inner_step = donor.round_index * donor.diloco_cfg.inner_steps
+    meta, tensors = shareable_state(donor, "run")
+    peer.round_index, peer.applied_round = 8, 6
+    peer.pending = PendingRound(7, [torch.full_like(t, 0.3) for t in peer.anchor], 1.0)
+    peer.pending.in_flight = True
+    peer.averager = FakeAverager(None, result)
+    nudge(peer, -0.05)
+    adopt_state(peer, meta, tensors, "resync")
+    assert peer.pending is None and peer.averager.finished == 1
+    return donor
+
+
+def test_resync_dropping_an_averaged_round_keeps_its_residual_as_feedback():
+    """This peer's round 7 was averaged (so the donor's anchor holds it): what compression left out of it (its
+    residual) is what remains owed, not the feedback from before the round (that would be sent twice)."""
+    peer = make_stage()
+    peer.feedback = [torch.full_like(t, 0.7) for t in peer.anchor]  # stale: already inside round 7's contribution
+    residual = [torch.full_like(t, 0.01) for t in peer.anchor]
+    average = [torch.full_like(t, 0.2) for t in peer.anchor]
+    donor = _resync_dropping_round_7(peer, RoundResult(7, average, group_size=2, group_tokens=2.0,
+                                                       residual=residual))
+    assert all(torch.equal(e, r) for e, r in zip(peer.feedback, residual))
+    for p, s, theta in zip(peer.params, peer.round_start, donor.anchor):  # the round restarts on the donor's anchor
+        assert torch.equal(s, theta)
+        torch.testing.assert_close(s - p.detach(), torch.full_like(s, 0.05), rtol=0, atol=1e-6)
+
+
+def test_resync_dropping_a_round_that_failed_here_carries_the_whole_contribution():
+    """This peer's round 7 failed (the donor's group averaged without it): its whole contribution is still owed,
+    as error feedback when compressing, else as progress in the next pseudo-gradient. Nothing is lost."""
+    compressed = make_stage()
+    compressed.feedback = [torch.full_like(t, 0.7) for t in compressed.anchor]
+    _resync_dropping_round_7(compressed, None)
+    assert all(torch.allclose(e, torch.full_like(e, 0.3)) for e in compressed.feedback)
+
+    plain = make_stage()
+    donor = _resync_dropping_round_7(plain, None)
+    assert plain.feedback is None
+    for p, s, theta in zip(plain.params, plain.round_start, donor.anchor):
+        assert torch.equal(s, theta)  # next pseudo-gradient = round start - params = 0.3 + 0.05 + what follows
+        torch.testing.assert_close(s - p.detach(), torch.full_like(s, 0.35), rtol=0, atol=1e-6)
+
+
+def test_reload_and_resync_move_the_eager_state():
+    """eager: a reload takes the donor's anchor and momentum as the peer's eager state; a resync that keeps the
+    round in flight shifts the eager state by the anchor's and the momentum's change."""
+    donor = make_stage("eager", seed=1)
+    donor.round_index, donor.applied_round = 8, 7
+    donor.inner_step = donor.round_index * donor.diloco_cfg.inner_steps
+    with torch.no_grad():
+        for t, m in zip(donor.anchor, donor.outer_optimizer.momentum_buffers):
+            t.add_(0.5)
+            m.fill_(0.1)
+    meta, tensors = shareable_state(donor, "run")
+    reloaded = make_stage("eager")
+    with torch.no_grad():
+        for e in reloaded.eager_anchor:
+            e.add_(3.0)
+    adopt_state(reloaded, meta, tensors, "reload")
+    assert all(torch.equal(e, a) for e, a in zip(reloaded.eager_anchor, donor.anchor))
+    assert all(torch.equal(e, m) for e, m in zip(reloaded.eager_optimizer.momentum_buffers,
+                                                 donor.outer_optimizer.momentum_buffers))
+
+    peer = make_stage("eager")
+    peer.round_index, peer.applied_round = 8, 7
+    with torch.no_grad():
+        for e, m in zip(peer.eager_anchor, peer.eager_optimizer.momentum_buffers):
+            e.add_(0.25)
+            m.fill_(0.02)
+    gap = [e - a for e, a in zip(peer.eager_anchor, peer.anchor)]
+    adopt_state(peer, meta, tensors, "resync")
+    for e, a, g in zip(peer.eager_anchor, peer.anchor, gap):
+        torch.testing.assert_close(e - a, g, rtol=0, atol=1e-6)
+    for m in peer.eager_optimizer.momentum_buffers:
+        torch.testing.assert_close(m, torch.full_like(m, 0.12), rtol=0, atol=1e-6)
 
 
 def test_two_peers_with_different_anchors_converge_on_the_canonical_one():
