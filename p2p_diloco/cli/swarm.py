@@ -38,7 +38,8 @@ def register(subparsers) -> None:
         description="Start a bootstrap node and N peer processes on 127.0.0.1 that train the tiny model on the "
         "built-in corpus (the Python standard library's source) and average through hivemind. Shows progress, "
         "then a summary: loss at start and end per peer, eval loss of the final anchor, rounds, bytes sent "
-        "against a per-step fp32 AllReduce, and whether all anchors are identical. Writes loss.png.",
+        "against a per-step fp32 AllReduce, and whether all anchors are identical. Writes loss.png. With "
+        "--data.seed S, peer i samples its data windows with seed S + i (reproducible runs).",
         epilog=CONFIG_HELP + " Overrides apply to every peer.",
     )
     parser.add_argument("--peers", type=int, default=3, metavar="N", help="number of peers (default 3)")
@@ -72,7 +73,8 @@ def run(args: argparse.Namespace, overrides: list[tuple[str, str]]) -> int:
         print(f"Bootstrap node up at {maddrs[0]}", flush=True)
         threads = max(1, (os.cpu_count() or 1) // (args.peers * cfg.pipeline.stages))
         for i in range(args.peers):
-            processes[f"peer{i}"] = _start_peer(root, i, config_path, maddrs, threads)
+            seed = None if cfg.data.seed is None else cfg.data.seed + i
+            processes[f"peer{i}"] = _start_peer(root, i, config_path, maddrs, threads, seed)
         exit_codes = _follow(root, processes, cfg, args.peer_timeout)
     except KeyboardInterrupt:
         print("\nInterrupted: stopping the peers (they checkpoint first)...", flush=True)
@@ -123,13 +125,16 @@ def _wait_for_maddrs(path: Path, process: subprocess.Popen, timeout_s: float = 6
     raise RuntimeError(f"the bootstrap node did not report its addresses within {timeout_s:.0f} s")
 
 
-def _start_peer(root: Path, index: int, config_path: Path, maddrs: list[str], threads: int) -> subprocess.Popen:
+def _start_peer(root: Path, index: int, config_path: Path, maddrs: list[str], threads: int,
+                data_seed: int | None) -> subprocess.Popen:
+    """Peer ``index``; with ``data.seed`` set, it samples with seed data.seed + index (own windows, reproducible)."""
     peer_dir = root / f"peer{index}"
     peer_dir.mkdir(parents=True, exist_ok=True)
     log = open(peer_dir / "console.log", "w")
     return subprocess.Popen(
         _command("peer", "--config", str(config_path), "--initial-peers", *maddrs,
-                 "--output-dir", str(peer_dir), "--run.num_threads", str(threads)),
+                 "--output-dir", str(peer_dir), "--run.num_threads", str(threads),
+                 *(["--data.seed", str(data_seed)] if data_seed is not None else [])),
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent,
     )
 

@@ -165,15 +165,23 @@ class DiLoCoConfig:
     nesterov: bool = True
     """Use Nesterov momentum in the outer step."""
     mode: str = "delayed"
-    """How averaging overlaps training: 'none' (blocking DiLoCo), 'delayed' (one-step delay: the average of round r
-    is applied at the end of round r+1) or 'eager' (delayed, with this peer's stale contribution replaced by its
-    fresh one in its working parameters)."""
+    """How averaging overlaps training: 'none' (blocking DiLoCo), 'delayed' (round r averages in the background
+    while round r+1 trains; its average is applied as soon as it arrives, at the latest overlap_steps into round
+    r+1, and the local progress is rebased on it) or 'eager' (arXiv 2502.12996: applied at the end of round r+1,
+    and meanwhile each peer steps its own copy of the outer state with its fresh contribution standing in for
+    its stale one)."""
+    overlap_steps: Optional[int] = None
+    """delayed mode: the latest inner step of round r+1 at which round r's average is applied; a peer whose
+    average has not arrived by then waits for it (None: H, a whole round, DiLoCoX's one-step delay). The sooner
+    an average is applied the better the model learns; this bounds how long it may lag."""
 
     def validate(self) -> None:
         _require(self.inner_steps > 0, "diloco.inner_steps", f"must be a positive integer, got {self.inner_steps!r}")
         _positive(self.outer_lr, "diloco.outer_lr")
         _require(0 <= self.outer_momentum < 1, "diloco.outer_momentum",
                  f"must be in [0, 1), got {self.outer_momentum!r}")
+        _require(self.overlap_steps is None or 1 <= self.overlap_steps <= self.inner_steps, "diloco.overlap_steps",
+                 f"must be between 1 and diloco.inner_steps ({self.inner_steps}), got {self.overlap_steps!r}")
         _require(self.mode in AVERAGING_MODES, "diloco.mode",
                  f"must be one of {', '.join(AVERAGING_MODES)}, got {self.mode!r}")
 

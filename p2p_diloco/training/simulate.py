@@ -39,13 +39,17 @@ class ExactGroup:
         shapes: the stage's tensor shapes.
         cfg: the ``[averaging]`` section (compression scheme, bounds, robust rule, weight cap).
         fail_rounds: rounds whose averaging fails for every peer (each then applies its own contribution).
+        arrival_steps: a round's average counts as arrived (``round_settled``) once each peer has asked this many
+            times, i.e. after this many inner steps of the next round: a stand-in for the network's time.
         seed: shared by the group for seeded low-rank Qs (a real group uses its run id and stage).
         timeout_s: how long a peer waits for the others' contributions before its round fails.
     """
 
     def __init__(self, k: int, shapes: Sequence[Sequence[int]], cfg: AveragingConfig, *,
-                 fail_rounds: Sequence[int] = (), seed: str = "simulation", timeout_s: float = 600.0):
+                 fail_rounds: Sequence[int] = (), seed: str = "simulation", timeout_s: float = 600.0,
+                 arrival_steps: int = 1):
         self.k, self.cfg, self.fail_rounds, self.timeout_s = k, cfg, set(fail_rounds), timeout_s
+        self.arrival_steps = arrival_steps
         self.rule = RobustRule(outlier_ratio=cfg.outlier_norm_ratio, clip_ratio=cfg.clip_ratio)
         self.views = [ExactAverager(self, i, CompressionPolicy([tuple(s) for s in shapes], cfg), seed)
                       for i in range(k)]
@@ -126,6 +130,7 @@ class ExactAverager:
         self.proposal = policy.initial_proposal()
         self.last_error: float | None = None
         self.round_in_flight: int | None = None
+        self.polls = 0
 
     def set_expected_group_size(self, size: int | None) -> None:
         pass
@@ -138,7 +143,18 @@ class ExactAverager:
                         last_error=self.last_error)
         tensors = [t.detach().to(dtype=torch.float32, device="cpu").clone() for t in contribution]
         self.group._start(self.index, round_index, tensors, float(weight), metadata)
-        self.round_in_flight = round_index
+        self.round_in_flight, self.polls = round_index, 0
+
+    @property
+    def round_settled(self) -> bool:
+        """Whether the round in flight's average has "arrived": every peer started it, and this peer has asked
+        ``arrival_steps`` times."""
+        if self.round_in_flight is None:
+            return True
+        self.polls += 1
+        with self.group._cond:
+            started = len(self.group._started.get(self.round_in_flight, {})) == self.group.k
+        return started and self.polls >= self.group.arrival_steps
 
     def finish_round(self, timeout: float | None = None, hopeless=None) -> RoundResult:
         assert self.round_in_flight is not None, "no round in flight"

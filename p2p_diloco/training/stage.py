@@ -123,6 +123,9 @@ class Stage:
         # agreed one (state sharing, fingerprints, evaluation) and this copy is where the peer trains from
         self.eager_anchor = [t.clone() for t in self.anchor] if self.mode == "eager" else None
         self.eager_optimizer = self._make_outer(self.eager_anchor) if self.mode == "eager" else None
+        # delayed mode: the latest inner step of round r+1 at which round r's average is applied
+        self.overlap_steps = min(diloco_cfg.overlap_steps or diloco_cfg.inner_steps, diloco_cfg.inner_steps)
+        self._merged: RoundReport | None = None  # a merge done mid-round, reported with the round end
         self.inner_step = 0
         self.round_first_step: int | None = None  # set when this round's work began mid-round (after a reload)
         self.seconds_per_step = 0.0  # recent inner step time (set by the trainer; served to newcomers)
@@ -198,22 +201,72 @@ class Stage:
             averaged = self._collect(report)  # 5. this round's average
             self.outer_optimizer.step(averaged)  # 6. theta = outer_step(theta, avg); phi = theta
             self._set_params(self.anchor)
-        else:
+        elif self.mode == "eager":
             previous = self.pending
             applied = self._collect(report)  # 5. the previous round's average (bounded wait), and its residual
             contribution = self._with_feedback(delta)  # 3.
             if applied is not None:
                 self.outer_optimizer.step(applied)  # 6. theta = outer_step(theta, avg_prev)
-            share = self._eager_step(previous, applied, contribution) if self.mode == "eager" else 1.0
+            share = self._eager_step(previous, applied, contribution)
             self._start(self.round_index, contribution, tokens, expected_group_size, compute_s, share)  # 4.
-            if self.mode == "eager":
-                self._set_params(self.eager_anchor)
-            else:  # rebase: the new anchor plus the local progress not yet averaged
-                self._set_params([theta - d for theta, d in zip(self.anchor, delta)])
+            self._set_params(self.eager_anchor)
+            self.round_start = [p.detach().to(device="cpu", dtype=torch.float32, copy=True) for p in self.params]
+        else:  # delayed: the previous round's average is applied overlap_steps into this round (see merge)
+            if self.pending is not None:  # overlap_steps = H (or the merge point passed unmet, e.g. a resume)
+                self._merge(report)
+                delta = [start - p.detach().to(device="cpu", dtype=torch.float32)
+                         for start, p in zip(self.round_start, self.params)]
+            elif self._merged is not None:  # merged earlier in this round: report it with this round end
+                report.__dict__.update({k: v for k, v in vars(self._merged).items()
+                                        if k not in ("round_index", "delta_norm", "round_end_s")})
+            self._merged = None
+            contribution = self._with_feedback(delta)  # 3.
+            self._start(self.round_index, contribution, tokens, expected_group_size, compute_s)  # 4. background
+            # this round's progress stays in the working params until its average replaces it
             self.round_start = [p.detach().to(device="cpu", dtype=torch.float32, copy=True) for p in self.params]
         self.round_index += 1
         report.round_end_s = time.monotonic() - started
         return report
+
+    @property
+    def merge_due(self) -> bool:
+        """delayed mode: apply the previous round's average now, because it has arrived, or because this round
+        has reached ``overlap_steps`` (the merge then waits for it). The anchor does not depend on when."""
+        if self.mode != "delayed" or self.pending is None:
+            return False
+        steps_in = self.inner_step - self.round_index * self.diloco_cfg.inner_steps
+        return steps_in >= self.overlap_steps or self._average_arrived()
+
+    def _average_arrived(self) -> bool:
+        pending = self.pending
+        if pending.settled:
+            return True
+        return pending.in_flight and bool(getattr(self.averager, "round_settled", False))
+
+    def merge(self) -> float:
+        """delayed mode, once the previous round's average has arrived (at the latest ``overlap_steps`` into this
+        round): apply it to the anchor and rebase the working params on it (the new anchor minus this round's
+        progress so far). Returns the time spent waiting for it; the round end that follows reports the merge."""
+        waited = self._settle(self.pending) if self.pending is not None else 0.0
+        with self.state_lock:
+            report = RoundReport(self.round_index)
+            self._merge(report)
+            report.waited_s += waited
+            self._merged = report
+        return waited
+
+    @torch.no_grad()
+    def _merge(self, report: RoundReport) -> None:
+        """Step 5-6 of a delayed round: theta = outer_step(theta, avg_prev); phi = theta - progress since the
+        round started; the round now starts from theta."""
+        applied = self._collect(report)
+        if applied is None:
+            return
+        self.outer_optimizer.step(applied)
+        progress = [start - p.detach().to(device="cpu", dtype=torch.float32)
+                    for start, p in zip(self.round_start, self.params)]
+        self._set_params([theta - d for theta, d in zip(self.anchor, progress)])
+        self.round_start = [t.clone() for t in self.anchor]
 
     def _with_feedback(self, delta: list[torch.Tensor]) -> list[torch.Tensor]:
         """delta + e: what the compressor left out of earlier rounds goes out with this one."""

@@ -13,9 +13,11 @@ Called by the trainer when it saves and resumes.
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import torch
 
-from p2p_diloco.training.stage import PendingRound, Stage
+from p2p_diloco.training.stage import PendingRound, RoundReport, Stage
 
 
 def state_tensors(stage: Stage) -> dict[str, torch.Tensor]:
@@ -52,6 +54,7 @@ def state_meta(stage: Stage) -> dict:
             "stage": stage.stage_index, "num_stages": stage.num_stages, "mode": stage.mode,
             "applied_round": stage.applied_round,
             "eager_outer_steps": None if stage.eager_optimizer is None else stage.eager_optimizer.num_steps,
+            "merged": None if stage._merged is None else asdict(stage._merged),
             "pending": None if pending is None else {
                 "round": pending.round_index, "weight": pending.weight, "settled": pending.settled,
                 "averaged": pending.averaged is not None, "group_size": pending.group_size,
@@ -103,6 +106,7 @@ def load_state(stage: Stage, tensors: dict[str, torch.Tensor], meta: dict) -> No
     stage.inner_step, stage.round_index = int(meta["inner_step"]), int(meta["round"])
     stage.applied_round = int(meta.get("applied_round", stage.round_index - 1))
     stage.outer_optimizer.num_steps = int(meta["outer_steps"])
+    stage._merged = RoundReport(**meta["merged"]) if meta.get("merged") else None
     if stage.eager_optimizer is not None:
         stage.eager_optimizer.num_steps = int(meta.get("eager_outer_steps") or meta["outer_steps"])
     stage.pending = None if pending is None else PendingRound(

@@ -129,6 +129,10 @@ class Trainer:
             lr = self.stage.inner_update(total_norm)
             step_s = time.monotonic() - step_started
             self.summary.train_s += step_s
+            if self.stage.merge_due:  # delayed mode: the previous round's average is applied now
+                merge_started = time.monotonic()
+                self.stage.merge()
+                self.summary.train_s += time.monotonic() - merge_started
             self.stage.seconds_per_step = step_s if not self.stage.seconds_per_step else \
                 0.9 * self.stage.seconds_per_step + 0.1 * step_s
             window_tokens += self.tokens_per_step

@@ -42,6 +42,8 @@ def write(tmp_path: Path, text: str | bytes) -> Path:
     ([("inner.lr", "-1e-3")], "inner.lr: must be a positive number, got -0.001"),
     ([("inner.lr", "nan")], "inner.lr: expected a finite number"),
     ([("diloco.outer_lr", "0")], "diloco.outer_lr: must be a positive number"),
+    ([("diloco.overlap_steps", "0")], "diloco.overlap_steps: must be between 1 and diloco.inner_steps"),
+    ([("diloco.inner_steps", "10"), ("diloco.overlap_steps", "11")], "diloco.overlap_steps: must be between 1"),
     ([("pipeline.stages", "5")], "pipeline.stages: 5 stages need at least 5 blocks, but the model has 4"),
     ([("pipeline.stages", "3"), ("model.n_layers", "2")], "pipeline.stages: 3 stages need at least 3 blocks"),
     ([("pipeline.stages", "2"), ("pipeline.stage_layers", "1,2")],

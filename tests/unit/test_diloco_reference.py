@@ -47,8 +47,11 @@ def reference_diloco(cfg, dataset: ShardDataset, seeds: list[int]) -> list[torch
     new global parameters minus its own not yet averaged progress; ``eager`` (arXiv 2502.12996) does the same
     for the global parameters, while each worker keeps its own copy of the outer state (an SGD of its own) and
     continues from it, stepped at the end of round r with ``mean(r-1) - s(r-1) delta_k(r-1) + s(r) delta_k(r)``,
-    where ``s`` is the worker's share in its last group (1 before the first: nothing is known of a group yet)."""
+    where ``s`` is the worker's share in its last group (1 before the first: nothing is known of a group yet).
+    ``delayed`` with ``overlap_steps`` tau < H applies round r's mean tau steps into round r+1 instead, each worker
+    continuing from the new global parameters minus its progress since round r+1 began."""
     mode = cfg.diloco.mode
+    tau = cfg.diloco.overlap_steps or H
     base = Transformer(ModelArgs(**ARGS))
     global_params = [p.detach().clone().requires_grad_(True) for p in base.parameters()]
     outer = torch.optim.SGD(global_params, lr=cfg.diloco.outer_lr, momentum=cfg.diloco.outer_momentum,
@@ -64,10 +67,20 @@ def reference_diloco(cfg, dataset: ShardDataset, seeds: list[int]) -> list[torch
     eager_opts = [torch.optim.SGD(params, lr=cfg.diloco.outer_lr, momentum=cfg.diloco.outer_momentum, nesterov=True)
                   for params in eager_params]
     previous, previous_share = None, 1.0
+    merge_early = mode == "delayed" and tau < H
     for r in range(ROUNDS):
         deltas = []
+        if merge_early and previous is not None:  # the global step every worker meets tau steps into this round
+            for g, mean in zip(global_params, _exact_mean(previous)):
+                g.grad = mean
+            outer.step()
         for k, (worker, opt, sampler) in enumerate(zip(workers, optimizers, samplers)):
             for step in range(r * H, (r + 1) * H):
+                if merge_early and previous is not None and step == r * H + tau:
+                    with torch.no_grad():
+                        for i, p in enumerate(worker.parameters()):
+                            p.copy_(global_params[i].detach() - (starts[k][i] - p.detach()))
+                    starts[k] = [g.detach().clone() for g in global_params]
                 for group in opt.param_groups:
                     group["lr"] = _reference_lr(step, cfg.inner, ROUNDS * H)
                 x, y = sampler.next_batch()
@@ -76,7 +89,7 @@ def reference_diloco(cfg, dataset: ShardDataset, seeds: list[int]) -> list[torch
                 opt.step()
                 opt.zero_grad()
             deltas.append([s - p.detach() for s, p in zip(starts[k], worker.parameters())])
-        to_apply = deltas if mode == "none" else previous
+        to_apply = deltas if mode == "none" else None if merge_early else previous
         if mode == "eager":
             share = 1.0 if previous is None else 1.0 / len(seeds)  # equal tokens: 1/K in every group
             for k in range(len(seeds)):
@@ -98,6 +111,8 @@ def reference_diloco(cfg, dataset: ShardDataset, seeds: list[int]) -> list[torch
                         p.copy_(global_params[i])
                     elif mode == "eager":
                         p.copy_(eager_params[k][i])
+                    elif merge_early:
+                        continue  # the round's progress stays in place until its mean replaces it
                     else:
                         p.copy_(global_params[i].detach() - deltas[k][i])
             starts[k] = [p.detach().clone() for p in worker.parameters()]
@@ -195,10 +210,12 @@ def test_schedule_matches_reference():
         assert inner_lr(step, cfg.inner, ROUNDS * H) == pytest.approx(_reference_lr(step, cfg.inner, ROUNDS * H))
 
 
-@pytest.mark.parametrize("mode", ["none", "delayed", "eager"])
+@pytest.mark.parametrize("mode", ["none", "delayed", "eager", "delayed-tau2"])
 def test_trainer_matches_plain_diloco_simulation(dataset, tmp_path, mode):
     torch.manual_seed(0)
-    cfg = config(tmp_path, [("diloco.mode", mode)])
+    overrides = [("diloco.mode", "delayed"), ("diloco.overlap_steps", "2")] if mode == "delayed-tau2" else \
+        [("diloco.mode", mode)]
+    cfg = config(tmp_path, overrides)
     seeds = [11, 22, 33]
     expected = reference_diloco(cfg, dataset, seeds)
     stages = run_trainers(cfg, dataset, seeds, tmp_path)
@@ -218,6 +235,9 @@ def test_the_three_modes_are_different_algorithms(dataset, tmp_path):
     """Guards the test above: the modes must not coincide, or matching them would prove nothing."""
     anchors = {mode: reference_diloco(config(tmp_path, [("diloco.mode", mode)]), dataset, [11, 22, 33])
                for mode in ("none", "delayed", "eager")}
-    for a, b in (("none", "delayed"), ("delayed", "eager"), ("none", "eager")):
+    anchors["delayed-tau2"] = reference_diloco(config(tmp_path, [("diloco.mode", "delayed"),
+                                                                 ("diloco.overlap_steps", "2")]), dataset, [11, 22, 33])
+    for a, b in (("none", "delayed"), ("delayed", "eager"), ("none", "eager"), ("delayed", "delayed-tau2"),
+                 ("none", "delayed-tau2")):
         gap = max((x - y).abs().max().item() for x, y in zip(anchors[a], anchors[b]))
         assert gap > 1e-4, (a, b, gap)

@@ -1,0 +1,387 @@
+"""Learning quality: eval loss at equal tokens per worker, for every way of training, side by side.
+
+K workers run the project's real round code (:class:`~p2p_diloco.training.stage.Stage`: inner AdamW with the
+peer's schedule and clipping, pseudo-gradients, error feedback, the outer optimizer, the delayed and eager
+rules) on the real data sampler; their averaging is :class:`~p2p_diloco.training.simulate.ExactGroup` (the real
+compression policy, codecs, PowerSGD reducer and robust combine, no network), so long horizons cost CPU time
+only. Rows, each at the same tokens per worker:
+
+- ``alone``: one worker, plain AdamW (what a volunteer gets without any swarm);
+- ``alone-diloco``: one p2p-diloco peer with nobody to average with (outer steps on its own progress);
+- ``<mode>/<compression>``: K workers in ``none`` (blocking DiLoCo), ``delayed`` and ``eager`` mode;
+- ``data-parallel``: per-step data parallel with the same global batch (K x batch) and steps: the ceiling.
+
+For each row: final eval loss of the anchor (mean and spread over seeds) on ``--eval-batches`` held-out
+batches, its change against the better alone row, the fraction of the gap between alone and data parallel
+it closes, bytes per worker per round, and rounds that fell back. Curves (eval loss against tokens per worker)
+go to ``quality.png``; raw results to ``quality.json`` and the table to ``quality_report.txt`` in ``--out``.
+
+    python benchmarks/quality.py --quick                       # a few minutes
+    python benchmarks/quality.py --seeds 0,1 --out runs/quality # tiny, K = 4, H = 50, 30 rounds
+    python benchmarks/quality.py --preset wan --rows none/none,delayed/adaptive,eager/adaptive ...
+    python benchmarks/quality.py --set diloco.outer_lr=0.5 ...  # any config override, every row
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from p2p_diloco.config import load_config  # noqa: E402
+from p2p_diloco.data import WindowSampler, eval_batches  # noqa: E402
+from p2p_diloco.model import build_stage_model, model_args_from_config  # noqa: E402
+from p2p_diloco.peer import load_data  # noqa: E402
+from p2p_diloco.training import LocalExecutor, Stage  # noqa: E402
+from p2p_diloco.training.simulate import ExactGroup  # noqa: E402
+
+# the 3.35M-parameter model of benchmarks/wan.py: matrices large enough for low rank to engage
+WAN_MODEL = [("model.dim", "256"), ("model.n_layers", "4"), ("model.n_heads", "4"), ("model.n_kv_heads", "4"),
+             ("model.ffn_dim", "768"), ("model.max_seq_len", "128")]
+ALL_ROWS = ("alone", "alone-diloco", "none/none", "none/adaptive", "delayed/none", "delayed/adaptive",
+            "eager/none", "eager/adaptive", "data-parallel")
+
+
+@dataclass
+class RowResult:
+    name: str
+    seed: int
+    curve: list = field(default_factory=list)  # (tokens per worker, eval loss)
+    final: float = float("nan")
+    bytes_per_round: float = 0.0
+    fallbacks: int = 0
+    wall_s: float = 0.0
+
+
+class Setting:
+    """Data, model shape and configs of one benchmark setting."""
+
+    def __init__(self, args: argparse.Namespace, extra: list | None = None):
+        self.args = args
+        overrides = [("model.preset", "tiny"), ("data.batch_size", str(args.batch)), ("data.seq_len", str(args.seq)),
+                     ("diloco.inner_steps", str(args.h)), ("train.num_rounds", str(args.rounds))]
+        if args.preset == "wan":
+            overrides += WAN_MODEL
+        elif args.preset != "tiny":
+            overrides[0] = ("model.preset", args.preset)
+        overrides += [tuple(item.split("=", 1)) for item in args.set]
+        self.overrides = overrides
+        overrides = overrides + list(extra or [])
+        self.cfg = load_config(None, overrides)
+        self.data = load_data(self.cfg, max_seq_len=args.seq)
+        self.model_args = model_args_from_config(self.cfg.model, self.data.train.vocab_size)
+        self.eval_data = eval_batches(self.data.eval, args.seq, args.batch, args.eval_batches)
+        self.tokens_per_step = args.batch * args.seq
+        self.device = torch.device(args.device)
+
+    def config(self, mode: str, compression: str):
+        return load_config(None, self.overrides + [("diloco.mode", mode), ("averaging.compression", compression)])
+
+    def model(self, seed: int):
+        """The model of every worker of a run with this seed (init seed: model.init_seed + seed)."""
+        args = self.model_args
+        args.init_seed = self.cfg.model.init_seed + seed
+        return build_stage_model(args, [args.n_layers], 0).to(self.device)
+
+    def sampler(self, seed: int, worker: int, batch: int | None = None) -> WindowSampler:
+        """Worker ``worker``'s windows: seed 1000 seed + data.seed + worker (peer i of ``p2p-diloco swarm
+        --data.seed S`` samples with S + i: seed 0 of the simulation draws the same windows)."""
+        base = 1000 * seed + (self.cfg.data.seed or 0)
+        return WindowSampler(self.data.train, self.args.seq, batch or self.args.batch, base + worker)
+
+
+def evaluate(executor: LocalExecutor, stage: Stage | None, eval_data) -> float:
+    if stage is None:
+        return executor.evaluate(eval_data)
+    with stage.anchor_weights():
+        return executor.evaluate(eval_data)
+
+
+def inner_step(stage: Stage, executor: LocalExecutor, sampler) -> float:
+    """One inner step as the trainer takes it: forward/backward, the peer's total norm, clipped AdamW."""
+    inputs, targets = sampler.next_batch()
+    loss = executor.forward_backward(inputs.to(executor.device), targets.to(executor.device))
+    stage.inner_update(torch.linalg.vector_norm(stage.grad_norms(), 2))
+    if stage.merge_due:  # delayed mode: the previous round's average is applied overlap_steps into this round
+        stage.merge()
+    return loss
+
+
+def run_plain(setting: Setting, seed: int, workers: int, name: str) -> RowResult:
+    """Plain AdamW on ``workers`` x batch per step (1: alone; K: per-step data parallel), the inner schedule."""
+    args, started = setting.args, time.monotonic()
+    cfg = setting.config("none", "none")
+    model = setting.model(seed)
+    stage = Stage(model, stage_index=0, num_stages=1, inner_cfg=cfg.inner, diloco_cfg=cfg.diloco,
+                  total_steps=args.rounds * args.h)
+    executor = LocalExecutor(model, setting.device)
+    samplers = [setting.sampler(seed, k) for k in range(workers)]
+
+    class Joined:  # the K workers' batches of one step, as one batch (exactly the mean of their gradients)
+        def next_batch(self):
+            batches = [s.next_batch() for s in samplers]
+            return torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+
+    joined, result = Joined(), RowResult(name, seed)
+    result.curve.append((0, evaluate(executor, None, setting.eval_data)))
+    for r in range(args.rounds):
+        for _ in range(args.h):
+            inner_step(stage, executor, joined)
+        if (r + 1) % args.eval_every == 0 or r + 1 == args.rounds:
+            result.curve.append(((r + 1) * args.h * setting.tokens_per_step,
+                                 evaluate(executor, None, setting.eval_data)))
+    result.final, result.wall_s = result.curve[-1][1], time.monotonic() - started
+    return result
+
+
+def run_diloco(setting: Setting, seed: int, workers: int, mode: str, compression: str, name: str) -> RowResult:
+    """K workers of p2p-diloco's round code, averaging through an exact in-process group."""
+    args, started = setting.args, time.monotonic()
+    cfg = setting.config(mode, compression)
+    models = [setting.model(seed) for _ in range(workers)]
+    shapes = [tuple(p.shape) for p in models[0].parameters() if p.requires_grad]
+    group = ExactGroup(workers, shapes, cfg.averaging, seed=f"quality{seed}",
+                       arrival_steps=args.arrival_steps or args.h) if workers > 1 else None
+    stages = [Stage(m, stage_index=0, num_stages=1, inner_cfg=cfg.inner, diloco_cfg=cfg.diloco,
+                    total_steps=args.rounds * args.h, averager=group.view(k) if group else None)
+              for k, m in enumerate(models)]
+    executors = [LocalExecutor(m, setting.device) for m in models]
+    samplers = [setting.sampler(seed, k) for k in range(workers)]
+    result, payload = RowResult(name, seed), []
+    result.curve.append((0, evaluate(executors[0], stages[0], setting.eval_data)))
+
+    def end_all(end) -> list:
+        reports = [None] * workers
+        errors = []
+
+        def one(k):
+            try:
+                reports[k] = end(stages[k], k)
+            except BaseException as e:  # re-raised below
+                errors.append(e)
+        threads = [threading.Thread(target=one, args=(k,)) for k in range(workers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        return reports
+
+    for r in range(args.rounds):
+        compute = []
+        for k in range(workers):
+            t0 = time.monotonic()
+            for _ in range(args.h):
+                inner_step(stages[k], executors[k], samplers[k])
+            compute.append(time.monotonic() - t0)
+        tokens = args.h * setting.tokens_per_step
+        reports = end_all(lambda stage, k, tokens=tokens, compute=compute:
+                          stage.end_round(tokens, workers, compute_s=compute[k]))
+        _account(result, reports, payload)
+        _check_identical(stages, name, r)
+        if (r + 1) % args.eval_every == 0 or r + 1 == args.rounds:
+            if r + 1 == args.rounds and mode != "none":
+                _account(result, end_all(lambda stage, k: stage.flush()), payload)
+                _check_identical(stages, name, r)
+            result.curve.append(((r + 1) * args.h * setting.tokens_per_step,
+                                 evaluate(executors[0], stages[0], setting.eval_data)))
+    result.final, result.wall_s = result.curve[-1][1], time.monotonic() - started
+    result.bytes_per_round = statistics.mean(payload) if payload else 0.0
+    return result
+
+
+def _account(result: RowResult, reports, payload: list) -> None:
+    report = reports[0]
+    if report is None or report.applied_round is None:
+        return
+    if report.fallback_reason:
+        result.fallbacks += 1
+    elif report.compression.get("payload_bytes"):
+        payload.append(report.compression["payload_bytes"])
+
+
+def _check_identical(stages: list[Stage], name: str, r: int) -> None:
+    """Every worker holds the same anchor after every round, as real peers of one group do (bit for bit)."""
+    for stage in stages[1:]:
+        if not all(torch.equal(a, b) for a, b in zip(stage.anchor, stages[0].anchor)):
+            raise AssertionError(f"{name}: anchors differ after round {r}")
+
+
+def run_row(setting: Setting, row: str, seed: int) -> RowResult:
+    K = setting.args.workers
+    if row == "alone":
+        return run_plain(setting, seed, 1, row)
+    if row == "data-parallel":
+        return run_plain(setting, seed, K, row)
+    if row == "alone-diloco":
+        return run_diloco(setting, seed, 1, "none", "none", row)
+    mode, compression = row.split("/")
+    return run_diloco(setting, seed, K, mode, compression, row)
+
+
+def fidelity(setting: Setting, modes: list[str], out: Path) -> str:
+    """A real swarm (``p2p-diloco swarm``: bootstrap node, 3 peer processes, hivemind over loopback) against the
+    simulation of the same run (seeds, data windows, config): final eval losses side by side."""
+    import subprocess
+
+    args, lines = setting.args, []
+    lines.append(f"fidelity: real 3-peer swarm vs simulation, same config {setting.overrides}")
+    for mode in modes:
+        folder = out / f"fidelity-swarm-{mode}"
+        overrides = [("run.run_id", f"fidelity-{mode}"), ("diloco.mode", mode),
+                     ("data.eval_batches", str(args.eval_batches)), ("train.eval_every_rounds", "0"),
+                     *setting.overrides]
+        if setting.cfg.data.seed is None:
+            overrides.append(("data.seed", "0"))
+        command = [sys.executable, "-m", "p2p_diloco", "swarm", "--peers", "3", "--output-dir", str(folder)]
+        for key, value in overrides:
+            command += [f"--{key}", value]
+        started = time.monotonic()
+        subprocess.run(command, check=True, stdout=open(out / f"fidelity-swarm-{mode}.log", "w"),
+                       stderr=subprocess.STDOUT)
+        summary = json.loads((folder / "swarm-summary.json").read_text())
+        real = [float(p["eval_loss_final"]) for p in summary["peers"]]
+        averaged = [p.get("averaged_rounds") for p in summary["peers"]]
+        swarm_s = time.monotonic() - started
+        sim = run_diloco(Setting(args, extra=overrides), 0, 3, mode, setting.cfg.averaging.compression,
+                         f"{mode}/sim")
+        gap = statistics.mean(real) / sim.final - 1
+        lines.append(f"  {mode:<8} swarm {statistics.mean(real):.4f} (peers {', '.join(f'{x:.4f}' for x in real)}; "
+                     f"rounds averaged {averaged}; {swarm_s:.0f} s)  simulation {sim.final:.4f} ({sim.wall_s:.0f} s)"
+                     f"  difference {gap:+.2%}")
+        print(lines[-1], flush=True)
+    return "\n".join(lines) + "\n"
+
+
+def summarize(results: dict[str, list[RowResult]]) -> list[dict]:
+    """Per row: mean and spread of the final loss over seeds, against alone and data parallel."""
+    finals = {row: [r.final for r in rs] for row, rs in results.items()}
+    mean = {row: statistics.mean(v) for row, v in finals.items()}
+    alone = min((mean[r] for r in ("alone", "alone-diloco") if r in mean), default=None)
+    dp = mean.get("data-parallel")
+    reference = mean.get("none/none")
+    table = []
+    for row, values in finals.items():
+        entry = dict(row=row, mean=mean[row], spread=(max(values) - min(values)) if len(values) > 1 else 0.0,
+                     seeds=len(values), finals=values,
+                     bytes_per_round=statistics.mean(r.bytes_per_round for r in results[row]),
+                     fallbacks=sum(r.fallbacks for r in results[row]),
+                     wall_s=statistics.mean(r.wall_s for r in results[row]))
+        if alone is not None:
+            entry["vs_alone"] = mean[row] / alone - 1
+            if dp is not None and alone > dp:
+                entry["gap_closed"] = (alone - mean[row]) / (alone - dp)
+        if reference is not None:
+            entry["vs_none_fp32"] = mean[row] / reference - 1
+        table.append(entry)
+    return table
+
+
+def report_text(table: list[dict], args, command: str) -> str:
+    lines = [f"# {command}", f"# preset {args.preset}, K = {args.workers}, H = {args.h}, {args.rounds} rounds, batch "
+             f"{args.batch} x seq {args.seq}, {args.eval_batches} eval batches, seeds {args.seeds}, "
+             f"overrides {args.set or 'none'}",
+             f"# tokens per worker: {args.rounds * args.h * args.batch * args.seq:,}",
+             "row               eval loss (mean +- spread)   vs alone   gap closed   vs none/fp32   bytes/round  "
+             "fallbacks  wall s"]
+    for e in table:
+        gap = f"{e['gap_closed']:10.0%}" if "gap_closed" in e else f"{'-':>10}"
+        lines.append(f"{e['row']:<17} {e['mean']:.4f} +- {e['spread']:.4f}           "
+                     f"{e.get('vs_alone', float('nan')):+8.2%}   {gap}   {e.get('vs_none_fp32', float('nan')):+11.2%}"
+                     f"   {e['bytes_per_round'] / 1e6:9.3f} MB  {e['fallbacks']:9d}  {e['wall_s']:6.0f}")
+    lines.append("gap closed: (alone - row) / (alone - data-parallel), alone = the better of the two alone rows")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict[str, list[RowResult]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for row, rs in results.items():
+        tokens = [t for t, _ in rs[0].curve]
+        losses = [statistics.mean(r.curve[i][1] for r in rs) for i in range(len(tokens))]
+        style = "--" if row.startswith(("alone", "data")) else "-"
+        ax.plot([t / 1e6 for t in tokens[1:]], losses[1:], style, label=row)
+    ax.set_xlabel("tokens per worker (M)")
+    ax.set_ylabel("eval loss of the anchor")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False,
+                                     epilog="Rows: " + ", ".join(ALL_ROWS))
+    parser.add_argument("--quick", action="store_true",
+                        help="a few-minute version: K = 4, H = 20, 8 rounds, small batches")
+    parser.add_argument("--preset", default="tiny", help="tiny, small, medium or wan (the WAN benchmark's 3.35M model)")
+    parser.add_argument("--workers", type=int, default=4, metavar="K")
+    parser.add_argument("--h", type=int, default=50, help="inner steps per round (default 50)")
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--batch", type=int, default=8, help="batch per worker per step (default 8)")
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--eval-batches", type=int, default=32)
+    parser.add_argument("--arrival-steps", type=int, default=None, metavar="N",
+                        help="delayed mode: a round's average arrives N inner steps into the next round (the network's "
+                        "time; default H, a whole round: the worst case, as on a slow link)")
+    parser.add_argument("--eval-every", type=int, default=3, help="rounds between points of the curves")
+    parser.add_argument("--seeds", default="0", help="comma-separated; each seed changes init and data windows")
+    parser.add_argument("--rows", default=",".join(ALL_ROWS))
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override, every row")
+    parser.add_argument("--fidelity", metavar="MODES", help="instead of the table: real 3-peer swarms "
+                        "(p2p-diloco swarm) in these modes (comma-separated) against their simulation")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--out", type=Path, default=Path("runs") / time.strftime("quality-%Y%m%d-%H%M%S"))
+    args = parser.parse_args()
+    if args.quick:
+        args.h, args.rounds, args.batch, args.seq, args.eval_batches, args.eval_every = 20, 8, 4, 64, 16, 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rows = args.rows.split(",")
+    unknown = [r for r in rows if r not in ALL_ROWS]
+    if unknown:
+        parser.error(f"unknown rows {unknown}; known: {', '.join(ALL_ROWS)}")
+    args.seeds = [int(s) for s in args.seeds.split(",")]
+    args.out.mkdir(parents=True, exist_ok=True)
+    command = "python benchmarks/quality.py " + " ".join(sys.argv[1:])
+    setting = Setting(args)
+    if args.fidelity:
+        text = f"# {command}\n" + fidelity(setting, args.fidelity.split(","), args.out)
+        (args.out / "fidelity_report.txt").write_text(text)
+        print(text)
+        return
+    results: dict[str, list[RowResult]] = {}
+    for seed in args.seeds:
+        for row in rows:
+            result = run_row(setting, row, seed)
+            results.setdefault(row, []).append(result)
+            print(f"seed {seed} {row:<17} eval loss {result.final:.4f}  fallbacks {result.fallbacks}  "
+                  f"{result.bytes_per_round / 1e6:.3f} MB/round  {result.wall_s:.0f} s", flush=True)
+            (args.out / "quality.json").write_text(json.dumps(
+                {"command": command, "args": {k: str(v) for k, v in vars(args).items()},
+                 "results": {r: [vars(x) for x in rs] for r, rs in results.items()}}, indent=1))
+    table = summarize(results)
+    text = report_text(table, args, command)
+    (args.out / "quality_report.txt").write_text(text)
+    plot(results, args.out / "quality.png", text.splitlines()[1][2:])
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
