@@ -44,8 +44,8 @@ from p2p_diloco.training import LocalExecutor, Stage  # noqa: E402
 from p2p_diloco.training.simulate import ExactGroup  # noqa: E402
 
 # the 3.35M-parameter model of benchmarks/wan.py: matrices large enough for low rank to engage
-WAN_MODEL = [("model.dim", "256"), ("model.n_layers", "4"), ("model.n_heads", "4"), ("model.n_kv_heads", "4"),
-             ("model.ffn_dim", "768"), ("model.max_seq_len", "128")]
+WAN_MODEL = [("model.preset", "small"), ("model.dim", "256"), ("model.n_layers", "4"), ("model.n_heads", "8"),
+             ("model.n_kv_heads", "8"), ("model.ffn_dim", "704")]
 ALL_ROWS = ("alone", "alone-diloco", "none/none", "none/adaptive", "delayed/none", "delayed/adaptive",
             "eager/none", "eager/adaptive", "data-parallel")
 

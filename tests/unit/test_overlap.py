@@ -1,0 +1,96 @@
+"""``delayed`` mode: when round r's average is applied in round r+1, and what the working params become.
+
+The average is applied at the first inner step of round r+1 at which it has arrived, at the latest
+``diloco.overlap_steps`` into the round (waiting for it there); the working params become the new anchor minus
+the progress made since round r+1 began, and round r+1's pseudo-gradient is its whole progress.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from p2p_diloco.config import load_config
+from p2p_diloco.training import Stage
+from p2p_diloco.training.simulate import ExactGroup
+
+H = 10
+
+
+class Vector(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(4))
+
+
+def make_group(k: int, arrival_steps: int, overlap_steps: int | None = None) -> list[Stage]:
+    overrides = [("diloco.mode", "delayed"), ("diloco.inner_steps", str(H)), ("diloco.outer_lr", "1.0"),
+                 ("diloco.outer_momentum", "0"), ("averaging.compression", "none")]
+    if overlap_steps is not None:
+        overrides.append(("diloco.overlap_steps", str(overlap_steps)))
+    cfg = load_config(None, overrides)
+    group = ExactGroup(k, [(4,)], cfg.averaging, arrival_steps=arrival_steps)
+    return [Stage(Vector(), stage_index=0, num_stages=1, inner_cfg=cfg.inner, diloco_cfg=cfg.diloco,
+                  total_steps=100, averager=group.view(i)) for i in range(k)]
+
+
+def step(stage: Stage, amount: float) -> None:
+    """One hand-written inner step: move every coordinate by -amount."""
+    with torch.no_grad():
+        stage.params[0].sub_(amount)
+    stage.inner_step += 1
+
+
+def run_round_zero(stages: list[Stage]) -> None:
+    for i, stage in enumerate(stages):
+        for _ in range(H):
+            step(stage, 0.1 * (i + 1))  # worker i's round-0 progress: (i + 1) everywhere
+        stage.end_round(tokens=100, expected_group_size=len(stages))
+
+
+def test_the_average_is_applied_at_the_step_it_arrives():
+    stages = run_round_zero_and_return(arrival_steps=3)
+    mean = 1.5  # progress of workers 0 and 1: 1 and 2
+    stage = stages[0]
+    merged_at = None
+    for offset in range(1, H + 1):
+        step(stage, 0.01)
+        if stage.merge_due:
+            stage.merge()
+            merged_at = offset
+            # new anchor minus this round's progress so far
+            torch.testing.assert_close(stage.params[0].detach(), torch.full((4,), -mean - 0.01 * offset))
+            break
+    assert merged_at == 3
+    for _ in range(H - merged_at):
+        step(stage, 0.01)
+    report = stage.end_round(tokens=100, expected_group_size=2)
+    assert report.applied_round == 0 and report.averaged  # the round end reports the merge of its round
+    torch.testing.assert_close(stage.pending.contribution[0], torch.full((4,), 0.01 * H))  # the whole round
+    torch.testing.assert_close(stage.anchor[0], torch.full((4,), -mean))
+
+
+def run_round_zero_and_return(arrival_steps: int, overlap_steps: int | None = None) -> list[Stage]:
+    stages = make_group(2, arrival_steps, overlap_steps)
+    run_round_zero(stages)
+    return stages
+
+
+def test_a_late_average_is_waited_for_at_overlap_steps():
+    stage = run_round_zero_and_return(arrival_steps=10**6, overlap_steps=4)[0]
+    due = []
+    for _ in range(4):
+        step(stage, 0.0)
+        due.append(stage.merge_due)
+    assert due == [False, False, False, True]
+
+
+def test_with_no_arrival_signal_the_whole_round_is_overlapped():
+    """An averager that cannot tell whether its round is over (or a round never arriving) is applied at the end of
+    the next round, as DiLoCoX's one-step delay: the rule the reference simulation checks."""
+    stage = run_round_zero_and_return(arrival_steps=10**6)[0]
+    for _ in range(H - 1):
+        step(stage, 0.0)
+        assert not stage.merge_due
+    step(stage, 0.0)
+    assert stage.merge_due
