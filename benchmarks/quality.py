@@ -47,7 +47,8 @@ from p2p_diloco.training.simulate import ExactGroup  # noqa: E402
 WAN_MODEL = [("model.preset", "small"), ("model.dim", "256"), ("model.n_layers", "4"), ("model.n_heads", "8"),
              ("model.n_kv_heads", "8"), ("model.ffn_dim", "704")]
 ALL_ROWS = ("alone", "alone-diloco", "none/none", "none/adaptive", "delayed/none", "delayed/adaptive",
-            "eager/none", "eager/adaptive", "data-parallel")
+            "delayed/adaptive@5", "eager/none", "eager/adaptive", "data-parallel")
+"""``mode/compression@N``: the round's average arrives N inner steps into the next round (default: --arrival-steps)."""
 
 
 @dataclass
@@ -142,14 +143,15 @@ def run_plain(setting: Setting, seed: int, workers: int, name: str) -> RowResult
     return result
 
 
-def run_diloco(setting: Setting, seed: int, workers: int, mode: str, compression: str, name: str) -> RowResult:
+def run_diloco(setting: Setting, seed: int, workers: int, mode: str, compression: str, name: str,
+               arrival_steps: int | None = None) -> RowResult:
     """K workers of p2p-diloco's round code, averaging through an exact in-process group."""
     args, started = setting.args, time.monotonic()
     cfg = setting.config(mode, compression)
     models = [setting.model(seed) for _ in range(workers)]
     shapes = [tuple(p.shape) for p in models[0].parameters() if p.requires_grad]
     group = ExactGroup(workers, shapes, cfg.averaging, seed=f"quality{seed}",
-                       arrival_steps=args.arrival_steps or args.h) if workers > 1 else None
+                       arrival_steps=arrival_steps or args.arrival_steps or args.h) if workers > 1 else None
     stages = [Stage(m, stage_index=0, num_stages=1, inner_cfg=cfg.inner, diloco_cfg=cfg.diloco,
                     total_steps=args.rounds * args.h, averager=group.view(k) if group else None)
               for k, m in enumerate(models)]
@@ -224,8 +226,9 @@ def run_row(setting: Setting, row: str, seed: int) -> RowResult:
         return run_plain(setting, seed, K, row)
     if row == "alone-diloco":
         return run_diloco(setting, seed, 1, "none", "none", row)
-    mode, compression = row.split("/")
-    return run_diloco(setting, seed, K, mode, compression, row)
+    scheme, _, arrival = row.partition("@")
+    mode, compression = scheme.split("/")
+    return run_diloco(setting, seed, K, mode, compression, row, int(arrival) if arrival else None)
 
 
 def fidelity(setting: Setting, modes: list[str], out: Path) -> str:
@@ -354,7 +357,11 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     rows = args.rows.split(",")
-    unknown = [r for r in rows if r not in ALL_ROWS]
+    def known(row: str) -> bool:  # a row of ALL_ROWS, or mode/compression@N with N >= 1
+        scheme, at, arrival = row.partition("@")
+        return row in ALL_ROWS if not at else "/" in scheme and scheme in ALL_ROWS and arrival.isdigit() \
+            and int(arrival) >= 1
+    unknown = [r for r in rows if not known(r)]
     if unknown:
         parser.error(f"unknown rows {unknown}; known: {', '.join(ALL_ROWS)}")
     args.seeds = [int(s) for s in args.seeds.split(",")]
