@@ -190,7 +190,11 @@ def test_swarm_with_hostile_peers_trains_and_names_them(tmp_path, processes, boo
     rounds, honest, hostile = 3, ["h0", "h1", "h2"], {"x-scale": "scale:1000", "x-nan": "nan"}
     env = dict(os.environ)
     # 5 processes on a busy machine: a groupmate that starts sending late must not be dropped as if it had left
-    patient = ["--averaging.next_chunk_timeout_s", "15"]
+    patient = ["--averaging.next_chunk_timeout_s", "15",
+               # and one that reaches the round's end a few seconds after the others (2 busy cores for 5 trainers)
+               # still joins their group: the group forms as soon as all 5 are in, else after 12 s
+               "--averaging.target_group_size", "5", "--averaging.matchmaking_time_s", "12",
+               "--averaging.request_timeout_s", "5", "--averaging.round_timeout_s", "40"]
     # rounds of 15 steps: 5 processes starting on 2 cores see each other up to a second or two apart, and a
     # peer that finds the others past their first round already reloads instead of averaging it with them
     H = 15

@@ -66,15 +66,24 @@ def in_sync_after(tmp_path, name: str, since: float, reference: dict[int, set[st
         return None, [], timeline
     first = states.index(True)
     rounds = sum(e["kind"] == "round" for e in timeline[:first + 1])
+    # a reload that lands while the swarm's last round is still being averaged (delayed mode: the donor trains
+    # round r + 2 with round r + 1 in flight) cannot take that round's average: the peer's anchor is off from the
+    # round it applies next until the swarm has published that round, and the resync after it mends it: at most
+    # 2 round ends (a third off round end is lasting)
+    excused: set[int] = set()
+    for i, e in enumerate(timeline):
+        if e["kind"] == "sync" and e["action"] == "reload" and e["donor_round"] >= e["applied_round"] + 2:
+            excused.update([j for j in range(i + 1, len(timeline)) if timeline[j]["kind"] == "round"][:2])
     lasting = [e for i, e in enumerate(timeline) if i > first and e["kind"] == "round" and states[i] is False
-               and i + 1 < len(timeline) and states[i + 1] is False]
+               and i + 1 < len(timeline) and states[i + 1] is False and i not in excused]
     return rounds, lasting, timeline
 
 
 def test_killed_peer_restarted_on_its_checkpoint_is_back_in_sync(tmp_path, processes, bootstrap):
     """3 peers; one is killed with SIGKILL mid-round; the survivors go on; restarted on its checkpoint folder, it
     holds the survivors' anchor again within 2 rounds, and from then on any round it misses (a group formed
-    without it on a loaded machine) is mended at the very next event."""
+    without it on a loaded machine) is mended at the very next event (after a reload into a round still in flight,
+    by the resync once the swarm has published it: see in_sync_after)."""
     rounds = 10
     args = {name: peer_args(tmp_path, name, bootstrap, "churn", rounds, 25, "--checkpoint.every_rounds", "1",
                             wait_for=3) for name in ("p0", "p1", "p2")}
