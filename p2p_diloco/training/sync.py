@@ -11,7 +11,9 @@ live stage process); states come from other peers through hivemind's state shari
 - after every round end, a stage that is behind reloads; one whose anchor fingerprint for an applied round
   is not the swarm's canonical one (most votes, ties go to the smallest node id; a round of its fell
   back while theirs averaged) ``resync``s its anchor and momentum from a peer at the same point, keeping its
-  own progress; peers holding the canonical anchor rank first as donors.
+  own progress; peers holding the canonical anchor rank first as donors. A stage that reloaded from a donor
+  with a round in flight (delayed mode) knows its anchor lacks that round's average: its own anchor gets no
+  vote from that round on, so it resyncs as soon as one other peer has published a later anchor.
 
 The stages of a pipelined peer change rounds together or not at all. Called by the trainer.
 """
@@ -49,6 +51,11 @@ class SwarmSync:
         self.last_download: dict = {}  # duration and bytes of the last state download
         self.holds_canonical = True  # this stage's anchor is the one the swarm agrees on (see _diverged_round)
         self.canonical: str | None = None  # that anchor's fingerprint, for the last diverged round
+        # a round this stage's anchor lacks: a reload in delayed mode from a donor whose last round was still
+        # averaging (that average goes to the donor's group only). Until a resync, this stage's anchor gets no
+        # vote from that round on: where only one other peer has published a round yet, the tie-break must not
+        # make the anchor known to be off the canonical one (seen in CI: the reloaded peer never resynced)
+        self.missed_round: int | None = None
 
     def remember(self, fingerprint: str) -> None:
         """Note this stage's anchor fingerprint after its last applied round."""
@@ -105,11 +112,14 @@ class SwarmSync:
             theirs = [r for r in others if r.applied_round == applied and r.anchor]
             if not theirs:
                 continue
-            holders: dict[str, list[str]] = {mine: [self.swarm.node]}
+            known_off = self.missed_round is not None and applied >= self.missed_round
+            holders: dict[str, list[str]] = {} if known_off else {mine: [self.swarm.node]}
             for record in theirs:
                 holders.setdefault(record.anchor, []).append(record.node)
             canonical = min(holders, key=lambda fp: (-len(holders[fp]), min(holders[fp])))
             self.holds_canonical, self.canonical = canonical == mine, canonical
+            if self.holds_canonical:
+                self.missed_round = None  # another peer holds this anchor too: it is not off after all
             return None if self.holds_canonical else applied
         self.holds_canonical = True  # nobody to compare with
         return None
@@ -150,6 +160,9 @@ class SwarmSync:
         meta, tensors = state
         adopt_state(self.stage, meta, tensors, "reload", inner_step=min(step for _, step in points))
         self.fingerprints.clear()
+        # a donor two rounds past its anchor has a round in flight whose average this stage cannot get
+        self.missed_round = meta["applied_round"] + 1 if meta["round"] >= meta["applied_round"] + 2 else None
+        self.holds_canonical = self.missed_round is None
         self._record("reload", reason, meta)
 
     def _resync(self, diverged_round: int) -> None:
@@ -176,6 +189,7 @@ class SwarmSync:
             return
         adopt_state(self.stage, meta, tensors, "resync")
         self.fingerprints.clear()
+        self.missed_round = None
         self._record("resync", f"the anchor after round {diverged_round} differed from the swarm's", meta)
 
     def _record(self, kind: str, reason: str, meta: dict) -> None:

@@ -400,3 +400,33 @@ def test_newcomer_joins_a_round_the_swarm_is_still_averaging_instead_of_reloadin
     sync = make_sync(newcomer, [record], shareable_state(donor, "run"))
     sync.at_start(resumed=False)
     assert bool(sync.events) == reloads and newcomer.averager.downloads == int(reloads)
+
+
+def test_a_reload_into_a_round_in_flight_resyncs_once_one_other_peer_published_past_it():
+    """delayed mode: the donor trains round 7 with round 6 still averaging, so the reloaded anchor (after round 5)
+    never gets round 6's average. When only one other peer has published an anchor after a later round, the tie
+    between the two would go to the smaller node id ("me" here), yet this peer's anchor is known to be off: it
+    resyncs. A peer reloaded from a donor with nothing in flight keeps the usual tie-break."""
+    donor = make_stage(seed=1)
+    donor.round_index, donor.applied_round = 7, 5
+    donor.inner_step = donor.round_index * donor.diloco_cfg.inner_steps
+    later = make_stage(seed=2)  # the swarm's state once round 7 is applied
+    later.round_index, later.applied_round = 8, 7
+    later.inner_step = later.round_index * later.diloco_cfg.inner_steps
+    theirs = anchor_fingerprint(later.anchor)
+    for in_flight in (True, False):
+        if not in_flight:
+            donor.applied_round = 6
+        peer = make_stage()
+        peer.round_index = 3
+        sync = make_sync(peer, [Record(7, donor.applied_round, "x")], shareable_state(donor, "run"))
+        sync.after_round()
+        assert [e["action"] for e in sync.events] == ["reload"]
+        assert sync.missed_round == (6 if in_flight else None) and sync.holds_canonical == (not in_flight)
+        peer.round_index, peer.applied_round = 8, 7  # it trained on and applied round 7 on its own anchor
+        peer.averager.state = shareable_state(later, "run")
+        sync.swarm.records = [Record(8, 7, theirs, node="other")]
+        sync.remember("mine")
+        sync.after_round()
+        assert [e["action"] for e in sync.events] == (["reload", "resync"] if in_flight else ["reload"])
+        assert sync.missed_round is None
