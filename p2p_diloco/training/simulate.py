@@ -152,8 +152,9 @@ class ExactAverager:
         if self.round_in_flight is None:
             return True
         self.polls += 1
-        with self.group._cond:
-            started = len(self.group._started.get(self.round_in_flight, {})) == self.group.k
+        with self.group._cond:  # every peer started it (or a groupmate already took the average: it is done)
+            started = len(self.group._started.get(self.round_in_flight, {})) == self.group.k \
+                or self.round_in_flight in self.group._results
         return started and self.polls >= self.group.arrival_steps
 
     def finish_round(self, timeout: float | None = None, hopeless=None) -> RoundResult:

@@ -94,3 +94,19 @@ def test_with_no_arrival_signal_the_whole_round_is_overlapped():
         assert not stage.merge_due
     step(stage, 0.0)
     assert stage.merge_due
+
+
+def test_every_groupmate_sees_the_arrival_also_after_another_took_the_average():
+    """The simulated group: worker 0 takes round 0's average at its step 3; worker 1, stepping after it, must see
+    the same arrival at its own step 3 (the simulation once showed it only to the first taker, and every other
+    worker merged at the end of the round: quality.py's rows ``@N`` measured the whole-round delay)."""
+    stages = run_round_zero_and_return(arrival_steps=3)
+    for stage in stages:
+        merged_at = None
+        for offset in range(1, H + 1):
+            step(stage, 0.01)
+            if stage.merge_due:
+                stage.merge()
+                merged_at = offset
+                break
+        assert merged_at == 3
