@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import statistics
 import sys
 import threading
@@ -47,8 +48,9 @@ from p2p_diloco.training.simulate import ExactGroup  # noqa: E402
 WAN_MODEL = [("model.preset", "small"), ("model.dim", "256"), ("model.n_layers", "4"), ("model.n_heads", "8"),
              ("model.n_kv_heads", "8"), ("model.ffn_dim", "704")]
 ALL_ROWS = ("alone", "alone-diloco", "none/none", "none/adaptive", "delayed/none", "delayed/adaptive",
-            "delayed/adaptive@5", "eager/none", "eager/adaptive", "data-parallel")
-"""``mode/compression@N``: the round's average arrives N inner steps into the next round (default: --arrival-steps)."""
+            "delayed/adaptive@2", "delayed-H/adaptive", "eager/none", "eager/adaptive", "data-parallel")
+"""``mode/compression@N``: the round's average arrives N inner steps into the next round (default: --arrival-steps,
+H); delayed applies it then or at diloco.overlap_steps, whichever comes first. ``delayed-H``: overlap_steps = H."""
 
 
 @dataclass
@@ -84,7 +86,10 @@ class Setting:
         self.device = torch.device(args.device)
 
     def config(self, mode: str, compression: str):
-        return load_config(None, self.overrides + [("diloco.mode", mode), ("averaging.compression", compression)])
+        """``delayed-H``: delayed with overlap_steps = H (DiLoCoX's whole-round delay)."""
+        whole = [("diloco.overlap_steps", str(self.args.h))] if mode == "delayed-H" else []
+        return load_config(None, self.overrides + whole + [("diloco.mode", mode.removesuffix("-H")),
+                                                           ("averaging.compression", compression)])
 
     def model(self, seed: int):
         """The model of every worker of a run with this seed (init seed: model.init_seed + seed)."""
@@ -218,6 +223,14 @@ def _check_identical(stages: list[Stage], name: str, r: int) -> None:
             raise AssertionError(f"{name}: anchors differ after round {r}")
 
 
+_SETTING: Setting | None = None  # the setting of --jobs' forked workers
+
+
+def _run_task(task: tuple[int, str]) -> RowResult:
+    seed, row = task
+    return run_row(_SETTING, row, seed)
+
+
 def run_row(setting: Setting, row: str, seed: int) -> RowResult:
     K = setting.args.workers
     if row == "alone":
@@ -294,11 +307,11 @@ def report_text(table: list[dict], args, command: str) -> str:
              f"{args.batch} x seq {args.seq}, {args.eval_batches} eval batches, seeds {args.seeds}, "
              f"overrides {args.set or 'none'}",
              f"# tokens per worker: {args.rounds * args.h * args.batch * args.seq:,}",
-             "row               eval loss (mean +- spread)   vs alone   gap closed   vs none/fp32   bytes/round  "
+             "row                 eval loss (mean +- spread)   vs alone   gap closed   vs none/fp32   bytes/round  "
              "fallbacks  wall s"]
     for e in table:
         gap = f"{e['gap_closed']:10.0%}" if "gap_closed" in e else f"{'-':>10}"
-        lines.append(f"{e['row']:<17} {e['mean']:.4f} +- {e['spread']:.4f}           "
+        lines.append(f"{e['row']:<19} {e['mean']:.4f} +- {e['spread']:.4f}           "
                      f"{e.get('vs_alone', float('nan')):+8.2%}   {gap}   {e.get('vs_none_fp32', float('nan')):+11.2%}"
                      f"   {e['bytes_per_round'] / 1e6:9.3f} MB  {e['fallbacks']:9d}  {e['wall_s']:6.0f}")
     lines.append("gap closed: (alone - row) / (alone - data-parallel), alone = the better of the two alone rows")
@@ -350,6 +363,7 @@ def main() -> None:
                         "(p2p-diloco swarm) in these modes (comma-separated) against their simulation")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--jobs", type=int, default=1, help="rows run side by side in this many processes")
     parser.add_argument("--out", type=Path, default=Path("runs") / time.strftime("quality-%Y%m%d-%H%M%S"))
     args = parser.parse_args()
     if args.quick:
@@ -373,16 +387,28 @@ def main() -> None:
         (args.out / "fidelity_report.txt").write_text(text)
         print(text)
         return
-    results: dict[str, list[RowResult]] = {}
-    for seed in args.seeds:
-        for row in rows:
-            result = run_row(setting, row, seed)
-            results.setdefault(row, []).append(result)
-            print(f"seed {seed} {row:<17} eval loss {result.final:.4f}  fallbacks {result.fallbacks}  "
-                  f"{result.bytes_per_round / 1e6:.3f} MB/round  {result.wall_s:.0f} s", flush=True)
-            (args.out / "quality.json").write_text(json.dumps(
-                {"command": command, "args": {k: str(v) for k, v in vars(args).items()},
-                 "results": {r: [vars(x) for x in rs] for r, rs in results.items()}}, indent=1))
+    tasks = [(seed, row) for seed in args.seeds for row in rows]
+    done: dict[tuple[int, str], RowResult] = {}
+    if args.jobs > 1:  # rows in forked worker processes, one torch thread each unless --threads says more
+        global _SETTING
+        _SETTING = setting
+        torch.set_num_threads(args.threads or 1)
+        pool = multiprocessing.get_context("fork").Pool(args.jobs)
+        finished = pool.imap_unordered(_run_task, tasks)
+    else:
+        pool, finished = None, (run_row(setting, row, seed) for seed, row in tasks)
+    for result in finished:
+        done[(result.seed, result.name)] = result
+        print(f"seed {result.seed} {result.name:<19} eval loss {result.final:.4f}  fallbacks {result.fallbacks}  "
+              f"{result.bytes_per_round / 1e6:.3f} MB/round  {result.wall_s:.0f} s", flush=True)
+        results = {row: [done[(seed, row)] for seed in args.seeds if (seed, row) in done] for row in rows}
+        (args.out / "quality.json").write_text(json.dumps(
+            {"command": command, "args": {k: str(v) for k, v in vars(args).items()},
+             "results": {r: [vars(x) for x in rs] for r, rs in results.items() if rs}}, indent=1))
+    if pool is not None:
+        pool.close()
+        pool.join()
+    results = {row: [done[(seed, row)] for seed in args.seeds] for row in rows}
     table = summarize(results)
     text = report_text(table, args, command)
     (args.out / "quality_report.txt").write_text(text)

@@ -160,8 +160,8 @@ class DiLoCoConfig:
     """H: inner steps per round (outer step)."""
     outer_lr: float = 0.7
     """Learning rate of the outer Nesterov SGD."""
-    outer_momentum: float = 0.9
-    """Momentum of the outer SGD."""
+    outer_momentum: float = 0.5
+    """Momentum of the outer SGD (DiLoCo's 0.9 learns worse here: BENCHMARKS.md, "Learning quality")."""
     nesterov: bool = True
     """Use Nesterov momentum in the outer step."""
     mode: str = "delayed"
@@ -172,8 +172,14 @@ class DiLoCoConfig:
     its stale one)."""
     overlap_steps: Optional[int] = None
     """delayed mode: the latest inner step of round r+1 at which round r's average is applied; a peer whose
-    average has not arrived by then waits for it (None: H, a whole round, DiLoCoX's one-step delay). The sooner
-    an average is applied the better the model learns; this bounds how long it may lag."""
+    average has not arrived by then waits for it (Streaming DiLoCo's tau). None: H // 10, at least 1. H is
+    DiLoCoX's whole-round delay: the most communication hidden, but the model learns worse than blocking
+    DiLoCo, and over long runs worse than one peer alone (BENCHMARKS.md, "Learning quality")."""
+
+    @property
+    def merge_step(self) -> int:
+        """The inner step of round r+1 by which delayed mode applies round r's average (overlap_steps resolved)."""
+        return self.overlap_steps if self.overlap_steps is not None else max(1, self.inner_steps // 10)
 
     def validate(self) -> None:
         _require(self.inner_steps > 0, "diloco.inner_steps", f"must be a positive integer, got {self.inner_steps!r}")

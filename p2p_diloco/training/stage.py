@@ -124,7 +124,7 @@ class Stage:
         self.eager_anchor = [t.clone() for t in self.anchor] if self.mode == "eager" else None
         self.eager_optimizer = self._make_outer(self.eager_anchor) if self.mode == "eager" else None
         # delayed mode: the latest inner step of round r+1 at which round r's average is applied
-        self.overlap_steps = min(diloco_cfg.overlap_steps or diloco_cfg.inner_steps, diloco_cfg.inner_steps)
+        self.overlap_steps = min(diloco_cfg.merge_step, diloco_cfg.inner_steps)
         self._merged: RoundReport | None = None  # a merge done mid-round, reported with the round end
         self.inner_step = 0
         self.round_first_step: int | None = None  # set when this round's work began mid-round (after a reload)

@@ -51,7 +51,7 @@ def reference_diloco(cfg, dataset: ShardDataset, seeds: list[int]) -> list[torch
     ``delayed`` with ``overlap_steps`` tau < H applies round r's mean tau steps into round r+1 instead, each worker
     continuing from the new global parameters minus its progress since round r+1 began."""
     mode = cfg.diloco.mode
-    tau = cfg.diloco.overlap_steps or H
+    tau = cfg.diloco.merge_step
     base = Transformer(ModelArgs(**ARGS))
     global_params = [p.detach().clone().requires_grad_(True) for p in base.parameters()]
     outer = torch.optim.SGD(global_params, lr=cfg.diloco.outer_lr, momentum=cfg.diloco.outer_momentum,

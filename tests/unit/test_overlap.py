@@ -70,7 +70,8 @@ def test_the_average_is_applied_at_the_step_it_arrives():
     torch.testing.assert_close(stage.anchor[0], torch.full((4,), -mean))
 
 
-def run_round_zero_and_return(arrival_steps: int, overlap_steps: int | None = None) -> list[Stage]:
+def run_round_zero_and_return(arrival_steps: int, overlap_steps: int | None = H) -> list[Stage]:
+    """Round 0 done; ``overlap_steps`` H unless given (None: the default)."""
     stages = make_group(2, arrival_steps, overlap_steps)
     run_round_zero(stages)
     return stages
@@ -85,9 +86,18 @@ def test_a_late_average_is_waited_for_at_overlap_steps():
     assert due == [False, False, False, True]
 
 
+def test_the_default_merge_step_is_a_tenth_of_the_round():
+    stage = run_round_zero_and_return(arrival_steps=10**6, overlap_steps=None)[0]  # the default: H // 10
+    due = []
+    for _ in range(max(1, H // 10)):
+        step(stage, 0.0)
+        due.append(stage.merge_due)
+    assert due == [False] * (max(1, H // 10) - 1) + [True]
+
+
 def test_with_no_arrival_signal_the_whole_round_is_overlapped():
-    """An averager that cannot tell whether its round is over (or a round never arriving) is applied at the end of
-    the next round, as DiLoCoX's one-step delay: the rule the reference simulation checks."""
+    """With overlap_steps = H, an average that never signals its arrival is applied at the end of the next round,
+    as DiLoCoX's one-step delay."""
     stage = run_round_zero_and_return(arrival_steps=10**6)[0]
     for _ in range(H - 1):
         step(stage, 0.0)
