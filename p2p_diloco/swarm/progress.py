@@ -42,6 +42,10 @@ class ProgressRecord:
     """The last round whose average this stage's anchor took."""
     anchor: str = ""
     """Fingerprint of the anchor after that round (see ``anchor_fingerprint``)."""
+    prior_anchor: str = ""
+    """Fingerprint of the anchor after round ``applied_round - 1``, "" if this stage does not know it (it reloaded
+    or resynced since). With it, a peer that ends its round a little after the others, when they have already
+    applied the next round's average (delayed mode applies it a few steps into the round), can still compare."""
     node: str = ""
     """DHT peer id of the stage process that wrote it (part of its signed record; one record per writer's key)."""
     expiration: float = 0.0
@@ -115,7 +119,8 @@ class SwarmLink:
                  publish_every_s: float = 10.0, ttl_s: float = 120.0, joined_swarm: bool = True):
         self.dht, self.run_id, self.peer_name, self.fingerprint = dht, run_id, peer_name, fingerprint
         self.joined_swarm = joined_swarm
-        self.anchor_fingerprint = ""  # set by the trainer after every round end
+        self.anchor_fingerprint = ""  # set by the trainer whenever the anchor takes an average
+        self.prior_anchor_fingerprint = ""  # the one before (see ProgressRecord.prior_anchor)
         self.node = dht.peer_id.to_base58()
         record_owner(dht, run_id)  # fails here, not later, on a DHT node that does not check signatures
         self.publish_every_s, self.ttl_s = publish_every_s, ttl_s
@@ -139,7 +144,8 @@ class SwarmLink:
                                 inner_step=stage.inner_step if joining_round is None else
                                 joining_round * stage.diloco_cfg.inner_steps,
                                 tokens_per_s=float(tokens_per_s), loss=float(loss), time=get_dht_time(),
-                                applied_round=stage.applied_round, anchor=self.anchor_fingerprint)
+                                applied_round=stage.applied_round, anchor=self.anchor_fingerprint,
+                                prior_anchor=self.prior_anchor_fingerprint)
         try:
             publish_progress(self.dht, self.run_id, record, self.ttl_s)
             if self.fingerprint is not None and force:

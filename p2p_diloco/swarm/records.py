@@ -55,6 +55,7 @@ class ProgressValue(BaseModel):
     time: confloat(strict=True, ge=0, allow_inf_nan=False)
     applied_round: conint(strict=True, ge=-1, le=2**62)
     anchor: constr(strict=True, max_length=128, regex=r"^[0-9a-f]*$")
+    prior_anchor: constr(strict=True, max_length=128, regex=r"^[0-9a-f]*$") = ""
 
     class Config:
         extra = Extra.forbid

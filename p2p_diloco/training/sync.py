@@ -11,7 +11,9 @@ live stage process); states come from other peers through hivemind's state shari
 - after every round end, a stage that is behind reloads; one whose anchor fingerprint for an applied round
   is not the swarm's canonical one (most votes, ties go to the smallest node id; a round of its fell
   back while theirs averaged) ``resync``s its anchor and momentum from a peer at the same point, keeping its
-  own progress; peers holding the canonical anchor rank first as donors. A stage that reloaded from a donor
+  own progress; peers holding the canonical anchor rank first as donors. Records carry the anchor after the
+  applied round and the one before, so a stage ending its round just after the others applied the next
+  average (delayed mode applies it a few steps into the round) still compares. A stage that reloaded from a donor
   with a round in flight (delayed mode) knows its anchor lacks that round's average: its own anchor gets no
   vote from that round on, so it resyncs as soon as one other peer has published a later anchor.
 
@@ -109,13 +111,16 @@ class SwarmSync:
         happen to share, and a tie-break by the fingerprint itself could name one peer at one round and the
         other at the next, so that neither ever resyncs (seen on a loaded machine)."""
         for applied, mine in sorted(self.fingerprints.items(), reverse=True):
-            theirs = [r for r in others if r.applied_round == applied and r.anchor]
+            # a peer that applied the next round since (delayed mode: a few steps into it) still tells its anchor
+            # after this one: a peer that ends its rounds a little behind the others compares all the same
+            theirs = [(r.node, r.anchor) for r in others if r.applied_round == applied and r.anchor] + \
+                [(r.node, r.prior_anchor) for r in others if r.applied_round == applied + 1 and r.prior_anchor]
             if not theirs:
                 continue
             known_off = self.missed_round is not None and applied >= self.missed_round
             holders: dict[str, list[str]] = {} if known_off else {mine: [self.swarm.node]}
-            for record in theirs:
-                holders.setdefault(record.anchor, []).append(record.node)
+            for node, fingerprint in theirs:
+                holders.setdefault(fingerprint, []).append(node)
             canonical = min(holders, key=lambda fp: (-len(holders[fp]), min(holders[fp])))
             self.holds_canonical, self.canonical = canonical == mine, canonical
             if self.holds_canonical:

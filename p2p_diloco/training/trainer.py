@@ -133,6 +133,11 @@ class Trainer:
                 merge_started = time.monotonic()
                 self.stage.merge()
                 self.summary.train_s += time.monotonic() - merge_started
+                # the anchor changed: the records published from now on name the round just applied, so they
+                # must carry its fingerprint (a stale one made peers that compare at this round see divergence
+                # where there was none, and miss it where there was)
+                self._note_anchor()
+                self._publish(loss, self.tokens_per_s, force=True)
             self.stage.seconds_per_step = step_s if not self.stage.seconds_per_step else \
                 0.9 * self.stage.seconds_per_step + 0.1 * step_s
             window_tokens += self.tokens_per_step
@@ -192,6 +197,8 @@ class Trainer:
         if self.sync is not None:
             self.sync.remember(fingerprint)
             self.sync.rank_as_donor()
+            if self.swarm is not None:
+                self.swarm.prior_anchor_fingerprint = self.sync.fingerprints.get(self.stage.applied_round - 1, "")
 
     def _log_sync_events(self) -> bool:
         """Metrics and summary of the reloads and resyncs just done; whether there were any."""

@@ -129,13 +129,15 @@ def by_node(records: list[ProgressRecord]) -> dict[str, ProgressRecord]:
 def test_honest_records_round_trip_and_refresh(swarm):
     a, b, reader = swarm
     publish_progress(a, RUN, record(1, loss=float("nan")), ttl_s=60)  # NaN: no loss yet, sent as None
-    publish_progress(b, RUN, record(1, peer="QmPeerB", stage=0, applied_round=0, anchor="00ff"), ttl_s=60)
+    publish_progress(b, RUN, record(1, peer="QmPeerB", stage=0, applied_round=0, anchor="00ff",
+                                     prior_anchor="0a"), ttl_s=60)
     seen = wait_for(lambda: len(fetch_progress(reader, RUN)) == 2 and fetch_progress(reader, RUN))
     got = by_node(seen)
     a_id, b_id = a.peer_id.to_base58(), b.peer_id.to_base58()
     assert set(got) == {a_id, b_id}
     assert got[a_id].peer == "QmPeerA" and got[a_id].round == 1 and got[a_id].loss != got[a_id].loss  # NaN
-    assert (got[b_id].peer, got[b_id].applied_round, got[b_id].anchor, got[b_id].loss) == ("QmPeerB", 0, "00ff", 2.5)
+    assert (got[b_id].peer, got[b_id].applied_round, got[b_id].anchor, got[b_id].prior_anchor, got[b_id].loss) == \
+        ("QmPeerB", 0, "00ff", "0a", 2.5)
     assert got[b_id].expiration > get_dht_time()
     publish_progress(a, RUN, record(2), ttl_s=60)  # the owner refreshes its own record
     assert wait_for(lambda: by_node(fetch_progress(reader, RUN)).get(a_id, record(0)).round == 2)

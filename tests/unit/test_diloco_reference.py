@@ -22,6 +22,7 @@ from p2p_diloco.data import ShardDataset, WindowSampler
 from p2p_diloco.model import ModelArgs, Transformer, loss_fn
 from p2p_diloco.swarm.averager import RoundResult
 from p2p_diloco.training import LocalExecutor, Stage, Trainer, inner_lr
+from p2p_diloco.training.summary import anchor_fingerprint
 from tests.helpers import TINY_ARGS, make_shards
 
 K, ROUNDS, H, BATCH, SEQ = 3, 3, 5, 4, 16
@@ -171,15 +172,24 @@ class _View:
 
 
 class _FixedSwarm:
+    """The trainer's view of the swarm; remembers what each progress record would have said."""
+
+    def __init__(self):
+        self.anchor_fingerprint = ""
+        self.published: list[tuple[int, str, str]] = []  # (applied round, fingerprint published, actual one)
+
     def expected_group_size(self, stage) -> int:
         return K
 
-    def publish(self, *args, **kwargs) -> None: ...
+    def publish(self, stage, *args, **kwargs) -> None:
+        self.published.append((stage.applied_round, self.anchor_fingerprint, anchor_fingerprint(stage.anchor)))
 
 
-def run_trainers(cfg, dataset: ShardDataset, seeds: list[int], tmp_path: Path) -> list[Stage]:
+def run_trainers(cfg, dataset: ShardDataset, seeds: list[int], tmp_path: Path,
+                 swarms: list[_FixedSwarm] | None = None) -> list[Stage]:
     shared = InProcessExactAverager(K)
     stages, errors = [], []
+    swarms = swarms if swarms is not None else [_FixedSwarm() for _ in range(K)]
 
     def worker(k: int) -> None:
         try:
@@ -188,7 +198,7 @@ def run_trainers(cfg, dataset: ShardDataset, seeds: list[int], tmp_path: Path) -
                           total_steps=ROUNDS * H, averager=shared.view(k))
             stages.append(stage)
             trainer = Trainer(cfg, stage, LocalExecutor(model, torch.device("cpu")),
-                              WindowSampler(dataset, SEQ, BATCH, seeds[k]), [], swarm=_FixedSwarm(),
+                              WindowSampler(dataset, SEQ, BATCH, seeds[k]), [], swarm=swarms[k],
                               output_dir=tmp_path / f"w{k}", peer_name=f"w{k}")
             trainer.run()
         except BaseException as e:  # surfaced by the assertion below
@@ -241,3 +251,19 @@ def test_the_three_modes_are_different_algorithms(dataset, tmp_path):
                  ("none", "delayed-tau2")):
         gap = max((x - y).abs().max().item() for x, y in zip(anchors[a], anchors[b]))
         assert gap > 1e-4, (a, b, gap)
+
+
+def test_progress_records_carry_the_fingerprint_of_the_round_they_name(dataset, tmp_path):
+    """delayed with overlap_steps < H applies round r's average mid-round: every progress record published
+    after that (one per inner step here) names round r as applied, so it must carry the anchor's fingerprint
+    after round r. Peers compare anchors at the applied round their records share: a stale fingerprint reads
+    as divergence where there is none (and hides it where there is)."""
+    cfg = config(tmp_path, [("diloco.mode", "delayed"), ("diloco.overlap_steps", "2"), ("train.log_every", "1")])
+    swarms = [_FixedSwarm() for _ in range(K)]
+    run_trainers(cfg, dataset, [11, 22, 33], tmp_path, swarms)
+    for swarm in swarms:
+        named = [(applied, published, actual) for applied, published, actual in swarm.published if applied >= 0]
+        # every round but the last (applied by the final flush, after the last record) was applied and published
+        assert len({applied for applied, _, _ in named}) == ROUNDS - 1
+        stale = [(applied, published[:8], actual[:8]) for applied, published, actual in named if published != actual]
+        assert not stale, stale

@@ -100,6 +100,7 @@ class Record:
     applied_round: int
     anchor: str
     node: str = "other"
+    prior_anchor: str = ""
 
 
 class FakeSwarm:
@@ -430,3 +431,32 @@ def test_a_reload_into_a_round_in_flight_resyncs_once_one_other_peer_published_p
         sync.after_round()
         assert [e["action"] for e in sync.events] == (["reload", "resync"] if in_flight else ["reload"])
         assert sync.missed_round is None
+
+
+def test_a_peer_ending_its_round_after_the_others_applied_the_next_one_still_compares():
+    """delayed mode applies round r's average a few steps into round r + 1: a peer that ends round r + 1 a little
+    after the others finds them already at applied round r + 1. Their records still tell their anchor after
+    round r (prior_anchor): a peer off it resyncs (before, it found no record to compare with, round after round:
+    the CI failure of the churn test), a peer on it does nothing."""
+    donor = make_stage(seed=1)
+    donor.round_index, donor.applied_round = 9, 8
+    donor.inner_step = donor.round_index * donor.diloco_cfg.inner_steps
+    theirs_7 = "7a"
+    for mine, resyncs in (("7b", True), (theirs_7, False)):
+        peer = make_stage()
+        peer.round_index, peer.applied_round = 9, 7
+        records = [Record(9, 8, "8a", node="n1", prior_anchor=theirs_7),
+                   Record(9, 8, "8a", node="n2", prior_anchor=theirs_7)]
+        sync = make_sync(peer, records, shareable_state(donor, "run"), node="n0")
+        sync.remember(mine)
+        sync.after_round()
+        assert [e["action"] for e in sync.events] == (["resync"] if resyncs else [])
+        assert sync.canonical == theirs_7 and sync.holds_canonical == (not resyncs)
+    # records without a prior anchor (reloaded or resynced since) give no vote on the earlier round
+    peer = make_stage()
+    peer.round_index, peer.applied_round = 9, 7
+    sync = make_sync(peer, [Record(9, 8, "8a", node="n1"), Record(9, 8, "8a", node="n2")],
+                     shareable_state(donor, "run"), node="n0")
+    sync.remember("7b")
+    sync.after_round()
+    assert not sync.events and sync.holds_canonical
