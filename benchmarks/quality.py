@@ -311,8 +311,10 @@ def report_text(table: list[dict], args, command: str) -> str:
              "fallbacks  wall s"]
     for e in table:
         gap = f"{e['gap_closed']:10.0%}" if "gap_closed" in e else f"{'-':>10}"
+        vs_alone = f"{e['vs_alone']:+8.2%}" if "vs_alone" in e else f"{'-':>8}"
+        vs_none = f"{e['vs_none_fp32']:+11.2%}" if "vs_none_fp32" in e else f"{'-':>11}"
         lines.append(f"{e['row']:<19} {e['mean']:.4f} +- {e['spread']:.4f}           "
-                     f"{e.get('vs_alone', float('nan')):+8.2%}   {gap}   {e.get('vs_none_fp32', float('nan')):+11.2%}"
+                     f"{vs_alone}   {gap}   {vs_none}"
                      f"   {e['bytes_per_round'] / 1e6:9.3f} MB  {e['fallbacks']:9d}  {e['wall_s']:6.0f}")
     lines.append("gap closed: (alone - row) / (alone - data-parallel), alone = the better of the two alone rows")
     return "\n".join(lines) + "\n"
@@ -340,6 +342,31 @@ def plot(results: dict[str, list[RowResult]], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+SETTING_KEYS = ("preset", "workers", "h", "rounds", "batch", "seq", "eval_batches", "arrival_steps", "eval_every",
+                "set", "device")
+
+
+def previous_results(folder: Path, args, parser) -> dict[tuple[int, str], RowResult]:
+    """The results of an earlier run of the same setting (``--resume-from``), by (seed, row)."""
+    path = folder / "quality.json"
+    try:
+        previous = json.loads(path.read_text())
+        recorded, results = previous["args"], previous["results"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        parser.error(f"--resume-from {folder}: cannot read {path}: {e}")
+    differs = [k for k in SETTING_KEYS if recorded.get(k) != str(getattr(args, k))]
+    if differs:
+        parser.error(f"--resume-from {folder}: another setting (" +
+                     ", ".join(f"{k} {recorded.get(k)} there, {getattr(args, k)} here" for k in differs) + ")")
+    done = {}
+    for row, entries in results.items():
+        for entry in entries:
+            result = RowResult(**entry)
+            done[(result.seed, row)] = result
+    print(f"taken from {path}: {len(done)} results", flush=True)
+    return done
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False,
                                      epilog="Rows: " + ", ".join(ALL_ROWS))
@@ -365,6 +392,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--jobs", type=int, default=1, help="rows run side by side in this many processes")
     parser.add_argument("--out", type=Path, default=Path("runs") / time.strftime("quality-%Y%m%d-%H%M%S"))
+    parser.add_argument("--resume-from", type=Path, metavar="DIR", help="take the (seed, row) results already in "
+                        "DIR/quality.json (an earlier or interrupted run of the same setting) instead of running "
+                        "them again: add seeds or rows to a table")
     args = parser.parse_args()
     if args.quick:
         args.h, args.rounds, args.batch, args.seq, args.eval_batches, args.eval_every = 20, 8, 4, 64, 16, 2
@@ -388,7 +418,8 @@ def main() -> None:
         print(text)
         return
     tasks = [(seed, row) for seed in args.seeds for row in rows]
-    done: dict[tuple[int, str], RowResult] = {}
+    done = previous_results(args.resume_from, args, parser) if args.resume_from else {}
+    tasks = [(seed, row) for seed, row in tasks if (seed, row) not in done]
     if args.jobs > 1:  # rows in forked worker processes, one torch thread each unless --threads says more
         global _SETTING
         _SETTING = setting
