@@ -1,5 +1,5 @@
 # p2p-diloco: one-command set-up, demo and tests.
-#   make demo   - a local swarm (bootstrap node + 3 peers) that trains for about 3 minutes on CPU
+#   make demo   - a local swarm (bootstrap node + 3 peers) that trains for about 2 minutes on CPU
 #   make test   - the whole test suite (unit + integration with real hivemind DHTs)
 # Both create .venv if it is missing and install torch first, then the project.
 # GPU users: make demo TORCH_VERSION=2.5.1 TORCH_INDEX_URL=https://download.pytorch.org/whl/cu124

@@ -133,7 +133,8 @@ class Bench:
         workers = [json.loads((folder / f"worker{i}.json").read_text()) for i in range(self.num_peers)]
         evals = max(len(workers[0]["eval_curve"]), 1)  # the initial evaluation included, as in eval_s
         return {"tokens_per_s": statistics.mean(w["tokens_per_s"] for w in workers), "steps": steps,
-                "total_steps": self.args.rounds * self.args.h, "cut": steps < self.args.rounds * self.args.h,
+                "total_steps": (self.args.allreduce_rounds or self.args.rounds) * self.args.h,
+                "cut": steps < (self.args.allreduce_rounds or self.args.rounds) * self.args.h,
                 "eval_loss": workers[0]["eval_loss"], "tokens": workers[0]["tokens"],
                 "bytes_per_step": workers[0]["bytes_per_step"],
                 "curve": [(t, loss) for t, _, loss in workers[0]["curve"]],
@@ -238,8 +239,9 @@ def time_to_loss(results: dict, args) -> dict:
 
 
 def allreduce_steps(rate: float, args, num_params: int, step_s: float) -> int:
-    """All the steps (equal tokens); with --allreduce-budget-s, at the slower rates as many as fit in it."""
-    total = args.rounds * args.h
+    """--allreduce-rounds' steps (by default all, equal tokens); with --allreduce-budget-s, at the slower rates
+    as many as fit in it."""
+    total = (args.allreduce_rounds or args.rounds) * args.h
     if rate == max(args.rates) or args.allreduce_budget_s is None:
         return total
     per_step = step_s + 2 * (args.peers - 1) / args.peers * 4 * num_params * 8 / (rate * 1e6)
@@ -268,6 +270,13 @@ def report(results: dict, args) -> str:
     for mode in [m for m in MODES if m in fastest]:
         loss = fastest[mode]["eval_loss"]
         lines.append(f"  {mode:<10} eval loss {loss:.4f}  ({(loss - base) / base * 100:+.2f}% vs {reference})")
+    if "allreduce" in fastest and fastest["allreduce"]["tokens"] != fastest["alone"]["tokens"]:
+        tokens = fastest["allreduce"]["tokens"]
+        lines += ["", f"AllReduce trained {tokens:,} tokens per peer (--allreduce-rounds); at those tokens:"]
+        for mode in [m for m in MODES if m in fastest and m != "allreduce"]:
+            at = [point[2] for point in fastest[mode]["eval_curve"] if point[1] == tokens]
+            loss = f"{at[0]:.4f}  ({(at[0] - base) / base * 100:+.2f}% vs AllReduce)" if at else "not evaluated"
+            lines.append(f"  {mode:<10} eval loss {loss}")
     return "\n".join(lines + [""] + report_time_to_loss(results, args))
 
 
@@ -366,9 +375,15 @@ def main() -> None:
                         help="cut the AllReduce run at the rates below the fastest to about this many seconds, "
                              "when only its throughput is wanted there (its time to loss then reads 'not reached "
                              "(run cut)'); default: all the steps at every rate, which takes long on slow links")
+    parser.add_argument("--allreduce-rounds", type=int, default=None,
+                        help="train the AllReduce run for as many rounds' steps (default: --rounds, equal tokens); "
+                             "fewer, with more --rounds, lets the DiLoCo modes run on past AllReduce's tokens so "
+                             "that their time to AllReduce's final loss (target A) can be measured")
     parser.add_argument("--out", type=Path, default=Path("runs") / time.strftime("wan-%Y%m%d-%H%M%S"))
     args = parser.parse_args()
     args.modes = args.modes.split(",")
+    if args.allreduce_rounds is not None and not 1 <= args.allreduce_rounds <= args.rounds:
+        parser.error(f"--allreduce-rounds must be between 1 and --rounds ({args.rounds}), got {args.allreduce_rounds}")
     args.out.mkdir(parents=True, exist_ok=True)
     results: dict = {}
     with EmulatedWAN(args.peers + 1, rate_mbit=None) as wan:
