@@ -460,3 +460,31 @@ def test_a_peer_ending_its_round_after_the_others_applied_the_next_one_still_com
     sync.remember("7b")
     sync.after_round()
     assert not sync.events and sync.holds_canonical
+
+
+def test_a_peer_resumed_with_a_round_in_flight_that_the_others_applied_reloads_at_once():
+    """Resumed from its checkpoint (delayed mode) at round 3 with round 2's averaging pending: once another peer
+    has applied round 2, that group is over and its average cannot be had; the peer reloads at start instead of
+    waiting out the round's timeouts for it (a fast swarm then finished before the peer caught up: make test)."""
+    donor = make_stage(seed=1)
+    donor.round_index, donor.applied_round = 4, 2
+    donor.inner_step = donor.round_index * donor.diloco_cfg.inner_steps
+    state = shareable_state(donor, "run")
+    for others, reloads in (([Record(4, 2, "x")], True),   # the others applied round 2 and are a round ahead
+                            ([Record(3, 2, "x")], True),   # applied round 2 early in round 3 (the merge step)
+                            ([Record(4, 1, "x")], False),  # round 2 still averaging: join it
+                            ([Record(3, 1, "x")], False)):
+        peer = make_stage()
+        peer.round_index, peer.applied_round = 3, 1
+        peer.pending = PendingRound(2, [], 100.0)
+        sync = make_sync(peer, others, state)
+        sync.at_start(resumed=True)
+        assert [e["action"] for e in sync.events] == (["reload"] if reloads else []), others
+        assert (peer.round_index == 4) == reloads
+    settled = make_stage()  # a pending round already settled (it fell back before the kill) is not waited for
+    settled.round_index, settled.applied_round = 3, 1
+    settled.pending = PendingRound(2, [], 100.0)
+    settled.pending.settled = True
+    sync = make_sync(settled, [Record(3, 2, "x")], state)
+    sync.at_start(resumed=True)
+    assert not sync.events
