@@ -158,16 +158,20 @@ def analyse(out: Path, args, names, kills, restarts, rss, codes) -> dict:
     reference = {r: c.most_common(1)[0][0] for r, c in votes.items()}
 
     # survivors: the next round end of every other peer after each kill
+    # (attempted: every survivor that had not ended its last round yet; completed: those that ended a round after
+    # the kill; one that never did, because it hung or died, counts as attempted and not completed)
     attempted = completed = averaged = 0
     delays = []
     for kill in kills:
         for n in names:
             if n == kill["peer"]:
                 continue
-            later = [e for e in rounds[n] if e["time"] > kill["time"] and not e.get("flush")]
-            if not later:
+            if any(e["round_index"] >= args.rounds - 1 for e in rounds[n] if e["time"] <= kill["time"]):
                 continue  # it had finished its rounds
             attempted += 1
+            later = [e for e in rounds[n] if e["time"] > kill["time"] and not e.get("flush")]
+            if not later:
+                continue
             first = later[0]
             completed += 1
             averaged += bool(first["averaged"]) if first["applied_round"] is not None else 0
