@@ -133,8 +133,7 @@ class Bench:
         workers = [json.loads((folder / f"worker{i}.json").read_text()) for i in range(self.num_peers)]
         evals = max(len(workers[0]["eval_curve"]), 1)  # the initial evaluation included, as in eval_s
         return {"tokens_per_s": statistics.mean(w["tokens_per_s"] for w in workers), "steps": steps,
-                "total_steps": (self.args.allreduce_rounds or self.args.rounds) * self.args.h,
-                "cut": steps < (self.args.allreduce_rounds or self.args.rounds) * self.args.h,
+                "total_steps": allreduce_total_steps(self.args), "cut": steps < allreduce_total_steps(self.args),
                 "eval_loss": workers[0]["eval_loss"], "tokens": workers[0]["tokens"],
                 "bytes_per_step": workers[0]["bytes_per_step"],
                 "curve": [(t, loss) for t, _, loss in workers[0]["curve"]],
@@ -238,10 +237,14 @@ def time_to_loss(results: dict, args) -> dict:
     return {"targets": targets, "rates": table}
 
 
+def allreduce_total_steps(args) -> int:
+    """The AllReduce run's steps: --allreduce-rounds' worth, by default all of --rounds (equal tokens)."""
+    return (args.allreduce_rounds or args.rounds) * args.h
+
+
 def allreduce_steps(rate: float, args, num_params: int, step_s: float) -> int:
-    """--allreduce-rounds' steps (by default all, equal tokens); with --allreduce-budget-s, at the slower rates
-    as many as fit in it."""
-    total = (args.allreduce_rounds or args.rounds) * args.h
+    """allreduce_total_steps; with --allreduce-budget-s, at the slower rates as many as fit in it."""
+    total = allreduce_total_steps(args)
     if rate == max(args.rates) or args.allreduce_budget_s is None:
         return total
     per_step = step_s + 2 * (args.peers - 1) / args.peers * 4 * num_params * 8 / (rate * 1e6)

@@ -87,6 +87,14 @@ def fetch_progress(dht, run_id: str, timeout_s: float = 10.0) -> list[ProgressRe
     return records
 
 
+def moved_past(others: list[ProgressRecord], round_index: int) -> bool:
+    """Whether none of ``others`` (records of the same stage) can still average ``round_index``: none is on that
+    round, or on the next with that round not yet applied (averaging it in the background). False when there
+    are no others."""
+    could_join = [r for r in others if round_index <= r.round <= round_index + 1 and r.applied_round < round_index]
+    return bool(others) and not could_join
+
+
 def live_group_size(records: list[ProgressRecord], stage: int, num_stages: int, my_node: str,
                     max_round_lag: Optional[int] = None, my_round: int = 0) -> int:
     """How many stage processes (this one included) can join this stage's next averaging round."""
@@ -189,8 +197,7 @@ class SwarmLink:
             others = self.others(stage)
         except Exception:  # a DHT hiccup: keep waiting
             return False
-        could_join = [r for r in others if round_index <= r.round <= round_index + 1 and r.applied_round < round_index]
-        return bool(others) and not could_join
+        return moved_past(others, round_index)
 
     def others(self, stage) -> list[ProgressRecord]:
         """Live records of the same stage of other peers."""

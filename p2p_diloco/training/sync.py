@@ -6,7 +6,7 @@ live stage process); states come from other peers through hivemind's state shari
 
 - at start, a stage (new or resumed) reloads when another peer is two rounds ahead of it, or one round ahead
   with this stage's round already applied (a peer one whole round behind can never again meet the others'
-  round key), or, resumed with a round in flight, when another peer has applied that round already;
+  round key), or, resumed with a round in flight, when no other peer can still average that round;
   otherwise it trains its round and joins the others' averaging of it (in delayed mode a peer
   on the next round is still averaging this one);
 - after every round end, a stage that is behind reloads; one whose anchor fingerprint for an applied round
@@ -27,6 +27,7 @@ import logging
 import math
 import time
 
+from p2p_diloco.swarm.progress import moved_past
 from p2p_diloco.training.stage import Stage
 from p2p_diloco.training.summary import anchor_fingerprint
 from p2p_diloco.training.swarm_state import StateError, adopt_state, check_state
@@ -81,14 +82,14 @@ class SwarmSync:
         # applied at the end of the next round) can still be joined in that round: no reload then (reloading
         # skipped the round the others were still matching for, and they fell back on it; seen in CI)
         behind = any(r.round > mine + 1 or (r.round == mine + 1 and r.applied_round >= mine) for r in others)
-        # resumed with a round in flight (delayed/eager) that another peer has applied already: that round's group
-        # is over, its average cannot be had any more, and the swarm is a round ahead of this anchor; waiting out
-        # the round's timeouts for it left a restarted peer behind a fast swarm to its end (seen in make test)
-        pending = self.stage.pending
-        if resumed and pending is not None and not pending.settled:
-            behind = behind or any(r.applied_round >= pending.round_index for r in others)
         reason = "joining the swarm" if not resumed else \
             f"{swarm_round - self.stage.round_index} round(s) behind the swarm"
+        # resumed with a round in flight (delayed/eager) that no other peer can still average: its average cannot
+        # be had any more and the others' anchors hold it; waiting out the round's timeouts for it left a
+        # restarted peer behind a fast swarm to its end (seen in make test)
+        pending = self.stage.pending
+        if not behind and pending is not None and not pending.settled and moved_past(others, pending.round_index):
+            behind, reason = True, f"round {pending.round_index}, in flight here, was averaged without this peer"
         # the stages see the records at slightly different times: they decide together, or one would wait in the
         # reload's collective while another trains on (a hang seen in CI)
         if self.executor.any_stage(behind):

@@ -472,8 +472,9 @@ def test_a_peer_resumed_with_a_round_in_flight_that_the_others_applied_reloads_a
     state = shareable_state(donor, "run")
     for others, reloads in (([Record(4, 2, "x")], True),   # the others applied round 2 and are a round ahead
                             ([Record(3, 2, "x")], True),   # applied round 2 early in round 3 (the merge step)
-                            ([Record(4, 1, "x")], False),  # round 2 still averaging: join it
-                            ([Record(3, 1, "x")], False)):
+                            ([Record(3, 1, "x")], False),  # round 2 still averaging: join it
+                            ([Record(3, 2, "x"), Record(3, 1, "x")], False),  # one can still average it with this
+                            ([Record(2, 1, "x")], False)):  # one still training round 2
         peer = make_stage()
         peer.round_index, peer.applied_round = 3, 1
         peer.pending = PendingRound(2, [], 100.0)
@@ -481,6 +482,7 @@ def test_a_peer_resumed_with_a_round_in_flight_that_the_others_applied_reloads_a
         sync.at_start(resumed=True)
         assert [e["action"] for e in sync.events] == (["reload"] if reloads else []), others
         assert (peer.round_index == 4) == reloads
+        assert not reloads or "averaged without this peer" in sync.events[0]["reason"]
     settled = make_stage()  # a pending round already settled (it fell back before the kill) is not waited for
     settled.round_index, settled.applied_round = 3, 1
     settled.pending = PendingRound(2, [], 100.0)
