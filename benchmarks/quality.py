@@ -396,8 +396,9 @@ def main() -> None:
                         "DIR/quality.json (an earlier or interrupted run of the same setting) instead of running "
                         "them again: add seeds or rows to a table")
     args = parser.parse_args()
-    if args.quick:
-        args.h, args.rounds, args.batch, args.seq, args.eval_batches, args.eval_every = 20, 8, 4, 64, 16, 2
+    if args.quick:  # its values are defaults: options given with it still win
+        parser.set_defaults(h=20, rounds=8, batch=4, seq=64, eval_batches=16, eval_every=2)
+        args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     rows = args.rows.split(",")
