@@ -16,6 +16,7 @@ from p2p_diloco.config.errors import ConfigError
 
 RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 AVERAGING_MODES = ("none", "delayed", "eager")
+ROUND_ENDS = ("swarm", "steps")
 COMPRESSIONS = ("none", "fp16", "int8", "lowrank", "adaptive")
 SCHEDULES = ("gpipe", "1f1b")
 MODEL_PRESETS = ("tiny", "small", "medium", "1b")
@@ -175,6 +176,11 @@ class DiLoCoConfig:
     average has not arrived by then waits for it (Streaming DiLoCo's tau). None: H // 10, at least 1. H is
     DiLoCoX's whole-round delay: the most communication hidden, but the model learns worse than blocking
     DiLoCo, and over long runs worse than one peer alone (BENCHMARKS.md, "Learning quality")."""
+    round_end: str = "swarm"
+    """When a peer ends its round: 'swarm' (after inner_steps steps, or as soon as another peer of the run has
+    ended the round, whichever comes first: peers of unequal speed end each round together, the fastest after
+    inner_steps steps, each contributing the tokens it trained, weighted by them) or 'steps' (every peer trains
+    exactly inner_steps steps; a slower peer reaches the round end late and may miss its group)."""
 
     @property
     def merge_step(self) -> int:
@@ -190,6 +196,8 @@ class DiLoCoConfig:
                  f"must be between 1 and diloco.inner_steps ({self.inner_steps}), got {self.overlap_steps!r}")
         _require(self.mode in AVERAGING_MODES, "diloco.mode",
                  f"must be one of {', '.join(AVERAGING_MODES)}, got {self.mode!r}")
+        _require(self.round_end in ROUND_ENDS, "diloco.round_end",
+                 f"must be one of {', '.join(ROUND_ENDS)}, got {self.round_end!r}")
 
 
 @dataclass
@@ -211,6 +219,9 @@ class TrainConfig:
     """Give up downloading a stage's state from peers after this long (and try again after the next round)."""
     anchor_digest: bool = True
     """Log a sha256 of the anchor after every round (equal digests = bit-identical anchors); costs ~1 s/GB."""
+    slowdown: float = 1.0
+    """Make this peer this many times slower than it is (it sleeps after each inner step): for tests and
+    benchmarks of swarms with peers of unequal speed. 1 = full speed."""
 
     def validate(self) -> None:
         _require(self.num_rounds > 0, "train.num_rounds", f"must be a positive integer, got {self.num_rounds!r}")
@@ -220,6 +231,8 @@ class TrainConfig:
         _positive(self.state_timeout_s, "train.state_timeout_s")
         _require(self.eval_every_rounds >= 0, "train.eval_every_rounds",
                  f"must be >= 0, got {self.eval_every_rounds!r}")
+        _require(isinstance(self.slowdown, (int, float)) and math.isfinite(self.slowdown) and self.slowdown >= 1,
+                 "train.slowdown", f"must be a number >= 1, got {self.slowdown!r}")
 
 
 @dataclass

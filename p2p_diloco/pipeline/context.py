@@ -86,9 +86,13 @@ class PipelineContext:
         return torch.cat([part[:n] for part, n in zip(parts, sizes)])
 
     def any_flag(self, flag: bool) -> bool:
-        value = torch.tensor([1.0 if flag else 0.0], device=self.device)
+        return self.any_flags((flag,))[0]
+
+    def any_flags(self, flags: tuple[bool, ...]) -> tuple[bool, ...]:
+        """For each flag, whether any stage raised it (one collective for all of them)."""
+        value = torch.tensor([1.0 if flag else 0.0 for flag in flags], device=self.device)
         self._guard(dist.all_reduce, value, op=dist.ReduceOp.MAX)
-        return bool(value.item() > 0)
+        return tuple(bool(v > 0) for v in value.tolist())
 
     def barrier(self) -> None:
         self._guard(dist.barrier)

@@ -84,6 +84,9 @@ class PipelineExecutor:
     def any_stage(self, flag: bool) -> bool:
         return self.context.any_flag(flag)
 
+    def any_stages(self, *flags: bool) -> tuple[bool, ...]:
+        return self.context.any_flags(flags)
+
     @torch.no_grad()
     def evaluate(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float:
         """Mean loss over ``batches`` (forward only, through the pipeline); NaN on other than the last stage."""

@@ -65,12 +65,22 @@ def publish_progress(dht, run_id: str, record: ProgressRecord, ttl_s: float) -> 
 def fetch_progress(dht, run_id: str, timeout_s: float = 10.0) -> list[ProgressRecord]:
     """All unexpired records of a run. The DHT node's validators have dropped unsigned and malformed ones; what
     is not a signed entry of the schema (a node without them) is skipped too, with a debug log."""
-    record_owner(dht, run_id)  # a node that checks signatures, and now the run's schemas too
     try:
-        found = dht.get(progress_key(run_id), latest=True, return_future=True).result(timeout=timeout_s)
+        found = request_progress(dht, run_id).result(timeout=timeout_s)
     except Exception as e:  # a slow or broken DHT must not stop training: no records means "alone"
         logger.debug(f"Could not read progress records: {e!r}")
         return []
+    return parse_progress(found)
+
+
+def request_progress(dht, run_id: str):
+    """Start reading a run's records; a future of the DHT's answer, for :func:`parse_progress`."""
+    record_owner(dht, run_id)  # a node that checks signatures, and now the run's schemas too
+    return dht.get(progress_key(run_id), latest=True, return_future=True)
+
+
+def parse_progress(found) -> list[ProgressRecord]:
+    """The well-formed signed records of a DHT answer (see :func:`fetch_progress`)."""
     if found is None or not isinstance(found.value, dict):
         return []
     records = []
@@ -133,12 +143,18 @@ class SwarmLink:
         record_owner(dht, run_id)  # fails here, not later, on a DHT node that does not check signatures
         self.publish_every_s, self.ttl_s = publish_every_s, ttl_s
         self._last_publish = float("-inf")
+        self.watch_every_s = 0.5  # how often others_ended_round reads the records again
+        self._watch = None  # the read in flight (a future of the DHT's answer)
+        self._watch_at = float("-inf")
+        self._latest_round = -1  # the latest round another peer of this stage trains in, as last read
 
     def publish(self, stage, loss: float, tokens_per_s: float, force: bool = False,
                 joining_round: Optional[int] = None) -> None:
         """Refresh this stage's record (at most every ``publish_every_s`` unless ``force``). ``joining_round``:
-        the swarm's round this stage is about to reload into, published before the download, so that the peers
-        ending that round count it in their group size and wait for it (bounded by their matchmaking time)."""
+        a round this stage is about to be in, published ahead: the swarm's round it is about to reload into
+        (before the download, so that the peers ending that round count it in their group size and wait for it,
+        bounded by their matchmaking time), or the next round when it ends its round (before the averaging, so
+        that slower peers end theirs too: see :meth:`others_ended_round`)."""
         import time
 
         from hivemind.utils import get_dht_time
@@ -198,6 +214,32 @@ class SwarmLink:
         except Exception:  # a DHT hiccup: keep waiting
             return False
         return moved_past(others, round_index)
+
+    def others_ended_round(self, stage) -> bool:
+        """Whether another live peer of this stage has ended the round this stage trains in: its record names a
+        later round (a peer publishes the next round as it ends one, before averaging). Answers at once from the
+        last read of the records; a new read is started in the DHT process at most every ``watch_every_s``, so
+        asking at every inner step costs nothing. A record of a peer that died ahead of this one ends this round
+        too, as the live peer would have (records never move back, so it cannot end the next one)."""
+        import time
+
+        watch = self._watch
+        if watch is not None and watch.done():
+            self._watch = None
+            try:
+                records = parse_progress(watch.result())
+            except Exception as e:  # a DHT hiccup: keep the last answer
+                logger.debug(f"Could not read progress records: {e!r}")
+            else:
+                self._latest_round = max((r.round for r in records if r.stage == stage.stage_index
+                                          and r.num_stages == stage.num_stages and r.node != self.node), default=-1)
+        if self._watch is None and time.monotonic() - self._watch_at >= self.watch_every_s:
+            self._watch_at = time.monotonic()
+            try:
+                self._watch = request_progress(self.dht, self.run_id)
+            except Exception as e:  # the DHT process may be shutting down
+                logger.debug(f"Could not read progress records: {e!r}")
+        return self._latest_round > stage.round_index
 
     def others(self, stage) -> list[ProgressRecord]:
         """Live records of the same stage of other peers."""

@@ -56,6 +56,10 @@ class LocalExecutor:
         """Whether any stage of the peer raised ``flag``: there is only this one."""
         return flag
 
+    def any_stages(self, *flags: bool) -> tuple[bool, ...]:
+        """For each flag, whether any stage raised it: there is only this one."""
+        return flags
+
     def gather_across_stages(self, values: torch.Tensor) -> torch.Tensor:
         """Concatenate a 1-D tensor over the peer's stages in stage order: there is only this one."""
         return values

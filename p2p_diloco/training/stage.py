@@ -35,9 +35,13 @@ class RoundReport:
     """
 
     round_index: int
+    tokens: int = 0
+    """Tokens this peer trained on in the round that ended (its averaging weight)."""
     applied_round: int | None = None
     averaged: bool = False
     group_size: int = 1
+    group_tokens: float = 0.0
+    """Of the applied round: the tokens of its whole group (this peer's share is its weight over these)."""
     bytes_sent: int = 0
     bytes_received: int = 0
     averaging_s: float = 0.0
@@ -194,7 +198,8 @@ class Stage:
         started = time.monotonic()
         delta = [start - p.detach().to(device="cpu", dtype=torch.float32)
                  for start, p in zip(self.round_start, self.params)]  # 2. this round's local progress
-        report = RoundReport(self.round_index, delta_norm=float(torch.sqrt(sum(d.pow(2).sum() for d in delta))))
+        report = RoundReport(self.round_index, tokens=int(tokens),
+                             delta_norm=float(torch.sqrt(sum(d.pow(2).sum() for d in delta))))
         if self.mode == "none":
             contribution = self._with_feedback(delta)  # 3. the averager compresses it; the residual comes back
             self._start(self.round_index, contribution, tokens, expected_group_size, compute_s)  # 4.
@@ -218,7 +223,7 @@ class Stage:
                          for start, p in zip(self.round_start, self.params)]
             elif self._merged is not None:  # merged earlier in this round: report it with this round end
                 report.__dict__.update({k: v for k, v in vars(self._merged).items()
-                                        if k not in ("round_index", "delta_norm", "round_end_s")})
+                                        if k not in ("round_index", "tokens", "delta_norm", "round_end_s")})
             self._merged = None
             contribution = self._with_feedback(delta)  # 3.
             self._start(self.round_index, contribution, tokens, expected_group_size, compute_s)  # 4. background
@@ -360,7 +365,7 @@ class Stage:
         report.bytes_sent = pending.stats.get("bytes_sent", 0)
         report.bytes_received = pending.stats.get("bytes_received", 0)
         report.averaging_s = pending.stats.get("averaging_s", 0.0)
-        report.group_size = pending.group_size
+        report.group_size, report.group_tokens = pending.group_size, pending.group_tokens
         report.compression = pending.compression
         report.suspects, report.banned = pending.suspects, pending.banned
         if pending.averaged is None:  # the whole own contribution, feedback included, is applied: nothing is owed

@@ -44,7 +44,9 @@ class TrainSummary:
     mode: str = "none"
     rounds_completed: int = 0
     inner_steps: int = 0
+    """Where this stage is on the inner-step schedule (a round ended by the swarm skips the rest of its steps)."""
     tokens: int = 0
+    """Tokens this peer trained on (not those of a state it downloaded)."""
     averaged_rounds: int = 0
     """Rounds whose pseudo-gradients were averaged with other peers and applied."""
     fallback_rounds: int = 0
@@ -101,9 +103,8 @@ class TrainSummary:
             self.fallback_rounds += 1
 
 
-RESUMED_FIELDS = ("rounds_completed", "averaged_rounds", "fallback_rounds", "reloads", "resyncs", "joins", "leaves",
-                  "last_group", "bytes_sent",
-                  "bytes_received",
+RESUMED_FIELDS = ("rounds_completed", "tokens", "averaged_rounds", "fallback_rounds", "reloads", "resyncs", "joins",
+                  "leaves", "last_group", "bytes_sent", "bytes_received",
                   "allreduce_bytes_equivalent", "first_loss", "eval_loss_start", "group_sizes", "network_wait_s",
                   "train_s")
 

@@ -54,6 +54,9 @@ class Trainer:
         self.stop_requested = False
         self.tokens_per_s = 0.0  # last measured: for progress records and the metrics endpoint
         self._round_compute_s = 0.0
+        self._round_steps = 0  # inner steps this peer trained in the round that just ended
+        # a round ends when another peer has ended it (peers of unequal speed meet at the round end)
+        self.follow_swarm = swarm is not None and cfg.diloco.round_end == "swarm"
         tag = f"stage{stage.stage_index}"
         self.metrics = MetricsWriter(self.output_dir / f"metrics-{tag}.jsonl")
         self.summary_path = self.output_dir / f"summary-{tag}.json"
@@ -114,21 +117,35 @@ class Trainer:
             logger.warning(f"Starting with {seen} of the {wanted} peers waited for")
 
     def _train_round(self, H: int) -> bool:
-        """Inner steps up to the end of the current round; False if a stop was requested first."""
+        """Inner steps up to the end of the current round; False if a stop was requested first.
+
+        The round ends after its H steps, or (``diloco.round_end = "swarm"``) as soon as another peer of the
+        swarm has ended it, after at least one step of this peer's own: a slower peer contributes what it
+        trained in the time the fastest took for H steps, and meets the others at the round end."""
         window_start, window_tokens = time.monotonic(), 0
         train_s_before = self.summary.train_s
+        first = self.stage.round_first_step
+        first = self.stage.round_index * H if first is None else first
+        slowdown = self.cfg.train.slowdown
         while self.stage.inner_step < (self.stage.round_index + 1) * H:
-            if self.executor.any_stage(self.stop_requested):
+            ended = self.follow_swarm and self.stage.inner_step > first and self.swarm.others_ended_round(self.stage)
+            stop, ended = self.executor.any_stages(self.stop_requested, ended)  # every stage of the peer agrees
+            if stop:
                 self.stop_requested = True  # every stage of the peer stops after the same inner step
                 return False
+            if ended:
+                break
             step_started = time.monotonic()
             inputs, targets = self.sampler.next_batch()
             loss = self.executor.forward_backward(inputs, targets)
             norms = self.executor.gather_across_stages(self.stage.grad_norms())  # per-tensor, all stages
             total_norm = torch.linalg.vector_norm(norms, 2)
             lr = self.stage.inner_update(total_norm)
+            if slowdown > 1:  # a slower machine, for tests and benchmarks of unequal peers
+                time.sleep((slowdown - 1) * (time.monotonic() - step_started))
             step_s = time.monotonic() - step_started
             self.summary.train_s += step_s
+            self.summary.tokens += self.tokens_per_step
             if self.stage.merge_due:  # delayed mode: the previous round's average is applied now
                 merge_started = time.monotonic()
                 self.stage.merge()
@@ -150,15 +167,20 @@ class Trainer:
                 self.reporter.on_step(step, loss, tokens_per_s)
                 self._publish(loss, tokens_per_s)
                 window_start, window_tokens = time.monotonic(), 0
+        self._round_steps = self.stage.inner_step - first
+        if self.stage.inner_step < (self.stage.round_index + 1) * H:  # ended by the swarm: skip the rest of it
+            logger.info(f"Stage {self.stage.stage_index} round {self.stage.round_index}: ended by the swarm after "
+                        f"{self._round_steps} of {H} steps")
+            self.stage.inner_step = (self.stage.round_index + 1) * H
         self._round_compute_s = self.summary.train_s - train_s_before
         return True
 
     def _after_round(self) -> None:
-        H = self.cfg.diloco.inner_steps
-        first = self.stage.round_first_step
-        steps = H if first is None else self.stage.inner_step - first  # a reload joins a round part-way
         self.stage.round_first_step = None
-        tokens = steps * self.tokens_per_step
+        tokens = self._round_steps * self.tokens_per_step
+        if self.follow_swarm:  # the others end this round now too (they wait for this peer's contribution)
+            self.swarm.publish(self.stage, self.summary.last_loss or float("nan"), self.tokens_per_s, force=True,
+                               joining_round=self.stage.round_index + 1)
         expected = self.swarm.expected_group_size(self.stage) if self.swarm else 1
         round_started = time.monotonic()
         report = self.stage.end_round(tokens, expected, compute_s=self._round_compute_s)
@@ -261,7 +283,6 @@ class Trainer:
     def _finish(self, started: float, save: bool) -> None:
         s = self.summary
         s.inner_steps = self.stage.inner_step
-        s.tokens = s.inner_steps * self.tokens_per_step
         s.anchor_sha256 = anchor_digest(self.stage.anchor)
         s.state_bytes = self.stage.num_state_bytes()
         s.max_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -95,6 +95,34 @@ def test_three_peers_identical_anchors_and_runs_never_mix(tmp_path, processes, b
         assert s["allreduce_bytes_equivalent"] > 5 * s["bytes_sent"]
 
 
+def test_a_peer_at_half_speed_ends_every_round_with_the_others(tmp_path, processes, bootstrap):
+    """3 peers (default mode and round end), one slowed to half speed: every round is averaged in a group of all
+    3, with no reload or resync; the slow peer ends each round when the others do, with about half their steps,
+    and its weight in the average is the tokens it trained; the anchors are bit-identical after every round."""
+    rounds, h = 4, 30
+    names = ["fast0", "fast1", "slow"]
+    for name in names:
+        extra = ["--train.slowdown", "2"] if name == "slow" else []
+        processes.start(name, *peer_args(tmp_path, name, bootstrap, "hetero", rounds, h, *extra, wait_for=3))
+    for name in names:
+        assert processes.wait(name, timeout=360) == 0, processes.log(name)[-3000:]
+
+    per_peer = [applied(tmp_path, name) for name in names]
+    for name, seen in zip(names, per_peer):
+        assert [e["applied_round"] for e in seen] == list(range(rounds)), name
+        assert all(e["averaged"] and e["group_size"] == 3 for e in seen), (name, seen)
+        s = summary(tmp_path, name)
+        assert s["reloads"] == 0 and s["resyncs"] == 0 and s["fallback_rounds"] == 0, (name, s)
+    for r in range(rounds):
+        assert len({p[r]["anchor_sha256"] for p in per_peer}) == 1, r
+        assert len({p[r]["group_tokens"] for p in per_peer}) == 1, r  # one group, one total
+    tokens = {name: summary(tmp_path, name)["tokens"] for name in names}
+    fast = (tokens["fast0"] + tokens["fast1"]) / 2
+    assert 0.25 * fast < tokens["slow"] < 0.75 * fast, tokens
+    round_tokens = {name: [e["tokens"] for e in events(tmp_path, name, "round") if not e["flush"]] for name in names}
+    assert all(len(t) == rounds and min(t) > 0 for t in round_tokens.values()), round_tokens
+
+
 def test_killed_peer_does_not_stop_the_other(tmp_path, processes, bootstrap):
     """2 peers; one is killed (SIGKILL) after its first round: the survivor finishes every round, falling back
     to its own pseudo-gradient, without crashing or hanging past the configured timeouts."""

@@ -21,7 +21,7 @@ from p2p_diloco.config import load_config
 from p2p_diloco.data import ShardDataset, WindowSampler
 from p2p_diloco.model import ModelArgs, Transformer, loss_fn
 from p2p_diloco.swarm.averager import RoundResult
-from p2p_diloco.training import LocalExecutor, Stage, Trainer, inner_lr
+from p2p_diloco.training import LocalExecutor, Stage, Trainer, inner_lr, read_metrics
 from p2p_diloco.training.summary import anchor_fingerprint
 from tests.helpers import TINY_ARGS, make_shards
 
@@ -172,27 +172,38 @@ class _View:
 
 
 class _FixedSwarm:
-    """The trainer's view of the swarm; remembers what each progress record would have said."""
+    """The trainer's view of the swarm; remembers what each progress record would have said. With ``rounds`` (a
+    dict shared by the workers), the round each worker's records name, as the DHT would show them to the others."""
 
-    def __init__(self):
+    def __init__(self, rounds: dict[int, int] | None = None, index: int = 0):
         self.anchor_fingerprint = ""
         self.published: list[tuple[int, str, str]] = []  # (applied round, fingerprint published, actual one)
+        self.rounds, self.index = rounds, index
 
     def expected_group_size(self, stage) -> int:
         return K
 
-    def publish(self, stage, *args, **kwargs) -> None:
+    def publish(self, stage, *args, joining_round: int | None = None, **kwargs) -> None:
         self.published.append((stage.applied_round, self.anchor_fingerprint, anchor_fingerprint(stage.anchor)))
+        if self.rounds is not None:
+            self.rounds[self.index] = stage.round_index if joining_round is None else joining_round
+
+    def others_ended_round(self, stage) -> bool:
+        return self.rounds is not None and any(r > stage.round_index for i, r in self.rounds.items()
+                                               if i != self.index)
 
 
 def run_trainers(cfg, dataset: ShardDataset, seeds: list[int], tmp_path: Path,
-                 swarms: list[_FixedSwarm] | None = None) -> list[Stage]:
+                 swarms: list[_FixedSwarm] | None = None, trainers: list | None = None) -> list[Stage]:
+    """K trainers in threads (``cfg``: one config for all, or one per worker); ``trainers`` collects them."""
     shared = InProcessExactAverager(K)
     stages, errors = [], []
     swarms = swarms if swarms is not None else [_FixedSwarm() for _ in range(K)]
+    cfgs = cfg if isinstance(cfg, list) else [cfg] * K
 
     def worker(k: int) -> None:
         try:
+            cfg = cfgs[k]
             model = Transformer(ModelArgs(**ARGS))
             stage = Stage(model, stage_index=0, num_stages=1, inner_cfg=cfg.inner, diloco_cfg=cfg.diloco,
                           total_steps=ROUNDS * H, averager=shared.view(k))
@@ -200,6 +211,8 @@ def run_trainers(cfg, dataset: ShardDataset, seeds: list[int], tmp_path: Path,
             trainer = Trainer(cfg, stage, LocalExecutor(model, torch.device("cpu")),
                               WindowSampler(dataset, SEQ, BATCH, seeds[k]), [], swarm=swarms[k],
                               output_dir=tmp_path / f"w{k}", peer_name=f"w{k}")
+            if trainers is not None:
+                trainers.append(trainer)
             trainer.run()
         except BaseException as e:  # surfaced by the assertion below
             errors.append(e)
@@ -267,3 +280,34 @@ def test_progress_records_carry_the_fingerprint_of_the_round_they_name(dataset, 
         assert len({applied for applied, _, _ in named}) == ROUNDS - 1
         stale = [(applied, published[:8], actual[:8]) for applied, published, actual in named if published != actual]
         assert not stale, stale
+
+
+@pytest.mark.parametrize("mode", ["none", "delayed"])
+def test_a_slow_worker_ends_each_round_with_the_others_and_contributes_its_tokens(dataset, tmp_path, mode):
+    """diloco.round_end = swarm: a worker at a third of the others' speed ends every round when the first of them
+    ends it (the in-process averager is a barrier: a round that did not end together would hang), with fewer steps
+    of its own; the fastest worker trains every step of every round; weights are the tokens each trained on, and the
+    anchors are bit-identical."""
+    fast = config(tmp_path, [("diloco.mode", mode), ("diloco.inner_steps", "12")])
+    slow = config(tmp_path, [("diloco.mode", mode), ("diloco.inner_steps", "12"), ("train.slowdown", "3")])
+    rounds: dict[int, int] = {}
+    swarms = [_FixedSwarm(rounds, k) for k in range(K)]
+    trainers: list = []
+    stages = run_trainers([fast, fast, slow], dataset, [11, 22, 33], tmp_path, swarms, trainers)
+    by_name = {t.summary.peer: t for t in trainers}
+    tokens = {name: t.summary.tokens for name, t in by_name.items()}
+    per_step = BATCH * SEQ
+    # each round: the first to end it trained its H steps; the other fast one (nearly) all of them, losing the
+    # steps it was behind the first (threads share the GIL), the slow one what it trained meanwhile
+    per_round = {name: [e["tokens"] for e in read_metrics(tmp_path / name / "metrics-stage0.jsonl")
+                        if e["kind"] == "round" and not e["flush"]] for name in by_name}
+    assert all(len(r) == ROUNDS for r in per_round.values()), per_round
+    assert all(max(r[i] for r in per_round.values()) == 12 * per_step for i in range(ROUNDS)), per_round
+    assert min(tokens["w0"], tokens["w1"]) >= 0.75 * ROUNDS * 12 * per_step, tokens
+    assert 0 < tokens["w2"] < 0.8 * min(tokens["w0"], tokens["w1"]), tokens
+    for t in trainers:
+        assert t.summary.averaged_rounds == ROUNDS and t.summary.fallback_rounds == 0
+        assert t.stage.inner_step == ROUNDS * 12  # the schedule position of a round ended early is its end
+    first = stages[0].anchor
+    for stage in stages[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(stage.anchor, first))
