@@ -121,14 +121,17 @@ class Trainer:
 
         The round ends after its H steps, or (``diloco.round_end = "swarm"``) as soon as another peer of the
         swarm has ended it, after at least one step of this peer's own: a slower peer contributes what it
-        trained in the time the fastest took for H steps, and meets the others at the round end."""
+        trained in the time the fastest took for H steps, and meets the others at the round end. A peer whose
+        remaining steps take less than a quarter of the matchmaking time finishes them (it reaches the others'
+        group in time; peers of equal speed a few steps apart would otherwise lose those steps every round)."""
         window_start, window_tokens = time.monotonic(), 0
         train_s_before = self.summary.train_s
         first = self.stage.round_first_step
         first = self.stage.round_index * H if first is None else first
         slowdown = self.cfg.train.slowdown
         while self.stage.inner_step < (self.stage.round_index + 1) * H:
-            ended = self.follow_swarm and self.stage.inner_step > first and self.swarm.others_ended_round(self.stage)
+            ended = self.follow_swarm and self.stage.inner_step > first and not self._nearly_done(H) and \
+                self.swarm.others_ended_round(self.stage)
             stop, ended = self.executor.any_stages(self.stop_requested, ended)  # every stage of the peer agrees
             if stop:
                 self.stop_requested = True  # every stage of the peer stops after the same inner step
@@ -174,6 +177,10 @@ class Trainer:
             self.stage.inner_step = (self.stage.round_index + 1) * H
         self._round_compute_s = self.summary.train_s - train_s_before
         return True
+
+    def _nearly_done(self, H: int) -> bool:
+        remaining = (self.stage.round_index + 1) * H - self.stage.inner_step
+        return remaining * self.stage.seconds_per_step <= 0.25 * self.cfg.averaging.matchmaking_time_s
 
     def _after_round(self) -> None:
         self.stage.round_first_step = None

@@ -288,8 +288,10 @@ def test_a_slow_worker_ends_each_round_with_the_others_and_contributes_its_token
     ends it (the in-process averager is a barrier: a round that did not end together would hang), with fewer steps
     of its own; the fastest worker trains every step of every round; weights are the tokens each trained on, and the
     anchors are bit-identical."""
-    fast = config(tmp_path, [("diloco.mode", mode), ("diloco.inner_steps", "12")])
-    slow = config(tmp_path, [("diloco.mode", mode), ("diloco.inner_steps", "12"), ("train.slowdown", "3")])
+    common = [("diloco.mode", mode), ("diloco.inner_steps", "12"), ("averaging.matchmaking_time_s", "0.004"),
+              ("averaging.request_timeout_s", "0.002")]  # a peer finishes its round if that takes < 1 ms
+    fast = config(tmp_path, common)
+    slow = config(tmp_path, [*common, ("train.slowdown", "3")])
     rounds: dict[int, int] = {}
     swarms = [_FixedSwarm(rounds, k) for k in range(K)]
     trainers: list = []
