@@ -1,8 +1,11 @@
 """Fault injection for tests (torchft-style): a process dies at a named point, or a peer turns hostile, when told to.
 
 ``P2P_DILOCO_FAULT=<point>:<n>`` makes the process exit at the n-th time it passes ``fault_point(<point>)``
-(``os._exit``: no cleanup, like a power cut or SIGKILL). Unset, a fault point costs a dictionary lookup.
-Points: ``checkpoint-data-written`` (a checkpoint's data file is in place, its manifest is not).
+(``os._exit``: no cleanup, like a power cut or SIGKILL); ``<point>:<n>:group`` kills its whole process group
+with SIGKILL instead (the peer and every process of it, from its background averager for example). Unset, a
+fault point costs a dictionary lookup. Points: ``checkpoint-data-written`` (a checkpoint's data file is in place,
+its manifest is not), ``allreduce-group-formed`` (in the averager: a round's group has formed, its all-reduce
+is about to start; the groupmates are waiting for this peer's parts).
 
 ``P2P_DILOCO_HOSTILE=<kind>[:<value>]`` makes this peer's averager lie to its groupmates (a test hook for the
 robust aggregation of :mod:`p2p_diloco.swarm.robust`; the peer's own training is unchanged). Kinds:
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 from typing import Optional
 
 import torch
@@ -37,11 +41,14 @@ def fault_point(name: str) -> None:
     spec = os.environ.get(ENV)
     if not spec:
         return
-    point, _, count = spec.partition(":")
+    point, _, rest = spec.partition(":")
     if point != name:
         return
+    count, _, scope = rest.partition(":")
     _passes[name] = _passes.get(name, 0) + 1
     if _passes[name] >= int(count or 1):
+        if scope == "group":
+            os.killpg(os.getpgid(0), signal.SIGKILL)
         os._exit(FAULT_EXIT_CODE)
 
 

@@ -45,7 +45,7 @@ from hivemind.utils.asyncio import enter_asynchronously
 from p2p_diloco.compression.codecs import CODECS
 from p2p_diloco.compression.policy import CompressionPolicy
 from p2p_diloco.config import AveragingConfig
-from p2p_diloco.faults import hostility_from_env
+from p2p_diloco.faults import fault_point, hostility_from_env
 from p2p_diloco.process import die_with_parent, leave_signals_to_parent, lower_priority
 from p2p_diloco.swarm.allreduce import BYTES_RECEIVED, BYTES_SENT, ExactAllReduceRunner
 from p2p_diloco.swarm.guard import GroupView, GuardedAverager, PeerGuard, read_group
@@ -96,6 +96,7 @@ class _PendingRound:
     control: object  # hivemind StepControl
     started_at: float
     traffic_at_start: tuple[int, int]
+    timeout_s: float  # of matchmaking, retries included (the all-reduce has its own bound)
 
 
 class PseudoGradientAverager(GuardedAverager, DecentralizedAverager):
@@ -142,7 +143,7 @@ class PseudoGradientAverager(GuardedAverager, DecentralizedAverager):
             min_group_size=cfg.min_group_size,
             min_matchmaking_time=cfg.matchmaking_time_s,
             request_timeout=cfg.request_timeout_s,
-            allreduce_timeout=cfg.allreduce_timeout_s,
+            allreduce_timeout=cfg.allreduce_timeout_s + 5,  # ours, in _aggregate_with_group, expires first
             next_chunk_timeout=cfg.next_chunk_timeout_s,
             declare_state_period=10,
             shutdown_timeout=5,
@@ -184,11 +185,16 @@ class PseudoGradientAverager(GuardedAverager, DecentralizedAverager):
                 return await self._allreduce_phase(tensors, codecs, group_info, group_info.group_id + phase, view,
                                                    peer_fractions=fractions, **kwargs)
 
+            fault_point("allreduce-group-formed")  # a test hook: unset, a dictionary lookup
             received_before, started = int(self.traffic[BYTES_RECEIVED]), time.monotonic()
             async with enter_asynchronously(self.get_tensors()) as buffers:
                 if int(self._buffered_round[0]) != my_round:
                     raise AllreduceException(f"round {my_round} was abandoned by this peer")
-                outcome = await self._reducer.reduce([b.clone() for b in buffers], plan, my_round, allreduce)
+                # bounded here rather than by hivemind's timeout, whose expiry is not retried: a group whose
+                # all-reduce stalls (a member stopped sending) re-forms and averages again within the round's budget
+                outcome = await asyncio.wait_for(
+                    self._reducer.reduce([b.clone() for b in buffers], plan, my_round, allreduce),
+                    timeout=self.cfg.allreduce_timeout_s)
                 for buffer, residual, average, error in zip(buffers, self._residuals, outcome.averaged,
                                                             outcome.residuals):
                     buffer.copy_(average)
@@ -250,7 +256,7 @@ class PseudoGradientAverager(GuardedAverager, DecentralizedAverager):
         future.result(timeout=10)
 
     def start_round(self, contribution: Sequence[torch.Tensor], round_index: int, weight: float,
-                    compute_s: float = 0.0) -> None:
+                    compute_s: float = 0.0, budget_s: float = 0.0) -> None:
         """Start averaging ``contribution`` in the background. The previous round must be finished.
 
         Args:
@@ -258,6 +264,9 @@ class PseudoGradientAverager(GuardedAverager, DecentralizedAverager):
             round_index: the round it belongs to.
             weight: tokens trained on in the round.
             compute_s: how long the round's inner steps took (the group's shortest sets the bandwidth budget).
+            budget_s: how long the round may take (at least ``round_timeout_s``). An all-reduce that fails
+                (a groupmate vanished or stopped sending) is tried again with a new group of the same round, the
+                same contributions, until then.
         """
         assert self._pending is None, "finish the previous round before starting another"
         self._collect_abandoned()
@@ -274,15 +283,16 @@ class PseudoGradientAverager(GuardedAverager, DecentralizedAverager):
         metadata = dict(round=claimed_round, tokens=float(weight), compute_s=float(compute_s),
                         bandwidth_mbit=float(self.bandwidth_mbit), compression=self.proposal,
                         last_error=self.last_error)
+        timeout = max(self.cfg.round_timeout_s, float(budget_s))
         control = self.step(
             gather=metadata if self.hostility is None else self.hostility.gather(metadata),
             weight=float(weight),
-            timeout=self.cfg.round_timeout_s,
+            timeout=timeout,
             allow_retries=True,
             wait=False,
         )
         traffic = (int(self.traffic[BYTES_SENT]), int(self.traffic[BYTES_RECEIVED]))
-        self._pending = _PendingRound(round_index, control, time.monotonic(), traffic)
+        self._pending = _PendingRound(round_index, control, time.monotonic(), traffic, timeout)
         self._last_control = control
 
     def _await_step_ended(self, timeout_s: float = 10.0) -> None:
@@ -315,7 +325,7 @@ class PseudoGradientAverager(GuardedAverager, DecentralizedAverager):
         assert self._pending is not None, "no round in flight"
         pending, self._pending = self._pending, None
         if timeout is None:
-            bound = self.cfg.round_timeout_s + self.cfg.allreduce_timeout_s + 5
+            bound = pending.timeout_s + self.cfg.allreduce_timeout_s + 5
             timeout = max(1.0, bound - (time.monotonic() - pending.started_at))
         result = RoundResult(round_index=pending.round_index, averaged=None)
         try:
@@ -433,7 +443,7 @@ class PseudoGradientAverager(GuardedAverager, DecentralizedAverager):
         if abandoned is not None and abandoned.control.stage in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP):
             abandoned.control.cancel()  # a round a round ago that is still matching will not find its group
         elif abandoned is not None:
-            bound = self.cfg.round_timeout_s + self.cfg.allreduce_timeout_s + 5
+            bound = abandoned.timeout_s + self.cfg.allreduce_timeout_s + 5
             try:
                 abandoned.control.result(timeout=max(0.1, bound - (time.monotonic() - abandoned.started_at)))
             except Exception:

@@ -212,7 +212,21 @@ class GuardedAverager:
 
     async def _step(self, **kwargs):
         self._guard_matchmaking()
+        self._keep_round_key()
         return await super()._step(**kwargs)
+
+    def _keep_round_key(self) -> None:
+        """The group key names the round (set when the round starts), and stays so until the next one: hivemind
+        moves each member's key to a bucket of its own after every group it assembles, so that after a group whose
+        all-reduce failed (a member gone) the survivors retried under different keys and never met again."""
+        key_manager = self._matchmaking.group_key_manager
+        if "update_key_on_group_assembled" in vars(key_manager):
+            return
+
+        async def keep_the_round_key(group_info) -> None:
+            return None
+
+        key_manager.update_key_on_group_assembled = keep_the_round_key
 
     async def _load_state_from_peers(self, future, timeout=None):
         self._guard_donors()

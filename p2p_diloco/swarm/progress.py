@@ -146,7 +146,7 @@ class SwarmLink:
         self.watch_every_s = 0.5  # how often others_ended_round reads the records again
         self._watch = None  # the read in flight (a future of the DHT's answer)
         self._watch_at = float("-inf")
-        self._latest_round = -1  # the latest round another peer of this stage trains in, as last read
+        self._rounds_seen: set[int] = set()  # the rounds other peers of this stage train in, as last read
 
     def publish(self, stage, loss: float, tokens_per_s: float, force: bool = False,
                 joining_round: Optional[int] = None) -> None:
@@ -216,11 +216,13 @@ class SwarmLink:
         return moved_past(others, round_index)
 
     def others_ended_round(self, stage) -> bool:
-        """Whether another live peer of this stage has ended the round this stage trains in: its record names a
-        later round (a peer publishes the next round as it ends one, before averaging). Answers at once from the
+        """Whether another live peer of this stage has ended the round this stage trains in: its record names the
+        next round (a peer publishes the next round as it ends one, before averaging). Answers at once from the
         last read of the records; a new read is started in the DHT process at most every ``watch_every_s``, so
-        asking at every inner step costs nothing. A record of a peer that died ahead of this one ends this round
-        too, as the live peer would have (records never move back, so it cannot end the next one)."""
+        asking at every inner step costs nothing. A record of a peer that died just after ending the round ends
+        it here too, as the live peer would have; one of a peer further ahead does not (this peer is behind: the
+        sync reloads it after the round; ending every round at once instead made a swarm next to one peer that had
+        finished the run rush through its rounds a step each)."""
         import time
 
         watch = self._watch
@@ -231,15 +233,15 @@ class SwarmLink:
             except Exception as e:  # a DHT hiccup: keep the last answer
                 logger.debug(f"Could not read progress records: {e!r}")
             else:
-                self._latest_round = max((r.round for r in records if r.stage == stage.stage_index
-                                          and r.num_stages == stage.num_stages and r.node != self.node), default=-1)
+                self._rounds_seen = {r.round for r in records if r.stage == stage.stage_index
+                                     and r.num_stages == stage.num_stages and r.node != self.node}
         if self._watch is None and time.monotonic() - self._watch_at >= self.watch_every_s:
             self._watch_at = time.monotonic()
             try:
                 self._watch = request_progress(self.dht, self.run_id)
             except Exception as e:  # the DHT process may be shutting down
                 logger.debug(f"Could not read progress records: {e!r}")
-        return self._latest_round > stage.round_index
+        return stage.round_index + 1 in self._rounds_seen
 
     def others(self, stage) -> list[ProgressRecord]:
         """Live records of the same stage of other peers."""

@@ -136,7 +136,7 @@ class ExactAverager:
         pass
 
     def start_round(self, contribution: Sequence[torch.Tensor], round_index: int, weight: float,
-                    compute_s: float = 0.0) -> None:
+                    compute_s: float = 0.0, budget_s: float = 0.0) -> None:
         assert self.round_in_flight is None, "finish the previous round before starting another"
         metadata = dict(round=round_index, tokens=float(weight), compute_s=float(compute_s),
                         bandwidth_mbit=float(self.cfg.assumed_bandwidth_mbit), compression=self.proposal,

@@ -325,7 +325,11 @@ class Stage:
             pending.settled, pending.reason = True, "no other live peer of this stage in the swarm"
         else:
             self.averager.set_expected_group_size(expected_group_size)
-            self.averager.start_round(contribution, round_index, weight=float(tokens), compute_s=compute_s)
+            # a failed all-reduce (a groupmate gone) is retried by the rest of the group within the round's budget:
+            # with overlap, the next round's compute (DESIGN.md); blocking, the matchmaking bound
+            budget = compute_s if self.mode != "none" else 0.0
+            self.averager.start_round(contribution, round_index, weight=float(tokens), compute_s=compute_s,
+                                      budget_s=budget)
             pending.in_flight = True
         self.pending = pending
 

@@ -152,6 +152,31 @@ def test_killed_peer_does_not_stop_the_other(tmp_path, processes, bootstrap):
     assert s["rounds_completed"] == rounds and s["fallback_rounds"] == len(fallbacks)
 
 
+def test_a_groupmate_killed_inside_the_all_reduce_does_not_cost_the_others_the_round(tmp_path, processes, bootstrap):
+    """3 peers; one is killed (SIGKILL, all its processes) as its round-1 group forms, when the other two are about
+    to exchange parts with it: they re-form without it and average round 1 again, with the same contributions,
+    within the round's budget, instead of falling back. Every round of theirs is averaged and their anchors are
+    bit-identical."""
+    rounds = 4
+    names = ["peer0", "peer1"]
+    for name in names:
+        processes.start(name, *peer_args(tmp_path, name, bootstrap, "dead-mate", rounds, 10, wait_for=3))
+    env = dict(os.environ, P2P_DILOCO_FAULT="allreduce-group-formed:2:group")
+    victim = processes.start("victim", *peer_args(tmp_path, "victim", bootstrap, "dead-mate", rounds, 10, wait_for=3),
+                             env=env)
+    for name in names:
+        assert processes.wait(name, timeout=300) == 0, processes.log(name)[-3000:]
+    assert victim.poll() is not None and len(applied(tmp_path, "victim")) <= 1  # it died in its second round
+
+    per_peer = [applied(tmp_path, name) for name in names]
+    for name, seen in zip(names, per_peer):
+        assert [e["applied_round"] for e in seen] == list(range(rounds)), name
+        assert all(e["averaged"] for e in seen), (name, [(e["applied_round"], e["fallback_reason"]) for e in seen])
+        assert seen[0]["group_size"] == 3 and seen[1]["group_size"] == 2, name
+    for r in range(rounds):
+        assert per_peer[0][r]["anchor_sha256"] == per_peer[1][r]["anchor_sha256"], r
+
+
 def test_swarm_command_summary_and_plot(tmp_path):
     """`p2p-diloco swarm` starts a bootstrap node and N peers, and ends with the summary, JSON and plot."""
     import subprocess

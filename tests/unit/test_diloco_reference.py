@@ -155,7 +155,8 @@ class _View:
     def set_expected_group_size(self, size: int) -> None:
         assert size == K
 
-    def start_round(self, contribution, round_index: int, weight: float, compute_s: float = 0.0) -> None:
+    def start_round(self, contribution, round_index: int, weight: float, compute_s: float = 0.0,
+                    budget_s: float = 0.0) -> None:
         self.shared.slots[self.index] = ([t.clone() for t in contribution], weight)
         self.pending = round_index
 

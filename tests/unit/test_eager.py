@@ -57,7 +57,7 @@ class FailingAverager:
 
     def set_expected_group_size(self, size): ...
 
-    def start_round(self, contribution, round_index, weight, compute_s=0.0):
+    def start_round(self, contribution, round_index, weight, compute_s=0.0, budget_s=0.0):
         self.round = round_index
 
     def finish_round(self, timeout=None, hopeless=None):
