@@ -12,7 +12,7 @@ and a homogeneous swarm (every peer at speed 1) as the reference. Eval loss of t
 (the same held-out batches on every peer) is read against the swarm's total tokens so far: the table compares
 each run's final eval loss with the homogeneous swarm's at the same total tokens (interpolated between its
 rounds; the homogeneous swarm trains 2 rounds more, so that its curve covers the others), and gives the
-averaged rounds, fallbacks, reloads and each peer's tokens.
+averaged rounds, fallbacks, reloads, each peer's tokens and the swarm's wall-clock time (evaluation included).
 
     .venv/bin/python benchmarks/hetero.py --speeds 1,1,0.5 1,0.5,0.25 --out runs/hetero
 """
@@ -108,7 +108,7 @@ def report(results: list[dict], args) -> str:
     lines = [f"{len(reference['speeds'])} peers, H = {args.h}, {args.rounds} rounds, tiny model, delayed mode, "
              f"matchmaking {args.matchmaking_s:g} s; eval loss of the anchor after the last round, against the "
              "homogeneous swarm's at the same total tokens", "",
-             "speeds        round end  total tokens  eval loss  homogeneous at same tokens  vs homogeneous  "
+             "speeds        round end  wall s  total tokens  eval loss  homogeneous at same tokens  vs homogeneous  "
              "averaged  fallbacks  reloads+resyncs  tokens per peer"]
     for r in results:
         homogeneous = loss_at(reference["curve"], r["final_tokens"])
@@ -117,7 +117,8 @@ def report(results: list[dict], args) -> str:
         per_peer = " ".join(f"{p['tokens']:,}" for p in peers)
         at_same = "n/a" if homogeneous is None else f"{homogeneous:.4f}"
         lines.append(
-            f"{':'.join(f'{s:g}' for s in r['speeds']):<13} {r['round_end']:<10} {r['final_tokens']:>12,}  "
+            f"{':'.join(f'{s:g}' for s in r['speeds']):<13} {r['round_end']:<10} {r['wall_s']:>6.0f}  "
+            f"{r['final_tokens']:>12,}  "
             f"{r['final_eval_loss']:.4f}     {at_same:<26}  "
             f"{versus:>14}  {sum(p['averaged_rounds'] for p in peers):>8}  "
             f"{sum(p['fallback_rounds'] for p in peers):>9}  {sum(p['reloads'] + p['resyncs'] for p in peers):>15}  "
@@ -137,7 +138,14 @@ def main() -> None:
     parser.add_argument("--matchmaking-s", type=float, default=5.0)
     parser.add_argument("--timeout-s", type=float, default=1800.0, help="give up on a swarm after this long")
     parser.add_argument("--out", type=Path, default=Path("runs") / time.strftime("hetero-%Y%m%d-%H%M%S"))
+    parser.add_argument("--report-only", action="store_true",
+                        help="rewrite the report from <out>/hetero.json (same --h, --rounds) without running swarms")
     args = parser.parse_args()
+    if args.report_only:
+        text = report(json.loads((args.out / "hetero.json").read_text()), args)
+        (args.out / "hetero_report.txt").write_text(text + "\n")
+        print(text)
+        return
     speed_sets = []
     for text in args.speeds:
         try:
