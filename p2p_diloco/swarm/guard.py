@@ -216,17 +216,7 @@ class GuardedAverager:
         return await super()._step(**kwargs)
 
     def _keep_round_key(self) -> None:
-        """The group key names the round (set when the round starts), and stays so until the next one: hivemind
-        moves each member's key to a bucket of its own after every group it assembles, so that after a group whose
-        all-reduce failed (a member gone) the survivors retried under different keys and never met again."""
-        key_manager = self._matchmaking.group_key_manager
-        if "update_key_on_group_assembled" in vars(key_manager):
-            return
-
-        async def keep_the_round_key(group_info) -> None:
-            return None
-
-        key_manager.update_key_on_group_assembled = keep_the_round_key
+        keep_round_key(self._matchmaking.group_key_manager)
 
     async def _load_state_from_peers(self, future, timeout=None):
         self._guard_donors()
@@ -262,3 +252,17 @@ class GuardedAverager:
             return get_stub(p2p, peer, namespace=namespace)
 
         self.get_stub = get_stub_of_member
+
+
+def keep_round_key(key_manager) -> None:
+    """Keep a hivemind ``GroupKeyManager``'s key as it was set (the round's key, set when the round starts) until it
+    is set again: hivemind moves each member's key to a bucket of its own after every group it assembles, so that
+    after a group whose all-reduce failed (a member gone) the survivors retried under different keys and never met
+    again. Idempotent."""
+    if "update_key_on_group_assembled" in vars(key_manager):
+        return
+
+    async def keep_the_round_key(group_info) -> None:
+        return None
+
+    key_manager.update_key_on_group_assembled = keep_the_round_key
