@@ -142,15 +142,22 @@ def test_lying_metadata_is_capped_or_excluded(network):
 
 
 def test_repeat_offender_is_banned_and_the_others_go_on(network):
-    """A reducer that returns NaN averages makes the rounds it takes part in fail (a fallback, never a NaN anchor);
-    after ban_after (3) such rounds the honest peers refuse to group with it and average among themselves again."""
+    """A reducer that returns NaN averages fails the all-reduces it takes part in (never a NaN anchor): the honest
+    peers then retry the round and either average it among themselves or fall back; after ban_after (3) rounds
+    with such an offence the honest peers refuse to group with it and average among themselves at once."""
     honest = [network.averager() for _ in range(3)]
     hostile = network.averager("reply-nan")
     for round_index in range(3):
-        _, results = average_round(honest + [hostile], round_index, seed=round_index)
+        contributions, results = average_round(honest + [hostile], round_index, seed=round_index)
         for result in results[:3]:
-            assert result.averaged is None and result.error
             assert result.suspects == {peer_id(hostile): ["bad average"]}
+            if result.averaged is None:
+                assert result.error
+            else:  # the retry, without the hostile reducer
+                assert result.group_size == 3 and set(result.peer_ids) == {peer_id(h) for h in honest}
+                assert all(torch.isfinite(t).all() for t in result.averaged)
+        if all(r.averaged is not None for r in results[:3]):
+            assert_honest_agree(results[:3], contributions[:3])
     contributions, results = average_round(honest + [hostile], 3, seed=3)
     assert_honest_agree(results[:3], contributions[:3])
     for result in results[:3]:
