@@ -65,6 +65,7 @@ def publish_progress(dht, run_id: str, record: ProgressRecord, ttl_s: float) -> 
 def fetch_progress(dht, run_id: str, timeout_s: float = 10.0) -> list[ProgressRecord]:
     """All unexpired records of a run. The DHT node's validators have dropped unsigned and malformed ones; what
     is not a signed entry of the schema (a node without them) is skipped too, with a debug log."""
+    record_owner(dht, run_id)  # a node that checks signatures, and now the run's schemas too (else SwarmError)
     try:
         found = request_progress(dht, run_id).result(timeout=timeout_s)
     except Exception as e:  # a slow or broken DHT must not stop training: no records means "alone"
