@@ -212,11 +212,8 @@ class GuardedAverager:
 
     async def _step(self, **kwargs):
         self._guard_matchmaking()
-        self._keep_round_key()
-        return await super()._step(**kwargs)
-
-    def _keep_round_key(self) -> None:
         keep_round_key(self._matchmaking.group_key_manager)
+        return await super()._step(**kwargs)
 
     async def _load_state_from_peers(self, future, timeout=None):
         self._guard_donors()

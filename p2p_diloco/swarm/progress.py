@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import asdict, dataclass, fields
 from typing import Optional
 
@@ -75,8 +76,8 @@ def fetch_progress(dht, run_id: str, timeout_s: float = 10.0) -> list[ProgressRe
 
 
 def request_progress(dht, run_id: str):
-    """Start reading a run's records; a future of the DHT's answer, for :func:`parse_progress`."""
-    record_owner(dht, run_id)  # a node that checks signatures, and now the run's schemas too
+    """Start reading a run's records; a future of the DHT's answer, for :func:`parse_progress`. The caller has
+    checked that ``dht`` checks signatures (``record_owner``), as :func:`fetch_progress` and ``SwarmLink`` do."""
     return dht.get(progress_key(run_id), latest=True, return_future=True)
 
 
@@ -156,7 +157,6 @@ class SwarmLink:
         (before the download, so that the peers ending that round count it in their group size and wait for it,
         bounded by their matchmaking time), or the next round when it ends its round (before the averaging, so
         that slower peers end theirs too: see :meth:`others_ended_round`)."""
-        import time
 
         from hivemind.utils import get_dht_time
 
@@ -194,7 +194,6 @@ class SwarmLink:
     def wait_for_peers(self, stage, count: int, timeout_s: float, poll_s: float = 1.0) -> int:
         """Wait until ``count`` peers (this one included) train this stage, at most ``timeout_s``; returns how
         many were seen."""
-        import time
 
         deadline = time.monotonic() + timeout_s
         while True:
@@ -224,8 +223,6 @@ class SwarmLink:
         it here too, as the live peer would have; one of a peer further ahead does not (this peer is behind: the
         sync reloads it after the round; ending every round at once instead made a swarm next to one peer that had
         finished the run rush through its rounds a step each)."""
-        import time
-
         watch = self._watch
         if watch is not None and watch.done():
             self._watch = None
@@ -234,8 +231,7 @@ class SwarmLink:
             except Exception as e:  # a DHT hiccup: keep the last answer
                 logger.debug(f"Could not read progress records: {e!r}")
             else:
-                self._rounds_seen = {r.round for r in records if r.stage == stage.stage_index
-                                     and r.num_stages == stage.num_stages and r.node != self.node}
+                self._rounds_seen = {r.round for r in self._of_stage(records, stage)}
         if self._watch is None and time.monotonic() - self._watch_at >= self.watch_every_s:
             self._watch_at = time.monotonic()
             try:
@@ -246,5 +242,8 @@ class SwarmLink:
 
     def others(self, stage) -> list[ProgressRecord]:
         """Live records of the same stage of other peers."""
-        return [r for r in fetch_progress(self.dht, self.run_id)
+        return self._of_stage(fetch_progress(self.dht, self.run_id), stage)
+
+    def _of_stage(self, records: list[ProgressRecord], stage) -> list[ProgressRecord]:
+        return [r for r in records
                 if r.stage == stage.stage_index and r.num_stages == stage.num_stages and r.node != self.node]
