@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from p2p_diloco.config import load_config  # noqa: E402
 from p2p_diloco.data import WindowSampler, eval_batches  # noqa: E402
 from p2p_diloco.model import build_stage_model, model_args_from_config  # noqa: E402
-from p2p_diloco.peer import load_data  # noqa: E402
+from p2p_diloco.stage_process import load_data  # noqa: E402
 from p2p_diloco.training import LocalExecutor, Stage  # noqa: E402
 from p2p_diloco.training.simulate import ExactGroup  # noqa: E402
 

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from p2p_diloco.cli.common import CONFIG_HELP, add_config_arguments, config_from_args
+from p2p_diloco.cli.logs import configure_logging
 
 logger = logging.getLogger(__name__)
 DEFAULT_IDENTITY = "bootstrap.id"
@@ -37,7 +38,6 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace, overrides: list[tuple[str, str]]) -> int:
-    from p2p_diloco.cli.main import configure_logging
     from p2p_diloco.config import ConfigError
     from p2p_diloco.monitoring import serve_bootstrap_metrics
     from p2p_diloco.monitoring.nodes import PeerCounts

@@ -1,4 +1,4 @@
-"""``p2p-diloco``: the command line. Owns the console: argument parsing, logging set-up, one-line errors.
+"""``p2p-diloco``: the command line. Owns the console: argument parsing and one-line errors.
 
 Subcommands live in their own modules (``peer``, ``bootstrap``, ``swarm``, ``prepare-data``, ``status``); each
 registers its arguments and a ``run(args, overrides) -> exit code`` function. Known user mistakes (bad
@@ -9,7 +9,6 @@ code 2 (usage) or 1 (runtime), never a traceback.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 from typing import Optional
@@ -30,22 +29,6 @@ def build_parser() -> argparse.ArgumentParser:
     for module in (peer, bootstrap, swarm, prepare, plan, status):
         module.register(subparsers)
     return parser
-
-
-def configure_logging(level: str = "INFO") -> None:
-    """One format for our logs and hivemind's; hivemind's routine averaging noise only at DEBUG."""
-    from hivemind.utils.logging import use_hivemind_log_handler
-
-    use_hivemind_log_handler("in_root_logger")
-    root = logging.getLogger()
-    root.setLevel(level.upper())
-    debug = level.upper() == "DEBUG"
-    # a failed round is reported once by our own warning; hivemind would add a traceback per peer
-    for name, quiet_level in (("hivemind", logging.WARNING), ("hivemind.averaging.averager", logging.CRITICAL),
-                              ("hivemind.averaging.key_manager", logging.ERROR),
-                              ("hivemind.averaging.partition", logging.ERROR),
-                              ("hivemind.averaging.matchmaking", logging.ERROR)):
-        logging.getLogger(name).setLevel(logging.DEBUG if debug else quiet_level)
 
 
 def user_errors() -> tuple[type[BaseException], ...]:

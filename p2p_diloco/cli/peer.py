@@ -8,6 +8,7 @@ import logging
 import os
 
 from p2p_diloco.cli.common import CONFIG_HELP, GracefulStop, add_config_arguments, config_from_args
+from p2p_diloco.cli.logs import configure_logging
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +44,6 @@ def pipeline_overrides(args: argparse.Namespace) -> list[tuple[str, str]]:
 
 
 def run(args: argparse.Namespace, overrides: list[tuple[str, str]]) -> int:
-    from p2p_diloco.cli.main import configure_logging
     from p2p_diloco.config import dump_config
     from p2p_diloco.pipeline import launched_as_stage
     from p2p_diloco.pipeline.launch import LAUNCHED_BY_US
@@ -67,9 +67,9 @@ def run(args: argparse.Namespace, overrides: list[tuple[str, str]]) -> int:
 def _run_this_stage(cfg) -> int:
     """Run this process's stage: the whole model (P = 1) or stage RANK of P (launched as a pipeline stage)."""
     from p2p_diloco.cli.console import ConsoleReporter
-    from p2p_diloco.peer import run_stage
     from p2p_diloco.pipeline import PipelineContext
     from p2p_diloco.pipeline.launch import LAUNCHED_BY_US
+    from p2p_diloco.stage_process import run_stage
 
     context = None
     if cfg.pipeline.stages > 1:

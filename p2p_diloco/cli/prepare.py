@@ -6,6 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
+from p2p_diloco.cli.logs import configure_logging
+
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
@@ -28,7 +30,6 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace, overrides: list) -> int:
-    from p2p_diloco.cli.main import configure_logging
     from p2p_diloco.config import ConfigError
     from p2p_diloco.data import load_tokenizer, prepare_data
 

@@ -13,6 +13,7 @@ import logging
 import math
 import time
 
+from p2p_diloco.cli.logs import configure_logging
 from p2p_diloco.swarm.progress import ProgressRecord
 
 logger = logging.getLogger(__name__)
@@ -39,7 +40,6 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace, overrides: list[tuple[str, str]]) -> int:
-    from p2p_diloco.cli.main import configure_logging
     from p2p_diloco.config import ConfigError
     from p2p_diloco.swarm import SwarmError, fetch_progress, start_dht
 

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from p2p_diloco.cli.common import CONFIG_HELP
+from p2p_diloco.cli.logs import configure_logging
 from p2p_diloco.config import ConfigError, dump_config, load_config
 from p2p_diloco.process import die_with_parent, stop_groups
 
@@ -53,7 +54,6 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace, overrides: list[tuple[str, str]]) -> int:
-    from p2p_diloco.cli.main import configure_logging
     from p2p_diloco.cli.summary import summarize_swarm
 
     if args.peers < 1:

@@ -2,7 +2,7 @@
 
 A stage process: its round, inner step, throughput, loss and the counters of its training summary (averaged
 and fallback rounds, reloads, resyncs, bytes), read from the trainer at scrape time. A bootstrap node: the
-peers in its routing table, its connections, its uptime. Called by :mod:`p2p_diloco.peer` and the bootstrap
+peers in its routing table, its connections, its uptime. Called by :mod:`p2p_diloco.stage_process` and the bootstrap
 command.
 """
 

@@ -5,7 +5,7 @@ fingerprint under ``<run_id>_config`` (subkey: its public key; signed and schema
 :mod:`p2p_diloco.swarm.records`) and, before training, compares it with the live ones: a peer whose stages
 would not line up with the swarm's is refused with a message naming each key that differs. (The averager's
 group key and tensor schema keep mismatched peers apart anyway; this turns a silent "never finds a group" into
-a clear error.) Called by :func:`p2p_diloco.peer.run_stage`.
+a clear error.) Called by :func:`p2p_diloco.stage_process.run_stage`.
 """
 
 from __future__ import annotations

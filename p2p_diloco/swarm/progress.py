@@ -204,6 +204,24 @@ class SwarmLink:
             self.publish(stage, float("nan"), 0.0, force=True)
             time.sleep(poll_s)
 
+    def wait_for_groupmates(self, stage, nodes: list[str], applied_round: int, timeout_s: float,
+                            poll_s: float = 0.25) -> set[str]:
+        """Wait until every one of ``nodes`` (other than this one) has a record of this stage with
+        ``applied_round`` or later, or none at all (it left), at most ``timeout_s``; returns those still
+        waited for."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                records = {r.node: r for r in self.others(stage)}
+            except Exception as e:  # a DHT hiccup: ask again
+                logger.debug(f"Could not read progress records: {e!r}")
+                records = {node: None for node in nodes}
+            waiting = {node for node in nodes if node != self.node and node in records and
+                       (records[node] is None or records[node].applied_round < applied_round)}
+            if not waiting or time.monotonic() >= deadline:
+                return waiting
+            time.sleep(poll_s)
+
     def moved_past(self, stage, round_index: int) -> bool:
         """Whether no group can form for ``round_index`` any more: no other live peer of the stage can still
         average it (one on that round, or on the next with that round not yet applied, averaging it in the

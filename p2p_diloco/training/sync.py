@@ -98,9 +98,16 @@ class SwarmSync:
     def after_round(self) -> None:
         others = self.swarm.others(self.stage)
         swarm_round = max((r.round for r in others), default=0)
-        behind = swarm_round > self.stage.round_index  # others are at least a whole round ahead
+        mine = self.stage.round_index
+        if self.stage.diloco_cfg.round_end == "swarm":
+            # a peer that ended this stage's round (it publishes the next one before averaging) is still
+            # averaging it until it applies it: this stage ends its round at its next step and joins them
+            # (reloading instead lost this stage's round in flight and cost it a resync; seen in make test)
+            behind = any(r.round > mine + 1 or (r.round == mine + 1 and r.applied_round >= mine) for r in others)
+        else:  # rounds of H steps: a peer a round ahead is a whole round's compute ahead
+            behind = swarm_round > mine
         if self.executor.any_stage(behind):  # the stages of a pipeline decide together (see at_start)
-            self._reload(f"{swarm_round - self.stage.round_index} round(s) behind the swarm" if behind
+            self._reload(f"{swarm_round - mine} round(s) behind the swarm" if behind
                          else "another stage of this peer is reloading", swarm_round)
             return
         diverged = self._diverged_round(others)

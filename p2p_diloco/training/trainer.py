@@ -5,7 +5,7 @@ peer's global gradient norm, AdamW step; every H steps ``stage.end_round()`` (ps
 outer step; with overlap, the previous round's average is applied while this round's averages in the
 background). At the end ``stage.flush()`` applies the round still in flight. Around it: metrics (JSONL),
 progress records in the DHT, checkpoints, a clean stop on request, and a summary for ``p2p-diloco
-swarm``. Called by :mod:`p2p_diloco.peer`.
+swarm``. Called by :mod:`p2p_diloco.stage_process`.
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ class Trainer:
         self.tokens_per_s = 0.0  # last measured: for progress records and the metrics endpoint
         self._round_compute_s = 0.0
         self._round_steps = 0  # inner steps this peer trained in the round that just ended
+        self._last_group: list[str] = []  # peer ids of the group of the last round applied (if averaged)
         # a round ends when another peer has ended it (peers of unequal speed meet at the round end)
         self.follow_swarm = swarm is not None and cfg.diloco.round_end == "swarm"
         tag = f"stage{stage.stage_index}"
@@ -99,6 +100,7 @@ class Trainer:
                 self.stage.settle()  # a stop: keep the average in flight for the checkpoint, resume continues
             else:
                 self._flush()  # the end: apply the last round's average
+                self._leave()
             failed = False
         finally:
             self.summary.stopped_early = self.stage.round_index < num_rounds
@@ -218,6 +220,24 @@ class Trainer:
         if self.stage.round_index == self.cfg.train.num_rounds:
             self._evaluate_and_log(self.stage.round_index)
 
+    def _leave(self) -> None:
+        """At the end of the run, stay until the groupmates of the last round have its result too.
+
+        A peer's own all-reduce ends when it has every part of the average it needs; the parts it reduced for
+        its groupmates may still be on the wire, and a process that exits then cuts them off: the groupmate
+        waits out its timeouts and falls back on a round everyone else averaged (seen in make test). So the
+        peer publishes that it has applied the last round and waits until each groupmate's record says the same
+        (or is gone), at most ``averaging.next_chunk_timeout_s``: the time after which a groupmate stops waiting
+        for a part anyway."""
+        if self.swarm is None or not self._last_group:
+            return
+        self._publish(self.summary.last_loss or float("nan"), self.tokens_per_s, force=True)
+        waiting = self.swarm.wait_for_groupmates(self.stage, self._last_group, self.stage.applied_round,
+                                                 timeout_s=self.cfg.averaging.next_chunk_timeout_s)
+        if waiting:
+            logger.info(f"Stage {self.stage.stage_index}: leaving before {len(waiting)} groupmate(s) of the last "
+                        f"round said they had its result")
+
     def _note_anchor(self) -> None:
         """Publish where this stage's anchor stands (for the swarm's divergence checks), and rank it as a donor."""
         fingerprint = anchor_fingerprint(self.stage.anchor)
@@ -243,6 +263,7 @@ class Trainer:
 
     def _record_round(self, report: RoundReport, flush: bool = False) -> None:
         self.summary.account(report, self.cfg.diloco.inner_steps)
+        self._last_group = report.group_peers if report.averaged else []
         self._note_anchor()
         digest = anchor_digest(self.stage.anchor) if self.cfg.train.anchor_digest else ""
         self.metrics.write("round", **asdict(report), inner_step=self.stage.inner_step, anchor_sha256=digest,

@@ -18,7 +18,7 @@ from p2p_diloco.faults import HOSTILE_ENV
 from p2p_diloco.swarm import PseudoGradientAverager
 from p2p_diloco.swarm.guard import OFFENCES
 from p2p_diloco.swarm.robust import cap_weights
-from tests.integration.test_swarm import applied, peer_args, summary
+from tests.integration.test_swarm import applied, peer_args, rounds_told, summary
 
 pytestmark = pytest.mark.timeout(180)
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
@@ -216,8 +216,8 @@ def test_swarm_with_hostile_peers_trains_and_names_them(tmp_path, processes, boo
 
     per_peer = [applied(tmp_path, name) for name in honest]
     for name, rounds_seen in zip(honest, per_peer):
-        assert [e["applied_round"] for e in rounds_seen] == list(range(rounds)), name
-        assert all(e["averaged"] and e["group_size"] == 5 for e in rounds_seen), (name, rounds_seen)
+        assert [e["applied_round"] for e in rounds_seen] == list(range(rounds)), rounds_told(tmp_path, name)
+        assert all(e["averaged"] and e["group_size"] == 5 for e in rounds_seen), rounds_told(tmp_path, name)
     for r in range(rounds):
         assert len({p[r]["anchor_sha256"] for p in per_peer}) == 1, r
     hostile_ids = {name: summary(tmp_path, name)["peer"] for name in hostile}

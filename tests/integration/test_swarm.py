@@ -35,6 +35,12 @@ def applied(tmp_path, name: str, stage: int = 0) -> list[dict]:
     return [e for e in events(tmp_path, name, "round", stage) if e["applied_round"] is not None]
 
 
+def rounds_told(tmp_path, name: str) -> str:
+    """A failed round assertion's message: what each round end of the peer did, one line each."""
+    keys = ("round_index", "applied_round", "tokens", "averaged", "group_size", "fallback_reason", "waited_s")
+    return name + ":\n" + "\n".join(str({k: e.get(k) for k in keys}) for e in events(tmp_path, name, "round"))
+
+
 def summary(tmp_path, name: str, stage: int = 0) -> dict:
     return json.loads((tmp_path / name / f"summary-stage{stage}.json").read_text())
 
@@ -67,8 +73,9 @@ def test_three_peers_identical_anchors_and_runs_never_mix(tmp_path, processes, b
     for run, names in (("a", run_a), ("b", run_b)):
         per_peer = [applied(tmp_path, name) for name in names]
         for name, rounds_seen in zip(names, per_peer):
-            assert [e["applied_round"] for e in rounds_seen] == list(range(rounds)), name
-            assert all(e["averaged"] and e["group_size"] == len(names) for e in rounds_seen), (name, rounds_seen)
+            assert [e["applied_round"] for e in rounds_seen] == list(range(rounds)), rounds_told(tmp_path, name)
+            told = rounds_told(tmp_path, name)
+            assert all(e["averaged"] and e["group_size"] == len(names) for e in rounds_seen), told
             # the robust averaging does not take honest peers for hostile ones
             assert not [e["suspects"] for e in rounds_seen if any(set(r) & OFFENCES for r in e["suspects"].values())]
         for r in range(rounds):  # bit-identical anchors after every round

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import pytest
@@ -381,7 +382,7 @@ def test_donors_wait_for_their_round_well_inside_the_newcomers_first_chunk_timeo
     """A donor waits a little for its round in flight before it serves; a newcomer waits only
     next_chunk_timeout_s for the first chunk from each donor. Were the donor's wait as long, the newcomer
     would give up on every donor (seen in CI)."""
-    from p2p_diloco.peer import donor_wait_s
+    from p2p_diloco.stage_process import donor_wait_s
 
     averaging = load_config(None, overrides).averaging
     wait = donor_wait_s(averaging)
@@ -490,3 +491,25 @@ def test_a_peer_resumed_with_a_round_in_flight_that_the_others_applied_reloads_a
     sync = make_sync(settled, [Record(3, 2, "x")], state)
     sync.at_start(resumed=True)
     assert not sync.events
+
+
+@pytest.mark.parametrize("round_end, record, reloads", [
+    # a peer that ended this stage's round is averaging it (it published the next round first): join it
+    ("swarm", Record(3, 1, "x"), False),
+    ("swarm", Record(3, 2, "x"), True),  # it applied this stage's round already: too late for it
+    ("swarm", Record(4, 2, "x"), True),  # a whole round ahead
+    ("steps", Record(3, 1, "x"), True),  # rounds of H steps: a round ahead is a whole round's compute ahead
+])
+def test_after_a_round_a_peer_the_swarm_ended_the_next_round_for_joins_it_instead_of_reloading(
+        round_end, record, reloads):
+    donor = make_stage(seed=1)
+    donor.round_index, donor.applied_round = record.round, record.applied_round
+    donor.inner_step = donor.round_index * donor.diloco_cfg.inner_steps
+    peer = make_stage()
+    peer.diloco_cfg = dataclasses.replace(peer.diloco_cfg, round_end=round_end)
+    peer.round_index, peer.applied_round = 2, 1
+    peer.inner_step = 2 * peer.diloco_cfg.inner_steps
+    sync = make_sync(peer, [record], shareable_state(donor, "run"))
+    sync.after_round()
+    assert [e["action"] for e in sync.events] == (["reload"] if reloads else []), round_end
+    assert peer.averager.downloads == int(reloads)
