@@ -1,6 +1,6 @@
 """Hostile peers against the robust averaging: does a swarm still train, and is the hostile peer named?
 
-4 tiny peers on 127.0.0.1, one of them hostile (``P2P_DILOCO_HOSTILE``, see p2p_diloco/faults.py), in turn:
+4 tiny peers on 127.0.0.1, one of them hostile (``peer --test-hostility``, see p2p_diloco/faults.py), in turn:
 pseudo-gradients scaled by 1000, replaced by random noise of 100x their norm, NaN, and a stale round replayed
 (its contribution of the previous round, claimed under that round's number). Baselines with the same tokens per
 peer: the 3 honest peers alone (what the honest peers would reach if the hostile one had never joined: the target,
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import subprocess
@@ -49,15 +48,12 @@ def run_swarm(workdir: Path, name: str, hostile: list[str], args: list[str]) -> 
         folders = []
         for i, kind in enumerate(hostile):
             folders.append(root / f"peer{i}")
-            env = {k: v for k, v in os.environ.items() if k != "P2P_DILOCO_HOSTILE"}
-            if kind:
-                env["P2P_DILOCO_HOSTILE"] = kind
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "p2p_diloco", "peer", "--initial-peers", *maddrs, "--host-maddrs",
                  "/ip4/127.0.0.1/tcp/0", "--run-id", name, "--output-dir", str(folders[-1]), "--data.seed", str(i),
                  "--averaging.target_group_size", str(len(hostile)), "--train.wait_for_peers", str(len(hostile)),
-                 *FAST, *args],
-                stdout=subprocess.DEVNULL, stderr=open(root / f"peer{i}.log", "w"), env=env))
+                 *FAST, *args, *(["--test-hostility", kind] if kind else [])],
+                stdout=subprocess.DEVNULL, stderr=open(root / f"peer{i}.log", "w")))
         for i, proc in enumerate(procs):
             if proc.wait() != 0:
                 raise RuntimeError(f"{name}: peer {i} failed, see {root / f'peer{i}.log'}")
@@ -125,7 +121,7 @@ def report(results: dict, args) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--attacks", default=",".join(ATTACKS), help="P2P_DILOCO_HOSTILE values, one run each")
+    parser.add_argument("--attacks", default=",".join(ATTACKS), help="--test-hostility values, one run each")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--h", type=int, default=25, help="inner steps per round")
     parser.add_argument("--undefended", action="store_true", help="also run scale:1000 with the defence off")

@@ -7,8 +7,11 @@ fault point costs a dictionary lookup. Points: ``checkpoint-data-written`` (a ch
 its manifest is not), ``allreduce-group-formed`` (in the averager: a round's group has formed, its all-reduce
 is about to start; the groupmates are waiting for this peer's parts).
 
-``P2P_DILOCO_HOSTILE=<kind>[:<value>]`` makes this peer's averager lie to its groupmates (a test hook for the
-robust aggregation of :mod:`p2p_diloco.swarm.robust`; the peer's own training is unchanged). Kinds:
+A hostile peer's averager lies to its groupmates (a test hook for the robust aggregation of
+:mod:`p2p_diloco.swarm.robust`; the peer's own training is unchanged). Only tests and benchmarks turn it on, and
+only explicitly: ``p2p-diloco peer --test-hostility <kind>[:<value>]``, or a :class:`Hostility` given to
+:class:`~p2p_diloco.swarm.PseudoGradientAverager` (nothing a production peer could inherit from its environment).
+An honest averager has the :class:`Honest` behaviour, whose hooks change nothing. Kinds:
 
 - on the wire, every phase (whole tensors, low-rank P and Q), right before the all-reduce sends them:
   ``scale:K`` (contribution times K, default 1000), ``noise:K`` (Gaussian noise of K times the contribution's norm,
@@ -30,7 +33,7 @@ import torch
 
 ENV = "P2P_DILOCO_FAULT"
 FAULT_EXIT_CODE = 17
-HOSTILE_ENV = "P2P_DILOCO_HOSTILE"
+HOSTILITY_OPTION = "--test-hostility"
 # kind -> default value (None: the kind takes no value)
 HOSTILE_KINDS = {"scale": 1000.0, "noise": 100.0, "nan": None, "inf": None, "shape": None, "tokens": 1000.0,
                  "stale": 1.0, "metadata": None, "reply-nan": None, "reply-scale": 1000.0}
@@ -52,8 +55,37 @@ def fault_point(name: str) -> None:
         os._exit(FAULT_EXIT_CODE)
 
 
-class Hostility:
-    """What a hostile peer does to what it sends (see the module docstring); built by :func:`hostility_from_env`."""
+class Honest:
+    """What an honest averager does to what it sends: nothing. The averager calls these hooks at the points where a
+    hostile peer lies (see the module docstring); :class:`Hostility` overrides them."""
+
+    def claim(self, contribution: list[torch.Tensor], round_index: int,
+              weight: float) -> tuple[list[torch.Tensor], int, float]:
+        """(contribution, round, weight) this peer claims for a round (in the training process)."""
+        return contribution, round_index, weight
+
+    def gather(self, metadata: dict) -> dict:
+        """The round's metadata as this peer sends it to its group."""
+        return metadata
+
+    def outgoing(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The tensors of one all-reduce phase as this peer sends them (in the averager process)."""
+        return tensors
+
+    def part(self, serialized_part):
+        """A part of this peer's contribution as it goes to a reducer (a hivemind ``runtime_pb2.Tensor``)."""
+        return serialized_part
+
+    def reply(self, averaged_part: torch.Tensor) -> torch.Tensor:
+        """The average this peer returns to a sender as a reducer."""
+        return averaged_part
+
+
+HONEST = Honest()
+
+
+class Hostility(Honest):
+    """What a hostile peer does to what it sends (see the module docstring); built by :func:`parse_hostility`."""
 
     def __init__(self, kind: str, value: Optional[float]):
         self.kind, self.value = kind, value
@@ -64,7 +96,6 @@ class Hostility:
 
     def claim(self, contribution: list[torch.Tensor], round_index: int,
               weight: float) -> tuple[list[torch.Tensor], int, float]:
-        """(contribution, round, weight) this peer claims for a round (in the training process)."""
         if self.kind == "tokens":
             return contribution, round_index, weight * self.value
         if self.kind != "stale":
@@ -76,11 +107,9 @@ class Hostility:
         return (self._sent[old], old, weight) if old in self._sent else (contribution, round_index, weight)
 
     def gather(self, metadata: dict) -> dict:
-        """The round's metadata as this peer sends it to its group."""
         return dict(metadata, compression={"rank": "all of it"}) if self.kind == "metadata" else metadata
 
     def outgoing(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The tensors of one all-reduce phase as this peer sends them (in the averager process)."""
         if self.kind == "scale":
             return [t * self.value for t in tensors]
         if self.kind in ("nan", "inf"):
@@ -93,13 +122,11 @@ class Hostility:
         return tensors
 
     def part(self, serialized_part):
-        """A part of this peer's contribution as it goes to a reducer (a hivemind ``runtime_pb2.Tensor``)."""
         if self.kind == "shape":
             serialized_part.size[0] += 1
         return serialized_part
 
     def reply(self, averaged_part: torch.Tensor) -> torch.Tensor:
-        """The average this peer returns to a sender as a reducer."""
         if self.kind == "reply-nan":
             return torch.full_like(averaged_part, math.nan)
         if self.kind == "reply-scale":
@@ -107,23 +134,21 @@ class Hostility:
         return averaged_part
 
 
-def hostility_from_env() -> Optional[Hostility]:
-    """The hostility ``P2P_DILOCO_HOSTILE`` asks for, or None; ValueError naming the variable if it is malformed."""
-    spec = os.environ.get(HOSTILE_ENV, "").strip()
-    if not spec:
-        return None
-    kind, _, value = spec.partition(":")
+def parse_hostility(spec: str) -> Hostility:
+    """The hostility ``<kind>[:<value>]`` names; ValueError naming the option if it is malformed."""
+    where = HOSTILITY_OPTION
+    kind, _, value = spec.strip().partition(":")
     if kind not in HOSTILE_KINDS:
-        raise ValueError(f"{HOSTILE_ENV}: unknown kind {kind!r}; one of {', '.join(HOSTILE_KINDS)}")
+        raise ValueError(f"{where}: unknown kind {kind!r}; one of {', '.join(HOSTILE_KINDS)}")
     default = HOSTILE_KINDS[kind]
     if default is None:
         if value:
-            raise ValueError(f"{HOSTILE_ENV}: {kind} takes no value, got {spec!r}")
+            raise ValueError(f"{where}: {kind} takes no value, got {spec!r}")
         return Hostility(kind, None)
     try:
         number = float(value) if value else default
     except ValueError:
-        raise ValueError(f"{HOSTILE_ENV}: {kind} takes a number, got {value!r}") from None
+        raise ValueError(f"{where}: {kind} takes a number, got {value!r}") from None
     if not math.isfinite(number) or number <= 0:
-        raise ValueError(f"{HOSTILE_ENV}: {kind} takes a positive number, got {value!r}")
+        raise ValueError(f"{where}: {kind} takes a positive number, got {value!r}")
     return Hostility(kind, number)

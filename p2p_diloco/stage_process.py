@@ -112,7 +112,7 @@ def stage_dht_config(cfg: DHTConfig, stage_index: int, num_stages: int) -> DHTCo
 
 
 def run_stage(cfg: Config, *, pipeline=None, reporter: Optional[Reporter] = None,
-              on_trainer: Optional[Callable[[Trainer], None]] = None, dht=None) -> TrainSummary:
+              on_trainer: Optional[Callable[[Trainer], None]] = None, dht=None, behaviour=None) -> TrainSummary:
     """Run one stage process to the end of training (or until its trainer is asked to stop).
 
     Args:
@@ -121,7 +121,10 @@ def run_stage(cfg: Config, *, pipeline=None, reporter: Optional[Reporter] = None
         reporter: console progress.
         on_trainer: called with the trainer before training starts (signal handlers hook in here).
         dht: a running DHT to use instead of starting one (it is not shut down here).
+        behaviour: what the averager does to what it sends; None: honest. Tests and benchmarks give a hostile
+            peer a :class:`~p2p_diloco.faults.Hostility` (``peer --test-hostility``).
     """
+    from p2p_diloco.faults import HONEST
     from p2p_diloco.monitoring import serve_stage_metrics
     from p2p_diloco.swarm import PseudoGradientAverager, SwarmLink, start_dht, visible_maddrs
     from p2p_diloco.swarm.fingerprint import check_fingerprint, config_fingerprint
@@ -151,7 +154,7 @@ def run_stage(cfg: Config, *, pipeline=None, reporter: Optional[Reporter] = None
         peer_name = pipeline.broadcast_object(own_name) if pipeline is not None else own_name
         averager = PseudoGradientAverager(
             [p for p in model.parameters() if p.requires_grad], dht, run_id=cfg.run.run_id,
-            stage_index=stage_index, num_stages=len(split), cfg=cfg.averaging,
+            stage_index=stage_index, num_stages=len(split), cfg=cfg.averaging, behaviour=behaviour or HONEST,
         )
         total_steps = cfg.inner.total_steps or cfg.train.num_rounds * cfg.diloco.inner_steps
         stage = Stage(model, stage_index=stage_index, num_stages=len(split), inner_cfg=cfg.inner,

@@ -30,6 +30,10 @@ def register(subparsers) -> None:
     pipe.add_argument("--microbatches", type=int, metavar="M", help="microbatches per inner step")
     parser.add_argument("--no-resume", action="store_true", help="ignore existing checkpoints and start fresh")
     parser.add_argument("--output-dir", metavar="DIR", help="shortcut for --run.output_dir")
+    parser.add_argument("--test-hostility", metavar="KIND[:VALUE]",
+                        help="TEST HOOK, never in a real swarm: this peer's averager lies to its groupmates (scale:K, "
+                        "noise:K, nan, inf, shape, tokens:K, stale:K, metadata, reply-nan, reply-scale:K; see "
+                        "p2p_diloco/faults.py), for tests and benchmarks of the robust averaging; one-stage peers only")
     parser.set_defaults(run=run)
 
 
@@ -49,6 +53,7 @@ def run(args: argparse.Namespace, overrides: list[tuple[str, str]]) -> int:
     from p2p_diloco.pipeline.launch import LAUNCHED_BY_US
 
     cfg = config_from_args(args, overrides, extra=pipeline_overrides(args))
+    behaviour = _hostility(args.test_hostility, cfg)
     configure_logging(cfg.run.log_level)
     if cfg.run.num_threads:
         import torch
@@ -61,10 +66,26 @@ def run(args: argparse.Namespace, overrides: list[tuple[str, str]]) -> int:
         return run_local_stages(cfg)
     if not launched_as_stage() or (os.environ.get("RANK") == "0" and os.environ.get(LAUNCHED_BY_US) != "1"):
         logger.info("Resolved config:\n" + dump_config(cfg))
-    return _run_this_stage(cfg)
+    return _run_this_stage(cfg, behaviour)
 
 
-def _run_this_stage(cfg) -> int:
+def _hostility(spec, cfg):
+    """``--test-hostility``: None, or the :class:`~p2p_diloco.faults.Hostility` it names (ConfigError if bad)."""
+    from p2p_diloco.config import ConfigError
+    from p2p_diloco.faults import HOSTILITY_OPTION, parse_hostility
+
+    if spec is None:
+        return None
+    if cfg.pipeline.stages > 1:
+        raise ConfigError(f"{HOSTILITY_OPTION}: a test hook for one-stage peers; this peer has "
+                          f"{cfg.pipeline.stages} stages")
+    try:
+        return parse_hostility(spec)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _run_this_stage(cfg, behaviour=None) -> int:
     """Run this process's stage: the whole model (P = 1) or stage RANK of P (launched as a pipeline stage)."""
     from p2p_diloco.cli.console import ConsoleReporter
     from p2p_diloco.pipeline import PipelineContext
@@ -84,7 +105,7 @@ def _run_this_stage(cfg) -> int:
         stopper = GracefulStop(trainer.request_stop).__enter__()
 
     try:
-        summary = run_stage(cfg, pipeline=context, reporter=reporter, on_trainer=hook)
+        summary = run_stage(cfg, pipeline=context, reporter=reporter, on_trainer=hook, behaviour=behaviour)
     finally:
         if stopper is not None:
             stopper.__exit__(None, None, None)

@@ -35,6 +35,7 @@ from hivemind.utils import get_logger
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_event_on_finished
 
 from p2p_diloco.compression.codecs import decode_tensor
+from p2p_diloco.faults import HONEST, Honest
 from p2p_diloco.swarm.guard import BAD_AVERAGE, MALFORMED
 from p2p_diloco.swarm.robust import RobustRule, combine
 
@@ -53,15 +54,15 @@ class ExactAllReduceRunner(AllReduceRunner):
         rule: how this peer's reducer combines the parts.
         average_bound: an average returned by a reducer whose norm is more than this many times this peer's own
             part is refused (0: no bound).
-        hostility: a test hook (:mod:`p2p_diloco.faults`): corrupts the parts this peer sends and the averages it
-            returns as a reducer.
+        behaviour: what this peer does to the parts it sends and the averages it returns as a reducer: nothing
+            (:data:`~p2p_diloco.faults.HONEST`), or a test's :class:`~p2p_diloco.faults.Hostility`.
         kwargs: everything ``AllReduceRunner`` takes.
     """
 
     def __init__(self, *, traffic: torch.Tensor, weights: dict, rule: RobustRule, average_bound: float = 0.0,
-                 hostility=None, **kwargs):
+                 behaviour: Honest = HONEST, **kwargs):
         super().__init__(**kwargs)
-        self._traffic, self._average_bound, self._hostility = traffic, average_bound, hostility
+        self._traffic, self._average_bound, self._behaviour = traffic, average_bound, behaviour
         self.flags: list[tuple[PeerID, str]] = []
         container = self.tensor_part_container
         container.return_deltas = False  # a failed reducer's parts fall back to our own values, not zeros
@@ -148,8 +149,7 @@ class ExactAllReduceRunner(AllReduceRunner):
 
     async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
         async for message in super()._generate_input_for_peer(peer_index):
-            if self._hostility is not None:
-                self._hostility.part(message.tensor_part)
+            self._behaviour.part(message.tensor_part)
             self._traffic[BYTES_SENT] += message.ByteSize()
             yield message
 
@@ -189,8 +189,7 @@ class ExactAllReduceRunner(AllReduceRunner):
                                                                                    tensor_part)
                 except BannedException:
                     break  # the sender was banned in the meantime: it gets nothing more
-                if self._hostility is not None:
-                    averaged_part = self._hostility.reply(averaged_part)
+                averaged_part = self._behaviour.reply(averaged_part)
                 serialized = await loop.run_in_executor(
                     None, lambda i=part_index, avg=averaged_part: self._encode_result(avg, i)
                 )

@@ -45,7 +45,7 @@ from hivemind.utils.asyncio import enter_asynchronously
 from p2p_diloco.compression.codecs import CODECS
 from p2p_diloco.compression.policy import CompressionPolicy
 from p2p_diloco.config import AveragingConfig
-from p2p_diloco.faults import fault_point, hostility_from_env
+from p2p_diloco.faults import HONEST, Honest, fault_point
 from p2p_diloco.process import die_with_parent, leave_signals_to_parent, lower_priority
 from p2p_diloco.swarm.allreduce import BYTES_RECEIVED, BYTES_SENT, ExactAllReduceRunner
 from p2p_diloco.swarm.guard import GroupView, GuardedAverager, PeerGuard, read_group
@@ -109,10 +109,12 @@ class PseudoGradientAverager(GuardedAverager, DecentralizedAverager):
         stage_index: this stage's index.
         num_stages: P, stages per peer.
         cfg: the ``[averaging]`` section.
+        behaviour: :data:`~p2p_diloco.faults.HONEST`, or a :class:`~p2p_diloco.faults.Hostility` that tests and
+            benchmarks give a hostile peer.
     """
 
     def __init__(self, templates: Sequence[torch.Tensor], dht, *, run_id: str, stage_index: int, num_stages: int,
-                 cfg: AveragingConfig):
+                 cfg: AveragingConfig, behaviour: Honest = HONEST):
         self.cfg = cfg
         self.traffic = torch.zeros(2, dtype=torch.int64).share_memory_()
         self._pending: Optional[_PendingRound] = None
@@ -130,9 +132,9 @@ class PseudoGradientAverager(GuardedAverager, DecentralizedAverager):
         self.state_provider = None  # () -> (metadata, tensors): what this stage serves to newcomers
         self.guard = PeerGuard(cfg.ban_after, cfg.allowlist)  # its state lives in the background process
         self.rule = RobustRule(outlier_ratio=cfg.outlier_norm_ratio, clip_ratio=cfg.clip_ratio)
-        self.hostility = hostility_from_env()  # a test hook; None unless P2P_DILOCO_HOSTILE is set
-        if self.hostility is not None:
-            logger.warning(f"This peer is hostile to its groupmates ({self.hostility}): a test hook")
+        self.behaviour = behaviour
+        if behaviour is not HONEST:
+            logger.warning(f"This peer is hostile to its groupmates ({behaviour}): a test hook")
         super().__init__(
             buffers,
             dht,
@@ -180,8 +182,7 @@ class PseudoGradientAverager(GuardedAverager, DecentralizedAverager):
             kwargs.pop("compression", None), kwargs.pop("tensor_infos", None)
 
             async def allreduce(tensors, codecs, phase):
-                if self.hostility is not None:
-                    tensors = self.hostility.outgoing(tensors)
+                tensors = self.behaviour.outgoing(tensors)
                 return await self._allreduce_phase(tensors, codecs, group_info, group_info.group_id + phase, view,
                                                    peer_fractions=fractions, **kwargs)
 
@@ -218,7 +219,7 @@ class PseudoGradientAverager(GuardedAverager, DecentralizedAverager):
         average_bound = 2 * self.rule.outlier_ratio * view.catch_up
         runner = ExactAllReduceRunner(
             traffic=self.traffic, weights=view.weights, rule=self.rule, average_bound=average_bound,
-            hostility=self.hostility, p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors,
+            behaviour=self.behaviour, p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors,
             group_id=group_id,
             ordered_peer_ids=group_info.peer_ids, modes=view.modes,
             compression=PerTensorCompression([CODECS[c] for c in codecs]),
@@ -272,9 +273,7 @@ class PseudoGradientAverager(GuardedAverager, DecentralizedAverager):
         self._collect_abandoned()
         self._await_step_ended()
         assert weight > 0, "a contribution needs a positive weight (tokens trained on)"
-        claimed_round = round_index
-        if self.hostility is not None:
-            contribution, claimed_round, weight = self.hostility.claim(list(contribution), round_index, weight)
+        contribution, claimed_round, weight = self.behaviour.claim(list(contribution), round_index, weight)
         with self.get_tensors() as buffers:
             for buffer, tensor in zip(buffers, contribution):
                 buffer.copy_(tensor.detach().to(dtype=torch.float32, device="cpu"))
@@ -285,7 +284,7 @@ class PseudoGradientAverager(GuardedAverager, DecentralizedAverager):
                         last_error=self.last_error)
         timeout = max(self.cfg.round_timeout_s, float(budget_s))
         control = self.step(
-            gather=metadata if self.hostility is None else self.hostility.gather(metadata),
+            gather=self.behaviour.gather(metadata),
             weight=float(weight),
             timeout=timeout,
             allow_retries=True,

@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 
 import hivemind
 import pytest
 import torch
 
 from p2p_diloco.config import AveragingConfig
-from p2p_diloco.faults import HOSTILE_ENV
+from p2p_diloco.faults import HONEST, parse_hostility
 from p2p_diloco.swarm import PseudoGradientAverager
 from p2p_diloco.swarm.guard import OFFENCES
 from p2p_diloco.swarm.robust import cap_weights
@@ -30,10 +29,9 @@ TOKENS = 1024.0
 
 
 class Network:
-    """A bootstrap DHT; averagers are added on DHTs of their own, hostile ones with P2P_DILOCO_HOSTILE set."""
+    """A bootstrap DHT; averagers are added on DHTs of their own, hostile ones with a :class:`Hostility`."""
 
-    def __init__(self, monkeypatch):
-        self.monkeypatch = monkeypatch
+    def __init__(self):
         self.root = hivemind.DHT(start=True, host_maddrs=LOOPBACK)
         self.initial = [str(m) for m in self.root.get_visible_maddrs()]
         self.dhts, self.averagers = [self.root], []
@@ -43,10 +41,8 @@ class Network:
         return self.dhts[-1]
 
     def averager(self, hostile: str = "", cfg: AveragingConfig = CFG, dht=None) -> PseudoGradientAverager:
-        self.monkeypatch.setenv(HOSTILE_ENV, hostile)  # read when the averager is made, inherited by its process
         averager = PseudoGradientAverager(TEMPLATES, dht or self.dht(), run_id="run", stage_index=0, num_stages=1,
-                                          cfg=cfg)
-        self.monkeypatch.delenv(HOSTILE_ENV)
+                                          cfg=cfg, behaviour=parse_hostility(hostile) if hostile else HONEST)
         self.averagers.append(averager)
         return averager
 
@@ -58,8 +54,8 @@ class Network:
 
 
 @pytest.fixture
-def network(monkeypatch):
-    net = Network(monkeypatch)
+def network():
+    net = Network()
     yield net
     net.shutdown()
 
@@ -191,11 +187,10 @@ def test_private_swarm_refuses_outsiders(network):
 
 @pytest.mark.timeout(300)
 def test_swarm_with_hostile_peers_trains_and_names_them(tmp_path, processes, bootstrap):
-    """Real peer processes: 3 honest tiny peers and 2 hostile ones (P2P_DILOCO_HOSTILE=scale:1000 and nan) train 3
+    """Real peer processes: 3 honest tiny peers and 2 hostile ones (--test-hostility scale:1000 and nan) train 3
     rounds together. Every round of the honest peers averages, their anchors are finite and bit-identical after
     every round, the eval loss falls, and each honest peer names both hostile peers in its round metrics."""
     rounds, honest, hostile = 3, ["h0", "h1", "h2"], {"x-scale": "scale:1000", "x-nan": "nan"}
-    env = dict(os.environ)
     # 5 processes on a busy machine: a groupmate that starts sending late must not be dropped as if it had left
     patient = ["--averaging.next_chunk_timeout_s", "15",
                # and one that reaches the round's end a few seconds after the others (2 busy cores for 5 trainers)
@@ -206,11 +201,10 @@ def test_swarm_with_hostile_peers_trains_and_names_them(tmp_path, processes, boo
     # peer that finds the others past their first round already reloads instead of averaging it with them
     H = 15
     for name in honest:
-        processes.start(name, *peer_args(tmp_path, name, bootstrap, "byz", rounds, H, *patient, wait_for=5),
-                        env={k: v for k, v in env.items() if k != HOSTILE_ENV})
+        processes.start(name, *peer_args(tmp_path, name, bootstrap, "byz", rounds, H, *patient, wait_for=5))
     for name, kind in hostile.items():
-        processes.start(name, *peer_args(tmp_path, name, bootstrap, "byz", rounds, H, *patient, wait_for=5),
-                        env=dict(env, **{HOSTILE_ENV: kind}))
+        processes.start(name, *peer_args(tmp_path, name, bootstrap, "byz", rounds, H, *patient,
+                                         "--test-hostility", kind, wait_for=5))
     for name in [*honest, *hostile]:
         assert processes.wait(name, timeout=240) == 0, processes.log(name)[-3000:]
 

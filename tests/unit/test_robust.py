@@ -14,7 +14,7 @@ from hivemind.averaging.allreduce import AllreduceException, AveragingMode
 from hivemind.p2p import PeerID
 from hivemind.utils import MSGPackSerializer
 
-from p2p_diloco.faults import HOSTILE_ENV, hostility_from_env
+from p2p_diloco.faults import HONEST, HOSTILITY_OPTION, parse_hostility
 from p2p_diloco.swarm.allreduce import RobustPartReducer
 from p2p_diloco.swarm.guard import PeerGuard, check_gathered, read_group
 from p2p_diloco.swarm.robust import RobustRule, cap_weights, combine, lower_median, weighted_mean
@@ -237,26 +237,25 @@ def test_check_gathered_accepts_what_an_honest_peer_sends():
 
 
 # ---- the hostile test hook --------------------------------------------------------------------------------------
-def test_hostile_spec_parsing(monkeypatch):
-    monkeypatch.delenv(HOSTILE_ENV, raising=False)
-    assert hostility_from_env() is None
+def test_hostile_spec_parsing():
     for spec, kind, value in [("scale:1000", "scale", 1000.0), ("noise", "noise", 100.0), ("nan", "nan", None),
                               ("stale:2", "stale", 2.0), ("reply-nan", "reply-nan", None)]:
-        monkeypatch.setenv(HOSTILE_ENV, spec)
-        hostility = hostility_from_env()
+        hostility = parse_hostility(spec)
         assert (hostility.kind, hostility.value) == (kind, value)
-    for spec in ("scale:x", "scale:-1", "nan:3", "explode"):
-        monkeypatch.setenv(HOSTILE_ENV, spec)
-        with pytest.raises(ValueError, match=HOSTILE_ENV):
-            hostility_from_env()
+    for spec in ("scale:x", "scale:-1", "nan:3", "explode", ""):
+        with pytest.raises(ValueError, match=HOSTILITY_OPTION):
+            parse_hostility(spec)
 
 
-def test_hostile_corruptions(monkeypatch):
+def test_an_honest_averager_sends_what_it_has():
+    tensors, metadata = [torch.ones(3)], {"round": 2}
+    assert HONEST.outgoing(tensors) is tensors and HONEST.gather(metadata) is metadata
+    assert HONEST.claim(tensors, 2, 5.0) == (tensors, 2, 5.0) and HONEST.reply(tensors[0]) is tensors[0]
+
+
+def test_hostile_corruptions():
     tensors = [torch.ones(10), torch.ones(3, 4)]
-
-    def hostile(spec):
-        monkeypatch.setenv(HOSTILE_ENV, spec)
-        return hostility_from_env()
+    hostile = parse_hostility
     assert torch.equal(hostile("scale:1000").outgoing(tensors)[1], torch.full((3, 4), 1000.0))
     assert all(torch.isnan(t).all() for t in hostile("nan").outgoing(tensors))
     noise = hostile("noise:100").outgoing(tensors)
