@@ -210,10 +210,11 @@ def _account(result: RowResult, reports, payload: list) -> None:
     report = reports[0]
     if report is None or report.applied_round is None:
         return
-    if report.fallback_reason:
+    outcome = report.outcome
+    if outcome.fallback_reason:
         result.fallbacks += 1
-    elif report.compression.get("payload_bytes"):
-        payload.append(report.compression["payload_bytes"])
+    elif outcome.compression.get("payload_bytes"):
+        payload.append(outcome.compression["payload_bytes"])
 
 
 def _check_identical(stages: list[Stage], name: str, r: int) -> None:

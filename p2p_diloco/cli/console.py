@@ -26,16 +26,17 @@ def describe_round(report: RoundReport) -> str:
         return f"round {report.round_index}: averaging it in the background while round {report.round_index + 1} trains"
     which = f"round {report.applied_round}" if report.applied_round == report.round_index \
         else f"round {report.round_index} ended; applied round {report.applied_round}"
-    if report.averaged:
+    outcome = report.outcome
+    if outcome.averaged:
         wait = f", waited {report.waited_s:.1f} s" if report.applied_round != report.round_index else ""
-        stats = report.compression
+        stats = outcome.compression
         codec = ""
         if stats:
             rank = f"rank {stats['rank']} + " if stats.get("rank") else ""
             codec = f" ({rank}{'/'.join(stats.get('codecs', []))}, error {stats.get('compression_error', 0):.1%})"
-        return (f"{which}: averaged with {report.group_size - 1} other peer(s) in {report.averaging_s:.1f} s, "
-                f"sent {format_bytes(report.bytes_sent)}{codec}{wait}")
-    return f"{which}: own pseudo-gradient only ({report.fallback_reason})"
+        return (f"{which}: averaged with {outcome.group_size - 1} other peer(s) in {outcome.averaging_s:.1f} s, "
+                f"sent {format_bytes(outcome.bytes_sent)}{codec}{wait}")
+    return f"{which}: own pseudo-gradient only ({outcome.fallback_reason})"
 
 
 class ConsoleReporter:

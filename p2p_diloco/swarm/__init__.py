@@ -1,7 +1,7 @@
 """Everything that crosses the network, all through hivemind: DHT nodes and identities, progress
 records, and the averager of pseudo-gradients."""
 
-from p2p_diloco.swarm.averager import PseudoGradientAverager, RoundResult, group_prefix, round_bits
+from p2p_diloco.swarm.averager import PseudoGradientAverager, RoundOutcome, group_prefix, round_bits
 from p2p_diloco.swarm.dht import start_dht, visible_maddrs
 from p2p_diloco.swarm.errors import SwarmError
 from p2p_diloco.swarm.identity import ensure_identity
@@ -11,7 +11,7 @@ from p2p_diloco.swarm.progress import ProgressRecord, SwarmLink, fetch_progress,
 __all__ = [
     "ProgressRecord",
     "PseudoGradientAverager",
-    "RoundResult",
+    "RoundOutcome",
     "SwarmError",
     "SwarmLink",
     "check_maddrs",

@@ -30,7 +30,7 @@ import logging
 import signal
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Optional
 
 import torch
@@ -67,27 +67,45 @@ def round_bits(round_index: int) -> str:
     return format(round_index % (1 << ROUND_BITS), f"0{ROUND_BITS}b")
 
 
-@dataclass
-class RoundResult:
-    """What one averaging round produced; ``averaged`` is None when the round fell back."""
+@dataclass(frozen=True)
+class RoundOutcome:
+    """What averaging one round's contribution gave this peer: the one record of it, from the averager to the round
+    report, the metrics and the summary (same names everywhere). The default is a round that never reached the
+    network (``averaged`` False)."""
 
-    round_index: int
-    averaged: Optional[list[torch.Tensor]]
+    average: Optional[list[torch.Tensor]] = field(default=None, metadata={"tensors": True})
+    """The group's average; None when the round fell back (this peer applies its own contribution)."""
+    residual: Optional[list[torch.Tensor]] = field(default=None, metadata={"tensors": True})
+    """This peer's error feedback: its contribution minus what the wire carried of it."""
     group_size: int = 1
     group_tokens: float = 0.0
+    """The tokens of the whole group (claims capped as in the average): this peer's share is its weight over these."""
+    group_peers: tuple[str, ...] = ()
+    """DHT peer ids of the group (empty when it fell back)."""
     bytes_sent: int = 0
     bytes_received: int = 0
-    duration_s: float = 0.0
-    error: str = ""
-    peer_ids: list[str] = field(default_factory=list)
-    residual: Optional[list[torch.Tensor]] = None
-    """This peer's error feedback: its contribution minus what the wire carried of it."""
-    stats: dict = field(default_factory=dict)
-    """Compression of the round: rank, codecs, payload bytes, relative compression error, measured bandwidth."""
+    averaging_s: float = 0.0
+    fallback_reason: str = ""
+    compression: dict = field(default_factory=dict)
+    """Rank, codecs, payload bytes, relative compression error, measured bandwidth."""
     suspects: dict = field(default_factory=dict)
     """Groupmates flagged in the round (peer id -> reasons: see :mod:`p2p_diloco.swarm.guard`)."""
-    banned: list = field(default_factory=list)
+    banned: tuple[str, ...] = ()
     """Peers this peer no longer groups with."""
+    averaged: bool = False
+    """The group's average came back (``average`` holds it until the round is applied)."""
+
+    def facts(self) -> dict:
+        """Everything but the tensors (metrics, checkpoints); :meth:`from_facts` reads it back."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if not f.metadata.get("tensors")} | \
+            {"group_peers": list(self.group_peers), "banned": list(self.banned)}
+
+    @classmethod
+    def from_facts(cls, facts: dict) -> RoundOutcome:
+        """The outcome (without tensors) of :meth:`facts`, or of any dict with these keys among others."""
+        known = {f.name for f in fields(cls) if not f.metadata.get("tensors")}
+        kept = {k: v for k, v in facts.items() if k in known}
+        return cls(**kept | {k: tuple(kept[k]) for k in ("group_peers", "banned") if k in kept})
 
 
 @dataclass
@@ -313,7 +331,7 @@ class PseudoGradientAverager(GuardedAverager, DecentralizedAverager):
         return None if self._pending is None else self._pending.round_index
 
     def finish_round(self, timeout: Optional[float] = None,
-                     hopeless: Optional[Callable[[int], bool]] = None) -> RoundResult:
+                     hopeless: Optional[Callable[[int], bool]] = None) -> RoundOutcome:
         """Wait for the round in flight and return it: at most ``timeout`` s, by default what is left of the
         round's own bounds (matchmaking + all-reduce timeouts, counted from its start).
 
@@ -326,7 +344,7 @@ class PseudoGradientAverager(GuardedAverager, DecentralizedAverager):
         if timeout is None:
             bound = pending.timeout_s + self.cfg.allreduce_timeout_s + 5
             timeout = max(1.0, bound - (time.monotonic() - pending.started_at))
-        result = RoundResult(round_index=pending.round_index, averaged=None)
+        found: dict = {}
         try:
             deadline = time.monotonic() + timeout
             while hopeless is not None and not pending.control.done():
@@ -344,24 +362,24 @@ class PseudoGradientAverager(GuardedAverager, DecentralizedAverager):
             if rounds != {pending.round_index}:
                 raise AllreduceException(f"groupmates reported rounds {sorted(rounds)}")
             with self.get_tensors() as buffers:
-                result.averaged = [buffer.clone() for buffer in buffers]
-                result.residual = [residual.clone() for residual in self._residuals]
-            result.stats = outcome["stats"]
+                found["average"], found["averaged"] = [buffer.clone() for buffer in buffers], True
+                found["residual"] = [residual.clone() for residual in self._residuals]
+            found["compression"] = outcome["stats"]
             self.proposal = outcome["next"]
             self.last_error = outcome["stats"].get("compression_error")
             if outcome["stats"].get("bandwidth_mbit"):  # an average of the recent samples, with little lag
                 self.bandwidth_mbit = 0.5 * self.bandwidth_mbit + 0.5 * float(outcome["stats"]["bandwidth_mbit"])
-            result.group_size = len(gathered)
-            result.group_tokens = float(outcome["tokens"])  # claims capped as in the average
-            result.peer_ids = sorted(str(peer_id) for peer_id in gathered)
+            found["group_size"] = len(gathered)
+            found["group_tokens"] = float(outcome["tokens"])  # claims capped as in the average
+            found["group_peers"] = tuple(sorted(str(peer_id) for peer_id in gathered))
         except Exception as e:  # network failures of every kind end in a fallback, never in a crash
             pending.control.cancel()
-            result.error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-        result.suspects, result.banned = self._flags_of(pending.round_index)
-        result.duration_s = time.monotonic() - pending.started_at
-        result.bytes_sent = int(self.traffic[BYTES_SENT]) - pending.traffic_at_start[0]
-        result.bytes_received = int(self.traffic[BYTES_RECEIVED]) - pending.traffic_at_start[1]
-        return result
+            found = {"fallback_reason": f"{type(e).__name__}: {e}" if str(e) else type(e).__name__}
+        suspects, banned = self._flags_of(pending.round_index)
+        return RoundOutcome(**found, suspects=suspects, banned=tuple(banned),
+                            averaging_s=time.monotonic() - pending.started_at,
+                            bytes_sent=int(self.traffic[BYTES_SENT]) - pending.traffic_at_start[0],
+                            bytes_received=int(self.traffic[BYTES_RECEIVED]) - pending.traffic_at_start[1])
 
     def _flags_of(self, round_index: int) -> tuple[dict, list]:
         """The groupmates flagged in a round and the peers banned so far, from the background process."""

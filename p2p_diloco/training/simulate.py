@@ -26,7 +26,7 @@ import torch
 from p2p_diloco.compression.codecs import roundtrip
 from p2p_diloco.compression.policy import CompressionPolicy
 from p2p_diloco.config import AveragingConfig
-from p2p_diloco.swarm.averager import RoundResult
+from p2p_diloco.swarm.averager import RoundOutcome
 from p2p_diloco.swarm.reduce import RoundReducer
 from p2p_diloco.swarm.robust import RobustRule, cap_weights, combine
 
@@ -55,7 +55,7 @@ class ExactGroup:
                       for i in range(k)]
         self._cond = threading.Condition()
         self._started: dict[int, dict[int, tuple[list[torch.Tensor], float, dict]]] = {}
-        self._results: dict[int, dict[int, RoundResult]] = {}
+        self._results: dict[int, dict[int, RoundOutcome]] = {}
 
     def view(self, index: int) -> ExactAverager:
         return self.views[index]
@@ -66,11 +66,11 @@ class ExactGroup:
             self._started.setdefault(round_index, {})[index] = (contribution, weight, metadata)
             self._cond.notify_all()
 
-    def _finish(self, index: int, round_index: int) -> RoundResult:
+    def _finish(self, index: int, round_index: int) -> RoundOutcome:
         with self._cond:
             if not self._cond.wait_for(lambda: len(self._started.get(round_index, {})) == self.k
                                        or round_index in self._results, timeout=self.timeout_s):
-                return RoundResult(round_index, None, error=f"TimeoutError: not all {self.k} peers started the round")
+                return RoundOutcome(fallback_reason=f"TimeoutError: not all {self.k} peers started the round")
             if round_index not in self._results:
                 self._results[round_index] = self._average(round_index, self._started.pop(round_index))
             results = self._results[round_index]
@@ -79,10 +79,10 @@ class ExactGroup:
                 del self._results[round_index]
             return result
 
-    def _average(self, round_index: int, started: dict) -> dict[int, RoundResult]:
+    def _average(self, round_index: int, started: dict) -> dict[int, RoundOutcome]:
         order = sorted(started)
         if round_index in self.fail_rounds:
-            return {i: RoundResult(round_index, None, error="simulated failure") for i in order}
+            return {i: RoundOutcome(fallback_reason="simulated failure") for i in order}
         weights = cap_weights([started[i][1] for i in order], self.cfg.max_weight_ratio)
         views = [self.views[i] for i in order]
         plan = views[0].policy.agree([started[i][2] for i in order])  # every member computes the same plan
@@ -114,9 +114,9 @@ class ExactGroup:
         for i, view, outcome in zip(order, views, outcomes):
             view.proposal = view.policy.next_proposal(plan, outcome.q_avgs, round_index)
             view.last_error = outcome.stats.get("compression_error")
-            results[i] = RoundResult(round_index, outcome.averaged, group_size=len(order), group_tokens=sum(weights),
-                                     residual=outcome.residuals, stats=dict(outcome.stats),
-                                     peer_ids=[f"sim{j}" for j in order])
+            results[i] = RoundOutcome(average=outcome.averaged, averaged=True, group_size=len(order),
+                                      group_tokens=sum(weights), residual=outcome.residuals,
+                                      compression=dict(outcome.stats), group_peers=tuple(f"sim{j}" for j in order))
         return results
 
 
@@ -157,7 +157,7 @@ class ExactAverager:
                 or self.round_in_flight in self.group._results
         return started and self.polls >= self.group.arrival_steps
 
-    def finish_round(self, timeout: float | None = None, hopeless=None) -> RoundResult:
+    def finish_round(self, timeout: float | None = None, hopeless=None) -> RoundOutcome:
         assert self.round_in_flight is not None, "no round in flight"
         round_index, self.round_in_flight = self.round_in_flight, None
         return self.group._finish(self.index, round_index)

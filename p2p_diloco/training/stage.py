@@ -14,12 +14,13 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 from torch import nn
 
 from p2p_diloco.config import DiLoCoConfig, InnerConfig
+from p2p_diloco.swarm.averager import RoundOutcome
 from p2p_diloco.training.outer import OuterOptimizer
 from p2p_diloco.training.schedule import inner_lr
 
@@ -38,27 +39,23 @@ class RoundReport:
     tokens: int = 0
     """Tokens this peer trained on in the round that ended (its averaging weight)."""
     applied_round: int | None = None
-    averaged: bool = False
-    group_size: int = 1
-    group_tokens: float = 0.0
-    """Of the applied round: the tokens of its whole group (this peer's share is its weight over these)."""
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    averaging_s: float = 0.0
+    outcome: RoundOutcome = field(default_factory=RoundOutcome)
+    """The applied round's averaging, as the averager gave it (the default: nothing applied)."""
     waited_s: float = 0.0
     """How long the training loop waited for the network at this round end."""
     round_end_s: float = 0.0
     """Time the round end took on the training thread, waiting included (overhead = this - waited_s)."""
     delta_norm: float = 0.0
-    fallback_reason: str = ""
-    compression: dict = field(default_factory=dict)
-    """Of the applied round: rank, codecs, payload bytes, relative compression error, measured bandwidth."""
-    group_peers: list[str] = field(default_factory=list)
-    """DHT peer ids of the applied round's group (empty when it fell back)."""
-    suspects: dict = field(default_factory=dict)
-    """Of the applied round: groupmates whose contributions or metadata were flagged (peer id -> reasons)."""
-    banned: list = field(default_factory=list)
-    """Peers this stage no longer groups with (repeat offenders)."""
+
+    def record(self) -> dict:
+        """The report as one flat row (metrics, checkpoints): its own fields and the outcome's, no tensors."""
+        own = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "outcome"}
+        return own | self.outcome.facts()
+
+    @classmethod
+    def from_record(cls, row: dict) -> RoundReport:
+        own = {f.name for f in fields(cls) if f.name != "outcome"}
+        return cls(**{k: v for k, v in row.items() if k in own}, outcome=RoundOutcome.from_facts(row))
 
 
 @dataclass
@@ -70,25 +67,15 @@ class PendingRound:
     weight: float
     in_flight: bool = False
     """Its averaging is running in the background."""
-    settled: bool = False
-    """Its outcome is known: ``averaged`` holds the group's average, or ``reason`` says why there is none."""
-    averaged: list[torch.Tensor] | None = None
-    group_size: int = 1
-    group_tokens: float = 0.0
-    group_peers: list[str] = field(default_factory=list)
-    reason: str = ""
-    stats: dict = field(default_factory=dict)
-    """bytes_sent, bytes_received, averaging_s of its averaging."""
-    residual: list[torch.Tensor] | None = None
-    """Its error feedback: the contribution minus what the wire carried of it."""
-    compression: dict = field(default_factory=dict)
-    """Rank, codecs, payload bytes and relative error of its compression."""
-    suspects: dict = field(default_factory=dict)
-    """Groupmates flagged in its averaging (peer id -> reasons)."""
-    banned: list = field(default_factory=list)
+    outcome: RoundOutcome | None = None
+    """Known once its averaging is over (or was never started: then with the reason)."""
     share: float = 1.0
     """eager mode: the share of this contribution already in the peer's eager parameters (taken back when the
     round's average is applied, so that the contribution counts exactly once)."""
+
+    @property
+    def settled(self) -> bool:
+        return self.outcome is not None
 
 
 class Stage:
@@ -222,8 +209,9 @@ class Stage:
                 delta = [start - p.detach().to(device="cpu", dtype=torch.float32)
                          for start, p in zip(self.round_start, self.params)]
             elif self._merged is not None:  # merged earlier in this round: report it with this round end
-                report.__dict__.update({k: v for k, v in vars(self._merged).items()
-                                        if k not in ("round_index", "tokens", "delta_norm", "round_end_s")})
+                merged = self._merged
+                report.applied_round, report.outcome, report.waited_s = \
+                    merged.applied_round, merged.outcome, merged.waited_s
             self._merged = None
             contribution = self._with_feedback(delta)  # 3.
             self._start(self.round_index, contribution, tokens, expected_group_size, compute_s)  # 4. background
@@ -320,9 +308,9 @@ class Stage:
         """Step 4: start averaging a round's contribution (or note why the network is skipped)."""
         pending = PendingRound(round_index, contribution, float(tokens), share=share)
         if self.averager is None:
-            pending.settled, pending.reason = True, "training without a swarm"
+            pending.outcome = RoundOutcome(fallback_reason="training without a swarm")
         elif expected_group_size is not None and expected_group_size <= 1:
-            pending.settled, pending.reason = True, "no other live peer of this stage in the swarm"
+            pending.outcome = RoundOutcome(fallback_reason="no other live peer of this stage in the swarm")
         else:
             self.averager.set_expected_group_size(expected_group_size)
             # a failed all-reduce (a groupmate gone) is retried by the rest of the group within the round's budget:
@@ -338,23 +326,15 @@ class Stage:
         if not pending.in_flight:
             return 0.0
         started = time.monotonic()
-        result = self.averager.finish_round(hopeless=self.round_is_hopeless)
+        outcome = self.averager.finish_round(hopeless=self.round_is_hopeless)
         waited = time.monotonic() - started
-        pending.in_flight, pending.settled = False, True
-        pending.stats = dict(bytes_sent=result.bytes_sent, bytes_received=result.bytes_received,
-                             averaging_s=result.duration_s)
-        pending.group_size, pending.group_tokens = result.group_size, result.group_tokens
-        pending.group_peers = list(result.peer_ids or [])
-        pending.residual, pending.compression = result.residual, dict(result.stats)
-        pending.suspects, pending.banned = result.suspects, result.banned
-        if result.suspects:
+        pending.in_flight, pending.outcome = False, outcome
+        if outcome.suspects:
             logger.warning(f"Stage {self.stage_index} round {pending.round_index}: flagged groupmates "
-                           f"{result.suspects}")
-        if result.averaged is None:
-            pending.reason = result.error or "averaging failed"
+                           f"{outcome.suspects}")
+        if not outcome.averaged:
             logger.warning(f"Stage {self.stage_index} round {pending.round_index}: averaging failed "
-                           f"({pending.reason}); applying this peer's own pseudo-gradient")
-        pending.averaged = result.averaged
+                           f"({outcome.fallback_reason}); applying this peer's own pseudo-gradient")
         return waited
 
     def _collect(self, report: RoundReport) -> list[torch.Tensor] | None:
@@ -366,21 +346,14 @@ class Stage:
         report.waited_s = self._settle(pending)
         self.pending = None
         report.applied_round = self.applied_round = pending.round_index
-        report.bytes_sent = pending.stats.get("bytes_sent", 0)
-        report.bytes_received = pending.stats.get("bytes_received", 0)
-        report.averaging_s = pending.stats.get("averaging_s", 0.0)
-        report.group_size, report.group_tokens = pending.group_size, pending.group_tokens
-        report.compression = pending.compression
-        report.suspects, report.banned = pending.suspects, pending.banned
-        if pending.averaged is None:  # the whole own contribution, feedback included, is applied: nothing is owed
-            report.fallback_reason = pending.reason
+        report.outcome = outcome = pending.outcome
+        if not outcome.averaged:  # the whole own contribution, feedback included, is applied: nothing is owed
             if self.feedback is not None:
                 self.feedback = [torch.zeros_like(e) for e in self.feedback]
             return pending.contribution
-        report.averaged, report.group_peers = True, pending.group_peers
-        if self.feedback is not None and pending.residual is not None:
-            self.feedback = pending.residual
-        return pending.averaged
+        if self.feedback is not None and outcome.residual is not None:
+            self.feedback = outcome.residual
+        return outcome.average
 
     def _eager_step(self, previous: PendingRound | None, applied: list[torch.Tensor] | None,
                     fresh: list[torch.Tensor]) -> float:
@@ -394,8 +367,9 @@ class Stage:
         then eager is blocking DiLoCo exactly. A failed round's own contribution is applied whole (``applied``
         is that contribution), so nothing of it is dropped.
         """
-        previous_ok = previous is not None and previous.averaged is not None and previous.group_tokens > 0
-        share = min(1.0, previous.weight / previous.group_tokens) if previous_ok else 1.0
+        done = previous.outcome if previous is not None else None
+        previous_ok = done is not None and done.averaged and done.group_tokens > 0
+        share = min(1.0, previous.weight / done.group_tokens) if previous_ok else 1.0
         gradient = [share * c for c in fresh]
         if previous is not None:
             gradient = [g + a - previous.share * old for g, a, old in zip(gradient, applied, previous.contribution)]

@@ -13,10 +13,11 @@ Called by the trainer when it saves and resumes.
 
 from __future__ import annotations
 
-from dataclasses import asdict
+import dataclasses
 
 import torch
 
+from p2p_diloco.swarm.averager import RoundOutcome
 from p2p_diloco.training.stage import PendingRound, RoundReport, Stage
 
 
@@ -34,12 +35,13 @@ def state_tensors(stage: Stage) -> dict[str, torch.Tensor]:
         if stage.eager_anchor is not None:
             tensors[f"eager_anchor/{name}"] = stage.eager_anchor[i]
             tensors[f"eager_momentum/{name}"] = stage.eager_optimizer.momentum_buffers[i]
+        outcome = stage.pending.outcome if stage.pending is not None else None
         if stage.pending is not None:
             tensors[f"pending/{name}"] = stage.pending.contribution[i]
-            if stage.pending.averaged is not None:
-                tensors[f"pending_average/{name}"] = stage.pending.averaged[i]
-                if stage.pending.residual is not None:
-                    tensors[f"pending_residual/{name}"] = stage.pending.residual[i]
+        if outcome is not None and outcome.average is not None:
+            tensors[f"pending_average/{name}"] = outcome.average[i]
+            if outcome.residual is not None:
+                tensors[f"pending_residual/{name}"] = outcome.residual[i]
         for key, value in stage.inner_optimizer.state.get(p, {}).items():
             if torch.is_tensor(value) and value.dim() > 0:
                 tensors[f"adam_{key}/{name}"] = value
@@ -54,11 +56,10 @@ def state_meta(stage: Stage) -> dict:
             "stage": stage.stage_index, "num_stages": stage.num_stages, "mode": stage.mode,
             "applied_round": stage.applied_round,
             "eager_outer_steps": None if stage.eager_optimizer is None else stage.eager_optimizer.num_steps,
-            "merged": None if stage._merged is None else asdict(stage._merged),
+            "merged": None if stage._merged is None else stage._merged.record(),
             "pending": None if pending is None else {
-                "round": pending.round_index, "weight": pending.weight, "settled": pending.settled,
-                "averaged": pending.averaged is not None, "group_size": pending.group_size,
-                "group_tokens": pending.group_tokens, "reason": pending.reason, "share": pending.share}}
+                "round": pending.round_index, "weight": pending.weight, "share": pending.share,
+                "outcome": None if pending.outcome is None else pending.outcome.facts()}}
 
 
 @torch.no_grad()
@@ -71,7 +72,8 @@ def load_state(stage: Stage, tensors: dict[str, torch.Tensor], meta: dict) -> No
         raise ValueError(f"checkpoint was written in diloco.mode {meta.get('mode')!r}, this peer runs {stage.mode!r}")
     info = meta.get("pending")
     pending = [] if info is not None else None
-    average = [] if info is not None and info["averaged"] else None
+    outcome = None if info is None else _pending_outcome(info)
+    average = [] if outcome is not None and outcome.averaged else None
     residual = [] if average is not None and f"pending_residual/{stage.param_names[0]}" in tensors else None
     for i, (name, p) in enumerate(zip(stage.param_names, stage.params)):
         for prefix, target in (("param", p), ("anchor", stage.anchor[i]),
@@ -106,13 +108,24 @@ def load_state(stage: Stage, tensors: dict[str, torch.Tensor], meta: dict) -> No
     stage.inner_step, stage.round_index = int(meta["inner_step"]), int(meta["round"])
     stage.applied_round = int(meta.get("applied_round", stage.round_index - 1))
     stage.outer_optimizer.num_steps = int(meta["outer_steps"])
-    stage._merged = RoundReport(**meta["merged"]) if meta.get("merged") else None
+    stage._merged = RoundReport.from_record(meta["merged"]) if meta.get("merged") else None
     if stage.eager_optimizer is not None:
         stage.eager_optimizer.num_steps = int(meta.get("eager_outer_steps") or meta["outer_steps"])
+    if outcome is not None:
+        outcome = dataclasses.replace(outcome, average=average, residual=residual)
     stage.pending = None if pending is None else PendingRound(
-        int(info["round"]), pending, float(info["weight"]), settled=bool(info["settled"]), averaged=average,
-        group_size=int(info["group_size"]), group_tokens=float(info["group_tokens"]), reason=str(info["reason"]),
-        residual=residual, share=float(info.get("share", 1.0)))
+        int(info["round"]), pending, float(info["weight"]), outcome=outcome, share=float(info.get("share", 1.0)))
+
+
+def _pending_outcome(info: dict) -> RoundOutcome | None:
+    """The outcome of a checkpoint's round in flight, if it was known; checkpoints of format 1 kept some of its
+    fields beside the round's."""
+    if "outcome" in info:
+        return None if info["outcome"] is None else RoundOutcome.from_facts(info["outcome"])
+    if not info.get("settled"):
+        return None
+    return RoundOutcome(averaged=bool(info["averaged"]), group_size=int(info["group_size"]),
+                        group_tokens=float(info["group_tokens"]), fallback_reason=str(info["reason"]))
 
 
 def _copy_checked(tensors: dict[str, torch.Tensor], key: str, target: torch.Tensor) -> None:

@@ -84,20 +84,21 @@ class TrainSummary:
 
     def account(self, report: RoundReport, inner_steps_per_round: int) -> None:
         """Add one applied round (or the first round end of an overlap mode, which applies nothing)."""
-        self.bytes_sent += report.bytes_sent
-        self.bytes_received += report.bytes_received
+        outcome = report.outcome
+        self.bytes_sent += outcome.bytes_sent
+        self.bytes_received += outcome.bytes_received
         self.network_wait_s += report.waited_s
         if report.applied_round is None:
             return
-        self.group_sizes.append(report.group_size)
-        if report.averaged:
+        self.group_sizes.append(outcome.group_size)
+        if outcome.averaged:
             self.averaged_rounds += 1
-            group = set(report.group_peers)
+            group = set(outcome.group_peers)
             if self.last_group is not None:  # groupmates that appeared / disappeared since the last averaged round
                 self.joins += len(group - set(self.last_group))
                 self.leaves += len(set(self.last_group) - group)
             self.last_group = sorted(group)
-            g = report.group_size
+            g = outcome.group_size
             self.allreduce_bytes_equivalent += int(inner_steps_per_round * 2 * (g - 1) / g * 4 * self.num_params)
         else:
             self.fallback_rounds += 1

@@ -52,7 +52,8 @@ def shareable_state(stage: Stage, run_id: str, finished_average: list[torch.Tens
         momentum = [m.clone() for m in stage.outer_optimizer.momentum_buffers]
         applied, outer_steps = stage.applied_round, stage.outer_optimizer.num_steps
         pending = stage.pending
-        average = pending.averaged if pending is not None and pending.averaged is not None else finished_average
+        arrived = pending.outcome if pending is not None else None
+        average = arrived.average if arrived is not None and arrived.averaged else finished_average
         if pending is not None and average is not None:
             anchor = stage.outer_optimizer.peek(average)
             mu = stage.outer_optimizer.momentum
@@ -139,9 +140,9 @@ def adopt_state(stage: Stage, meta: dict, tensors: list[torch.Tensor], how: str,
         stage._settle(pending)
         stage.pending = None
         carried = [torch.zeros_like(t) for t in stage.anchor]
-        if pending.averaged is not None:
-            if stage.feedback is not None and pending.residual is not None:
-                stage.feedback = pending.residual
+        if pending.outcome.averaged:
+            if stage.feedback is not None and pending.outcome.residual is not None:
+                stage.feedback = pending.outcome.residual
         elif stage.feedback is not None:
             stage.feedback = pending.contribution  # not in anyone's average: it goes out with the next round
         else:

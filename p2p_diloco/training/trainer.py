@@ -263,10 +263,10 @@ class Trainer:
 
     def _record_round(self, report: RoundReport, flush: bool = False) -> None:
         self.summary.account(report, self.cfg.diloco.inner_steps)
-        self._last_group = report.group_peers if report.averaged else []
+        self._last_group = list(report.outcome.group_peers)
         self._note_anchor()
         digest = anchor_digest(self.stage.anchor) if self.cfg.train.anchor_digest else ""
-        self.metrics.write("round", **asdict(report), inner_step=self.stage.inner_step, anchor_sha256=digest,
+        self.metrics.write("round", **report.record(), inner_step=self.stage.inner_step, anchor_sha256=digest,
                            anchor_applied_round=self.stage.applied_round, flush=flush)
         self.reporter.on_round(report)
 

@@ -78,10 +78,10 @@ def peer_id(averager) -> str:
 def assert_honest_agree(honest_results, honest_contributions) -> None:
     """The honest peers averaged, hold the same bits, and their average is no larger than an honest contribution
     (it is a robust mean of theirs; an attack that got through would be orders of magnitude larger)."""
-    assert all(r.error == "" for r in honest_results), [r.error for r in honest_results]
-    first = honest_results[0].averaged
+    assert all(r.fallback_reason == "" for r in honest_results), [r.fallback_reason for r in honest_results]
+    first = honest_results[0].average
     for result in honest_results:
-        assert all(torch.equal(a, b) for a, b in zip(result.averaged, first))
+        assert all(torch.equal(a, b) for a, b in zip(result.average, first))
     for i, average in enumerate(first):
         assert torch.isfinite(average).all()
         assert average.norm() <= 1.01 * max(c[i].norm() for c in honest_contributions), i
@@ -104,7 +104,7 @@ def test_hostile_parts_are_left_out_and_named(network, kinds, compression, reaso
     if compression == "none" and "shape" not in kinds:
         for i in range(len(TEMPLATES)):
             honest_mean = sum(c[i].double() for c in contributions[:3]) / 3
-            torch.testing.assert_close(results[0].averaged[i].double(), honest_mean, rtol=0, atol=1e-6)
+            torch.testing.assert_close(results[0].average[i].double(), honest_mean, rtol=0, atol=1e-6)
     named = {}  # what the honest peers found, together
     for result in results[:3]:
         for suspect, found in result.suspects.items():
@@ -124,13 +124,13 @@ def test_lying_metadata_is_capped_or_excluded(network):
     for round_index in range(2):  # in round 0 the stale peer has nothing to replay yet: it is honest
         contributions, results = average_round(group, round_index, seed=round_index)
         assert_honest_agree(results[:3], contributions[:3] + [contributions[3]])
-        included = [i for i, a in enumerate(group) if peer_id(a) in results[0].peer_ids]
+        included = [i for i, a in enumerate(group) if peer_id(a) in results[0].group_peers]
         assert {0, 1, 2, 3} <= set(included) and 5 not in included and (round_index == 0 or 4 not in included)
         weights = cap_weights([1000 * TOKENS if i == 3 else TOKENS for i in included], 2.0)
         assert weights[included.index(3)] == 2 * TOKENS  # the greedy peer's claim, capped
         for t in range(len(TEMPLATES)):
             expected = sum(w * contributions[i][t].double() for w, i in zip(weights, included)) / sum(weights)
-            torch.testing.assert_close(results[0].averaged[t].double(), expected, rtol=0, atol=1e-6)
+            torch.testing.assert_close(results[0].average[t].double(), expected, rtol=0, atol=1e-6)
         for result in results[:3]:
             assert result.group_size == len(included) and result.suspects[peer_id(greedy)] == ["capped"]
             assert result.suspects[peer_id(malformed)] == ["metadata"]
@@ -147,19 +147,19 @@ def test_repeat_offender_is_banned_and_the_others_go_on(network):
         contributions, results = average_round(honest + [hostile], round_index, seed=round_index)
         for result in results[:3]:
             assert result.suspects == {peer_id(hostile): ["bad average"]}
-            if result.averaged is None:
-                assert result.error
+            if not result.averaged:
+                assert result.fallback_reason
             else:  # the retry, without the hostile reducer
-                assert result.group_size == 3 and set(result.peer_ids) == {peer_id(h) for h in honest}
-                assert all(torch.isfinite(t).all() for t in result.averaged)
-        if all(r.averaged is not None for r in results[:3]):
+                assert result.group_size == 3 and set(result.group_peers) == {peer_id(h) for h in honest}
+                assert all(torch.isfinite(t).all() for t in result.average)
+        if all(r.averaged for r in results[:3]):
             assert_honest_agree(results[:3], contributions[:3])
     contributions, results = average_round(honest + [hostile], 3, seed=3)
     assert_honest_agree(results[:3], contributions[:3])
     for result in results[:3]:
-        assert result.group_size == 3 and set(result.peer_ids) == {peer_id(h) for h in honest}
+        assert result.group_size == 3 and set(result.group_peers) == {peer_id(h) for h in honest}
         assert result.banned == [peer_id(hostile)] and result.suspects == {}
-    assert results[3].averaged is None
+    assert not results[3].averaged
 
 
 def test_private_swarm_refuses_outsiders(network):
@@ -176,9 +176,9 @@ def test_private_swarm_refuses_outsiders(network):
     members[1].allow_state_sharing = False
     _, results = average_round(members + [outsider], round_index=0)
     for result in results[:2]:
-        assert result.error == "" and result.group_size == 2
-        assert set(result.peer_ids) == {peer_id(m) for m in members}
-    assert results[2].averaged is None
+        assert result.fallback_reason == "" and result.group_size == 2
+        assert set(result.group_peers) == {peer_id(m) for m in members}
+    assert not results[2].averaged
     assert outsider.download_state(timeout_s=10) is None
     downloaded = members[1].download_state(timeout_s=10)
     assert downloaded is not None and downloaded[0] == {"served_by": "member0"}

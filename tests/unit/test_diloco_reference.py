@@ -20,7 +20,7 @@ import torch
 from p2p_diloco.config import load_config
 from p2p_diloco.data import ShardDataset, WindowSampler
 from p2p_diloco.model import ModelArgs, Transformer, loss_fn
-from p2p_diloco.swarm.averager import RoundResult
+from p2p_diloco.swarm.averager import RoundOutcome
 from p2p_diloco.training import LocalExecutor, Stage, Trainer, inner_lr, read_metrics
 from p2p_diloco.training.summary import anchor_fingerprint
 from tests.helpers import TINY_ARGS, make_shards
@@ -160,13 +160,13 @@ class _View:
         self.shared.slots[self.index] = ([t.clone() for t in contribution], weight)
         self.pending = round_index
 
-    def finish_round(self, timeout=None, hopeless=None) -> RoundResult:
+    def finish_round(self, timeout=None, hopeless=None) -> RoundOutcome:
         self.shared.barrier.wait()
         slots = [self.shared.slots[i] for i in sorted(self.shared.slots)]
         total = sum(w for _, w in slots)
         averaged = [(sum(c[i].double() * w for c, w in slots) / total).float() for i in range(len(slots[0][0]))]
         self.shared.barrier.wait()  # nobody overwrites a slot before everyone has read the round
-        return RoundResult(self.pending, averaged, group_size=len(slots), group_tokens=total)
+        return RoundOutcome(average=averaged, averaged=True, group_size=len(slots), group_tokens=total)
 
     def cancel_round(self) -> None: ...
     def shutdown(self) -> None: ...

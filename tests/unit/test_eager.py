@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from p2p_diloco.config import load_config
-from p2p_diloco.swarm.averager import RoundResult
+from p2p_diloco.swarm.averager import RoundOutcome
 from p2p_diloco.training import Stage
 from p2p_diloco.training.simulate import ExactGroup
 from p2p_diloco.training.swarm_state import adopt_state, shareable_state
@@ -61,7 +61,7 @@ class FailingAverager:
         self.round = round_index
 
     def finish_round(self, timeout=None, hopeless=None):
-        return RoundResult(self.round, None, error="simulated failure")
+        return RoundOutcome(fallback_reason="simulated failure")
 
 
 def run_alone(mode: str, averager=None, expected: int = 1, **outer) -> tuple[list, Stage]:

@@ -65,7 +65,7 @@ def test_the_average_is_applied_at_the_step_it_arrives():
     for _ in range(H - merged_at):
         step(stage, 0.01)
     report = stage.end_round(tokens=100, expected_group_size=2)
-    assert report.applied_round == 0 and report.averaged  # the round end reports the merge of its round
+    assert report.applied_round == 0 and report.outcome.averaged  # the round end reports the merge of its round
     torch.testing.assert_close(stage.pending.contribution[0], torch.full((4,), 0.01 * H))  # the whole round
     torch.testing.assert_close(stage.anchor[0], torch.full((4,), -mean))
 

@@ -10,7 +10,7 @@ import torch
 
 from p2p_diloco.config import load_config
 from p2p_diloco.model import ModelArgs, Transformer
-from p2p_diloco.swarm.averager import RoundResult
+from p2p_diloco.swarm.averager import RoundOutcome
 from p2p_diloco.training import Stage
 from p2p_diloco.training.stage import PendingRound
 from p2p_diloco.training.summary import anchor_fingerprint
@@ -122,7 +122,7 @@ class FakeAverager:
 
     def finish_round(self, timeout=None, hopeless=None):
         self.finished += 1
-        return self.result or RoundResult(0, None, error="it failed")
+        return self.result or RoundOutcome(fallback_reason="it failed")
 
     def download_state(self, timeout_s):
         self.downloads += 1
@@ -244,7 +244,7 @@ def test_resync_from_a_donor_that_already_applied_the_round_in_flight():
     assert all(torch.equal(a, b) for a, b in zip(peer.anchor, donor.anchor))
 
 
-def _resync_dropping_round_7(peer: Stage, result: RoundResult | None):
+def _resync_dropping_round_7(peer: Stage, result: RoundOutcome | None):
     """Resync ``peer`` (round 8, its round 7 in flight with contribution 0.3 everywhere) from a donor that applied
     round 7; returns the donor and the peer's local progress of round 8 (0.05 everywhere)."""
     donor = make_stage(seed=1)
@@ -268,8 +268,8 @@ def test_resync_dropping_an_averaged_round_keeps_its_residual_as_feedback():
     peer.feedback = [torch.full_like(t, 0.7) for t in peer.anchor]  # stale: already inside round 7's contribution
     residual = [torch.full_like(t, 0.01) for t in peer.anchor]
     average = [torch.full_like(t, 0.2) for t in peer.anchor]
-    donor = _resync_dropping_round_7(peer, RoundResult(7, average, group_size=2, group_tokens=2.0,
-                                                       residual=residual))
+    donor = _resync_dropping_round_7(peer, RoundOutcome(average=average, averaged=True, group_size=2,
+                                                        group_tokens=2.0, residual=residual))
     assert all(torch.equal(e, r) for e, r in zip(peer.feedback, residual))
     for p, s, theta in zip(peer.params, peer.round_start, donor.anchor):  # the round restarts on the donor's anchor
         assert torch.equal(s, theta)
@@ -487,7 +487,7 @@ def test_a_peer_resumed_with_a_round_in_flight_that_the_others_applied_reloads_a
     settled = make_stage()  # a pending round already settled (it fell back before the kill) is not waited for
     settled.round_index, settled.applied_round = 3, 1
     settled.pending = PendingRound(2, [], 100.0)
-    settled.pending.settled = True
+    settled.pending.outcome = RoundOutcome(fallback_reason="it failed")
     sync = make_sync(settled, [Record(3, 2, "x")], state)
     sync.at_start(resumed=True)
     assert not sync.events
