@@ -22,6 +22,7 @@ from torch import nn
 from p2p_diloco.config import DiLoCoConfig, InnerConfig
 from p2p_diloco.swarm.averager import RoundOutcome
 from p2p_diloco.training.outer import OuterOptimizer
+from p2p_diloco.training.round import RULES
 from p2p_diloco.training.schedule import inner_lr
 
 logger = logging.getLogger(__name__)
@@ -101,9 +102,10 @@ class Stage:
         self.param_names = [name for name, _ in named]
         self.params = [p for _, p in named]
         self.anchor = [p.detach().to(device="cpu", dtype=torch.float32, copy=True) for p in self.params]
-        self.mode = diloco_cfg.mode
+        self.rule = RULES[diloco_cfg.mode]  # the round end of this mode (training/round.py)
+        self.mode = self.rule.name
         # phi0: in blocking mode every round starts from the anchor; with overlap, from the rebased params
-        self.round_start = self.anchor if self.mode == "none" else [t.clone() for t in self.anchor]
+        self.round_start = [t.clone() for t in self.anchor] if self.rule.overlaps else self.anchor
         self.pending: PendingRound | None = None
         # error feedback e (fp32, CPU), kept while pseudo-gradients are compressed
         compressed = getattr(getattr(averager, "cfg", None), "compression", "none") != "none"
@@ -112,8 +114,8 @@ class Stage:
         self.outer_optimizer = self._make_outer(self.anchor)
         # eager mode: this peer's own copy of the outer state (DESIGN.md, "eager"); the shared anchor stays the
         # agreed one (state sharing, fingerprints, evaluation) and this copy is where the peer trains from
-        self.eager_anchor = [t.clone() for t in self.anchor] if self.mode == "eager" else None
-        self.eager_optimizer = self._make_outer(self.eager_anchor) if self.mode == "eager" else None
+        self.eager_anchor = [t.clone() for t in self.anchor] if self.rule.keeps_eager_state else None
+        self.eager_optimizer = self._make_outer(self.eager_anchor) if self.rule.keeps_eager_state else None
         # delayed mode: the latest inner step of round r+1 at which round r's average is applied
         self.overlap_steps = min(diloco_cfg.merge_step, diloco_cfg.inner_steps)
         self._merged: RoundReport | None = None  # a merge done mid-round, reported with the round end
@@ -165,7 +167,7 @@ class Stage:
         serving goes on meanwhile. (Held through the wait, the lock kept a peer whose rounds all failed after
         their timeouts from serving newcomers almost all the time: seen in CI, a peer one round behind it could
         never download and catch up, so the two never met in a round again.)"""
-        waited = self._settle(self.pending) if self.pending is not None and self.mode != "none" else 0.0
+        waited = self._settle(self.pending) if self.pending is not None and self.rule.overlaps else 0.0
         with self.state_lock:
             report = self._end_round(tokens, expected_group_size, compute_s)
         report.waited_s += waited
@@ -183,54 +185,35 @@ class Stage:
             compute_s: how long the round's inner steps took (for the compression's bandwidth budget).
         """
         started = time.monotonic()
-        delta = [start - p.detach().to(device="cpu", dtype=torch.float32)
-                 for start, p in zip(self.round_start, self.params)]  # 2. this round's local progress
+        delta = self.pseudo_gradient()  # 2. this round's local progress
         report = RoundReport(self.round_index, tokens=int(tokens),
                              delta_norm=float(torch.sqrt(sum(d.pow(2).sum() for d in delta))))
-        if self.mode == "none":
-            contribution = self._with_feedback(delta)  # 3. the averager compresses it; the residual comes back
-            self._start(self.round_index, contribution, tokens, expected_group_size, compute_s)  # 4.
-            averaged = self._collect(report)  # 5. this round's average
-            self.outer_optimizer.step(averaged)  # 6. theta = outer_step(theta, avg); phi = theta
-            self._set_params(self.anchor)
-        elif self.mode == "eager":
-            previous = self.pending
-            applied = self._collect(report)  # 5. the previous round's average (bounded wait), and its residual
-            contribution = self._with_feedback(delta)  # 3.
-            if applied is not None:
-                self.outer_optimizer.step(applied)  # 6. theta = outer_step(theta, avg_prev)
-            share = self._eager_step(previous, applied, contribution)
-            self._start(self.round_index, contribution, tokens, expected_group_size, compute_s, share)  # 4.
-            self._set_params(self.eager_anchor)
-            self.round_start = [p.detach().to(device="cpu", dtype=torch.float32, copy=True) for p in self.params]
-        else:  # delayed: the previous round's average is applied overlap_steps into this round (see merge)
-            if self.pending is not None:  # overlap_steps = H (or the merge point passed unmet, e.g. a resume)
-                self._merge(report)
-                delta = [start - p.detach().to(device="cpu", dtype=torch.float32)
-                         for start, p in zip(self.round_start, self.params)]
-            elif self._merged is not None:  # merged earlier in this round: report it with this round end
-                merged = self._merged
-                report.applied_round, report.outcome, report.waited_s = \
-                    merged.applied_round, merged.outcome, merged.waited_s
-            self._merged = None
-            contribution = self._with_feedback(delta)  # 3.
-            self._start(self.round_index, contribution, tokens, expected_group_size, compute_s)  # 4. background
-            # this round's progress stays in the working params until its average replaces it
-            self.round_start = [p.detach().to(device="cpu", dtype=torch.float32, copy=True) for p in self.params]
+        round_index = self.round_index
+
+        def start(contribution: list[torch.Tensor], share: float = 1.0) -> None:  # 4.
+            self._start(round_index, contribution, tokens, expected_group_size, compute_s, share)
+
+        self.rule.end(self, delta, report, start)  # 3-6, in this mode's order
         self.round_index += 1
         report.round_end_s = time.monotonic() - started
         return report
+
+    def pseudo_gradient(self) -> list[torch.Tensor]:
+        """phi0 - phi: the progress since the round's starting point (fp32, CPU)."""
+        return [start - p.detach().to(device="cpu", dtype=torch.float32)
+                for start, p in zip(self.round_start, self.params)]
+
+    def restart_from_params(self) -> None:
+        """The next round starts from the working params as they are (overlap modes)."""
+        self.round_start = [p.detach().to(device="cpu", dtype=torch.float32, copy=True) for p in self.params]
 
     @property
     def merge_due(self) -> bool:
         """delayed mode: apply the previous round's average now, because it has arrived, or because this round
         has reached ``overlap_steps`` (the merge then waits for it). The anchor does not depend on when."""
-        if self.mode != "delayed" or self.pending is None:
-            return False
-        steps_in = self.inner_step - self.round_index * self.diloco_cfg.inner_steps
-        return steps_in >= self.overlap_steps or self._average_arrived()
+        return self.rule.merge_due(self)
 
-    def _average_arrived(self) -> bool:
+    def average_arrived(self) -> bool:
         pending = self.pending
         if pending.settled:
             return True
@@ -243,25 +226,32 @@ class Stage:
         waited = self._settle(self.pending) if self.pending is not None else 0.0
         with self.state_lock:
             report = RoundReport(self.round_index)
-            self._merge(report)
+            self.merge_now(report)
             report.waited_s += waited
             self._merged = report
         return waited
 
+    def report_merge(self, report: RoundReport) -> None:
+        """delayed mode, at a round end: report the merge done earlier in the round (if any) with it."""
+        merged, self._merged = self._merged, None
+        if merged is not None:
+            report.applied_round, report.outcome, report.waited_s = \
+                merged.applied_round, merged.outcome, merged.waited_s
+
     @torch.no_grad()
-    def _merge(self, report: RoundReport) -> None:
+    def merge_now(self, report: RoundReport) -> None:
         """Step 5-6 of a delayed round: theta = outer_step(theta, avg_prev); phi = theta - progress since the
         round started; the round now starts from theta."""
-        applied = self._collect(report)
+        self._merged = None
+        applied = self.collect(report)
         if applied is None:
             return
         self.outer_optimizer.step(applied)
-        progress = [start - p.detach().to(device="cpu", dtype=torch.float32)
-                    for start, p in zip(self.round_start, self.params)]
-        self._set_params([theta - d for theta, d in zip(self.anchor, progress)])
+        progress = self.pseudo_gradient()
+        self.set_params([theta - d for theta, d in zip(self.anchor, progress)])
         self.round_start = [t.clone() for t in self.anchor]
 
-    def _with_feedback(self, delta: list[torch.Tensor]) -> list[torch.Tensor]:
+    def with_feedback(self, delta: list[torch.Tensor]) -> list[torch.Tensor]:
         """delta + e: what the compressor left out of earlier rounds goes out with this one."""
         if self.feedback is None:
             return delta
@@ -277,16 +267,15 @@ class Stage:
         if self.pending is None:
             return None
         report = RoundReport(self.round_index - 1)
-        progress = [start - p.detach().to(device="cpu", dtype=torch.float32)
-                    for start, p in zip(self.round_start, self.params)]  # of a round stopped half-way
-        self.outer_optimizer.step(self._collect(report))
+        progress = self.pseudo_gradient()  # of a round stopped half-way
+        self.outer_optimizer.step(self.collect(report))
         if self.eager_anchor is not None:  # the shared anchor now holds every contribution, exactly once
             outer = self.outer_optimizer
             self.eager_optimizer.load_state_tensors(outer.momentum_buffers, outer.num_steps)
             for theta_e, theta in zip(self.eager_anchor, self.anchor):
                 theta_e.copy_(theta)
-        self._set_params([theta - d for theta, d in zip(self.anchor, progress)])
-        self.round_start = [p.detach().to(device="cpu", dtype=torch.float32, copy=True) for p in self.params]
+        self.set_params([theta - d for theta, d in zip(self.anchor, progress)])
+        self.restart_from_params()
         return report
 
     def settle(self) -> None:
@@ -315,7 +304,7 @@ class Stage:
             self.averager.set_expected_group_size(expected_group_size)
             # a failed all-reduce (a groupmate gone) is retried by the rest of the group within the round's budget:
             # with overlap, the next round's compute (DESIGN.md); blocking, the matchmaking bound
-            budget = compute_s if self.mode != "none" else 0.0
+            budget = compute_s if self.rule.overlaps else 0.0
             self.averager.start_round(contribution, round_index, weight=float(tokens), compute_s=compute_s,
                                       budget_s=budget)
             pending.in_flight = True
@@ -337,7 +326,7 @@ class Stage:
                            f"({outcome.fallback_reason}); applying this peer's own pseudo-gradient")
         return waited
 
-    def _collect(self, report: RoundReport) -> list[torch.Tensor] | None:
+    def collect(self, report: RoundReport) -> list[torch.Tensor] | None:
         """Step 5: the pending round's average, or its own contribution if that round failed; None if nothing
         is pending."""
         pending = self.pending
@@ -355,7 +344,7 @@ class Stage:
             self.feedback = outcome.residual
         return outcome.average
 
-    def _eager_step(self, previous: PendingRound | None, applied: list[torch.Tensor] | None,
+    def eager_step(self, previous: PendingRound | None, applied: list[torch.Tensor] | None,
                     fresh: list[torch.Tensor]) -> float:
         """Step this peer's eager outer state (arXiv 2502.12996) and return the share of ``fresh`` it took.
 
@@ -380,7 +369,7 @@ class Stage:
         cfg = self.diloco_cfg
         return OuterOptimizer(anchor, lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=cfg.nesterov)
 
-    def _set_params(self, values: list[torch.Tensor]) -> None:
+    def set_params(self, values: list[torch.Tensor]) -> None:
         for p, value in zip(self.params, values):
             p.copy_(value)
 

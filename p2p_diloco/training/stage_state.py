@@ -28,7 +28,7 @@ def state_tensors(stage: Stage) -> dict[str, torch.Tensor]:
         tensors[f"param/{name}"] = p.detach()
         tensors[f"anchor/{name}"] = stage.anchor[i]
         tensors[f"outer_momentum/{name}"] = stage.outer_optimizer.momentum_buffers[i]
-        if stage.mode != "none":
+        if stage.rule.overlaps:
             tensors[f"round_start/{name}"] = stage.round_start[i]
         if stage.feedback is not None:
             tensors[f"feedback/{name}"] = stage.feedback[i]
@@ -79,7 +79,7 @@ def load_state(stage: Stage, tensors: dict[str, torch.Tensor], meta: dict) -> No
         for prefix, target in (("param", p), ("anchor", stage.anchor[i]),
                                ("outer_momentum", stage.outer_optimizer.momentum_buffers[i])):
             _copy_checked(tensors, f"{prefix}/{name}", target)
-        if stage.mode != "none":
+        if stage.rule.overlaps:
             _copy_checked(tensors, f"round_start/{name}", stage.round_start[i])
         if pending is not None:
             pending.append(torch.zeros_like(stage.anchor[i]))

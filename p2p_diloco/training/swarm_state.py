@@ -120,18 +120,18 @@ def adopt_state(stage: Stage, meta: dict, tensors: list[torch.Tensor], how: str,
             stage.round_index = int(meta["round"])
             stage.inner_step = min(step, (stage.round_index + 1) * H - 1)  # at least one step of its own
             stage.round_first_step = stage.inner_step
-            stage._set_params(stage.anchor)
+            stage.set_params(stage.anchor)
             if stage.feedback is not None:
                 stage.feedback = [torch.zeros_like(e) for e in stage.feedback]
             _set_eager(stage, shift=None)
-            if stage.mode != "none":
+            if stage.rule.overlaps:
                 stage.round_start = [t.clone() for t in stage.anchor]
             return
         progress = [s - p.detach().to("cpu", torch.float32) for s, p in zip(stage.round_start, stage.params)]
         pending = stage.pending
-        if stage.mode == "none" or pending is None or pending.round_index > stage.applied_round:
-            stage._set_params([p.detach().to("cpu", torch.float32) + d for p, d in zip(stage.params, shift)])
-            if stage.mode != "none":
+        if not stage.rule.overlaps or pending is None or pending.round_index > stage.applied_round:
+            stage.set_params([p.detach().to("cpu", torch.float32) + d for p, d in zip(stage.params, shift)])
+            if stage.rule.overlaps:
                 stage.round_start = [s + d for s, d in zip(stage.round_start, shift)]
             _set_eager(stage, shift=(shift, [m - old for m, old in zip(momentum, old_momentum)]))
             return
@@ -151,7 +151,7 @@ def adopt_state(stage: Stage, meta: dict, tensors: list[torch.Tensor], how: str,
         start = stage.eager_anchor if stage.eager_anchor is not None else stage.anchor
         stage.round_start = [t.clone() for t in start]
         # the next pseudo-gradient (round start - params) includes what is carried
-        stage._set_params([t - c - d for t, c, d in zip(start, carried, progress)])
+        stage.set_params([t - c - d for t, c, d in zip(start, carried, progress)])
 
 
 def _set_eager(stage: Stage, shift) -> None:

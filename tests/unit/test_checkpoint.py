@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 
@@ -128,3 +129,40 @@ def test_stage_refuses_checkpoint_of_other_shape(tmp_path):
                   inner_cfg=cfg.inner, diloco_cfg=cfg.diloco, total_steps=10)
     with pytest.raises(ValueError, match="has shape"):
         load_state(other, state_tensors(small), state_meta(small))
+
+
+def test_the_round_in_flight_and_the_merge_report_survive_a_checkpoint_of_either_format():
+    """A settled round in flight (its average and residual) and a delayed-mode merge report go through the
+    checkpoint's JSON and come back whole; a format-1 checkpoint (the outcome's fields beside the round's) loads."""
+    from p2p_diloco.swarm.averager import RoundOutcome
+    from p2p_diloco.training.stage import PendingRound, RoundReport
+
+    cfg = load_config(None, [("diloco.mode", "delayed")])
+
+    def stage() -> Stage:
+        return Stage(Transformer(ModelArgs(**TINY_ARGS)), stage_index=0, num_stages=1, inner_cfg=cfg.inner,
+                     diloco_cfg=cfg.diloco, total_steps=10)
+
+    saved = stage()
+    average = [torch.full_like(t, 0.5) for t in saved.anchor]
+    residual = [torch.full_like(t, 0.1) for t in saved.anchor]
+    outcome = RoundOutcome(average=average, residual=residual, averaged=True, group_size=3, group_tokens=30.0,
+                           group_peers=("a", "b", "c"), compression={"rank": 0})
+    saved.pending = PendingRound(2, [torch.ones_like(t) for t in saved.anchor], 10.0, outcome=outcome)
+    saved._merged = RoundReport(3, applied_round=1, waited_s=0.5, outcome=dataclasses.replace(
+        outcome, average=None, residual=None))
+    meta = json.loads(json.dumps(state_meta(saved)))
+    loaded = stage()
+    load_state(loaded, state_tensors(saved), meta)
+    got = loaded.pending.outcome
+    assert (got.averaged, got.group_size, got.group_tokens, got.group_peers) == (True, 3, 30.0, ("a", "b", "c"))
+    assert all(torch.equal(a, b) for a, b in zip(got.average, average))
+    assert all(torch.equal(a, b) for a, b in zip(got.residual, residual))
+    assert loaded._merged == saved._merged
+
+    old = dict(meta, pending={"round": 2, "weight": 10.0, "settled": True, "averaged": False, "group_size": 1,
+                              "group_tokens": 0.0, "reason": "no group", "share": 1.0})
+    loaded = stage()
+    load_state(loaded, {k: v for k, v in state_tensors(saved).items() if not k.startswith("pending_")}, old)
+    assert loaded.pending.outcome == RoundOutcome(fallback_reason="no group")
+    assert loaded.pending.settled and loaded.pending.round_index == 2
