@@ -166,7 +166,8 @@ def run_stage(cfg: Config, *, pipeline=None, reporter: Optional[Reporter] = None
         eval_data = eval_batches(data.eval, data.seq_len, cfg.data.batch_size, cfg.data.eval_batches) \
             if data.eval is not None else []
         executor = _make_executor(cfg, pipeline, model, device)
-        swarm = SwarmLink(dht, cfg.run.run_id, peer_name, fingerprint=fingerprint,
+        swarm = SwarmLink(dht, cfg.run.run_id, peer_name, stage_index=stage_index, num_stages=len(split),
+                          inner_steps=cfg.diloco.inner_steps, fingerprint=fingerprint,
                           joined_swarm=bool(cfg.dht.initial_peers))
         sync = SwarmSync(stage, swarm, executor, cfg.run.run_id, download_timeout_s=cfg.train.state_timeout_s)
         trainer = Trainer(cfg, stage, executor, sampler, eval_data, swarm=swarm, output_dir=output_dir,

@@ -6,13 +6,21 @@ from p2p_diloco.swarm.dht import start_dht, visible_maddrs
 from p2p_diloco.swarm.errors import SwarmError
 from p2p_diloco.swarm.identity import ensure_identity
 from p2p_diloco.swarm.maddrs import check_maddrs
-from p2p_diloco.swarm.progress import ProgressRecord, SwarmLink, fetch_progress, live_group_size, publish_progress
+from p2p_diloco.swarm.progress import (
+    Position,
+    ProgressRecord,
+    SwarmLink,
+    fetch_progress,
+    live_group_size,
+    publish_progress,
+)
 
 __all__ = [
     "ProgressRecord",
     "PseudoGradientAverager",
     "RoundOutcome",
     "SwarmError",
+    "Position",
     "SwarmLink",
     "check_maddrs",
     "ensure_identity",

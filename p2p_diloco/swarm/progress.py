@@ -122,22 +122,35 @@ def record_as_dict(record: ProgressRecord) -> dict:
     return asdict(record)
 
 
+@dataclass(frozen=True)
+class Position:
+    """Where a stage process stands in the run: what its progress record tells the swarm."""
+
+    round: int
+    inner_step: int
+    applied_round: int
+
+
 class SwarmLink:
-    """A stage process's view of the swarm: publishes its progress, counts its live groupmates.
+    """A stage process's view of the swarm: publishes its progress, reads the other peers' of the same stage.
 
     Args:
         dht: this stage process's running DHT.
         run_id: the swarm's run id.
         peer_name: the peer this stage belongs to (peer id of its stage 0).
+        stage_index, num_stages: the stage this process trains, of how many.
+        inner_steps: H, the steps of a round (an announced round starts at its first step).
         fingerprint: this peer's config fingerprint, republished with every forced progress record.
         publish_every_s: refresh the record at most this often (rounds always refresh it).
         ttl_s: a record expires this long after it was written unless refreshed.
         joined_swarm: this node was started with initial peers (it did not start a new swarm).
     """
 
-    def __init__(self, dht, run_id: str, peer_name: str, fingerprint: Optional[dict] = None,
-                 publish_every_s: float = 10.0, ttl_s: float = 120.0, joined_swarm: bool = True):
+    def __init__(self, dht, run_id: str, peer_name: str, *, stage_index: int = 0, num_stages: int = 1,
+                 inner_steps: int = 1, fingerprint: Optional[dict] = None, publish_every_s: float = 10.0,
+                 ttl_s: float = 120.0, joined_swarm: bool = True):
         self.dht, self.run_id, self.peer_name, self.fingerprint = dht, run_id, peer_name, fingerprint
+        self.stage_index, self.num_stages, self.inner_steps = stage_index, num_stages, inner_steps
         self.joined_swarm = joined_swarm
         self.anchor_fingerprint = ""  # set by the trainer whenever the anchor takes an average
         self.prior_anchor_fingerprint = ""  # the one before (see ProgressRecord.prior_anchor)
@@ -150,26 +163,18 @@ class SwarmLink:
         self._watch_at = float("-inf")
         self._rounds_seen: set[int] = set()  # the rounds other peers of this stage train in, as last read
 
-    def publish(self, stage, loss: float, tokens_per_s: float, force: bool = False,
-                joining_round: Optional[int] = None) -> None:
-        """Refresh this stage's record (at most every ``publish_every_s`` unless ``force``). ``joining_round``:
-        a round this stage is about to be in, published ahead: the swarm's round it is about to reload into
-        (before the download, so that the peers ending that round count it in their group size and wait for it,
-        bounded by their matchmaking time), or the next round when it ends its round (before the averaging, so
-        that slower peers end theirs too: see :meth:`others_ended_round`)."""
-
+    def publish(self, position: Position, loss: float, tokens_per_s: float, force: bool = False) -> None:
+        """Refresh this stage's record (at most every ``publish_every_s`` unless ``force``)."""
         from hivemind.utils import get_dht_time
 
         now = time.monotonic()
         if not force and now - self._last_publish < self.publish_every_s:
             return
         self._last_publish = now
-        record = ProgressRecord(peer=self.peer_name, stage=stage.stage_index, num_stages=stage.num_stages,
-                                round=stage.round_index if joining_round is None else joining_round,
-                                inner_step=stage.inner_step if joining_round is None else
-                                joining_round * stage.diloco_cfg.inner_steps,
+        record = ProgressRecord(peer=self.peer_name, stage=self.stage_index, num_stages=self.num_stages,
+                                round=position.round, inner_step=position.inner_step,
                                 tokens_per_s=float(tokens_per_s), loss=float(loss), time=get_dht_time(),
-                                applied_round=stage.applied_round, anchor=self.anchor_fingerprint,
+                                applied_round=position.applied_round, anchor=self.anchor_fingerprint,
                                 prior_anchor=self.prior_anchor_fingerprint)
         try:
             publish_progress(self.dht, self.run_id, record, self.ttl_s)
@@ -180,31 +185,40 @@ class SwarmLink:
         except Exception as e:  # the DHT process may be shutting down; progress is best effort
             logger.debug(f"Could not publish progress: {e!r}")
 
-    def expected_group_size(self, stage) -> int | None:
+    def announce(self, position: Position, round_index: int, loss: float = float("nan"),
+                 tokens_per_s: float = 0.0) -> None:
+        """Publish that this stage is about to be in ``round_index``, ahead of its own position: the next round when
+        it ends one (before the averaging, so that slower peers end theirs too: see :meth:`others_ended_round`),
+        or the swarm's round it is about to reload into (before the download, so that the peers ending that round
+        count it in their group size and wait for it, bounded by their matchmaking time)."""
+        ahead = Position(round_index, round_index * self.inner_steps, position.applied_round)
+        self.publish(ahead, loss, tokens_per_s, force=True)
+
+    def expected_group_size(self, round_index: int) -> int | None:
         """Live peers of this stage (this one included); None when unknown: nobody is visible yet, but this is
         the first round of a peer that joined a swarm, whose peers started at the same time may not have
         published their records yet (then a lone peer pays one matchmaking timeout, once)."""
         records = fetch_progress(self.dht, self.run_id)
-        size = live_group_size(records, stage.stage_index, stage.num_stages, self.node,
-                               max_round_lag=1, my_round=stage.round_index)
-        if size <= 1 and stage.round_index == 0 and self.joined_swarm:
+        size = live_group_size(records, self.stage_index, self.num_stages, self.node,
+                               max_round_lag=1, my_round=round_index)
+        if size <= 1 and round_index == 0 and self.joined_swarm:
             return None
         return size
 
-    def wait_for_peers(self, stage, count: int, timeout_s: float, poll_s: float = 1.0) -> int:
-        """Wait until ``count`` peers (this one included) train this stage, at most ``timeout_s``; returns how
-        many were seen."""
+    def wait_for_peers(self, position: Position, count: int, timeout_s: float, poll_s: float = 1.0) -> int:
+        """Wait until ``count`` peers (this one included) train this stage, at most ``timeout_s``, publishing
+        ``position`` meanwhile; returns how many were seen."""
 
         deadline = time.monotonic() + timeout_s
         while True:
-            seen = live_group_size(fetch_progress(self.dht, self.run_id), stage.stage_index, stage.num_stages,
+            seen = live_group_size(fetch_progress(self.dht, self.run_id), self.stage_index, self.num_stages,
                                    self.node)
             if seen >= count or time.monotonic() >= deadline:
                 return seen
-            self.publish(stage, float("nan"), 0.0, force=True)
+            self.publish(position, float("nan"), 0.0, force=True)
             time.sleep(poll_s)
 
-    def wait_for_groupmates(self, stage, nodes: list[str], applied_round: int, timeout_s: float,
+    def wait_for_groupmates(self, nodes: list[str], applied_round: int, timeout_s: float,
                             poll_s: float = 0.25) -> set[str]:
         """Wait until every one of ``nodes`` (other than this one) has a record of this stage with
         ``applied_round`` or later, or none at all (it left), at most ``timeout_s``; returns those still
@@ -212,7 +226,7 @@ class SwarmLink:
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                records = {r.node: r for r in self.others(stage)}
+                records = {r.node: r for r in self.others()}
             except Exception as e:  # a DHT hiccup: ask again
                 logger.debug(f"Could not read progress records: {e!r}")
                 records = {node: None for node in nodes}
@@ -222,25 +236,25 @@ class SwarmLink:
                 return waiting
             time.sleep(poll_s)
 
-    def moved_past(self, stage, round_index: int) -> bool:
+    def moved_past(self, round_index: int) -> bool:
         """Whether no group can form for ``round_index`` any more: no other live peer of the stage can still
         average it (one on that round, or on the next with that round not yet applied, averaging it in the
         background). Peers further behind will reload rather than join it. False when no other peer is
         visible (a DHT hiccup looks the same)."""
         try:
-            others = self.others(stage)
+            others = self.others()
         except Exception:  # a DHT hiccup: keep waiting
             return False
         return moved_past(others, round_index)
 
-    def others_ended_round(self, stage) -> bool:
-        """Whether another live peer of this stage has ended the round this stage trains in: its record names the
-        next round (a peer publishes the next round as it ends one, before averaging). Answers at once from the
-        last read of the records; a new read is started in the DHT process at most every ``watch_every_s``, so
-        asking at every inner step costs nothing. A record of a peer that died just after ending the round ends
-        it here too, as the live peer would have; one of a peer further ahead does not (this peer is behind: the
-        sync reloads it after the round; ending every round at once instead made a swarm next to one peer that had
-        finished the run rush through its rounds a step each)."""
+    def others_ended_round(self, round_index: int) -> bool:
+        """Whether another live peer of this stage has ended ``round_index``: its record names the next round (a
+        peer announces the next round as it ends one, before averaging). Answers at once from the last read of
+        the records; a new read is started in the DHT process at most every ``watch_every_s``, so asking at every
+        inner step costs nothing. A record of a peer that died just after ending the round ends it here too, as
+        the live peer would have; one of a peer further ahead does not (this peer is behind: the sync reloads it
+        after the round; ending every round at once instead made a swarm next to one peer that had finished the
+        run rush through its rounds a step each)."""
         watch = self._watch
         if watch is not None and watch.done():
             self._watch = None
@@ -249,19 +263,19 @@ class SwarmLink:
             except Exception as e:  # a DHT hiccup: keep the last answer
                 logger.debug(f"Could not read progress records: {e!r}")
             else:
-                self._rounds_seen = {r.round for r in self._of_stage(records, stage)}
+                self._rounds_seen = {r.round for r in self._of_stage(records)}
         if self._watch is None and time.monotonic() - self._watch_at >= self.watch_every_s:
             self._watch_at = time.monotonic()
             try:
                 self._watch = request_progress(self.dht, self.run_id)
             except Exception as e:  # the DHT process may be shutting down
                 logger.debug(f"Could not read progress records: {e!r}")
-        return stage.round_index + 1 in self._rounds_seen
+        return round_index + 1 in self._rounds_seen
 
-    def others(self, stage) -> list[ProgressRecord]:
+    def others(self) -> list[ProgressRecord]:
         """Live records of the same stage of other peers."""
-        return self._of_stage(fetch_progress(self.dht, self.run_id), stage)
+        return self._of_stage(fetch_progress(self.dht, self.run_id))
 
-    def _of_stage(self, records: list[ProgressRecord], stage) -> list[ProgressRecord]:
+    def _of_stage(self, records: list[ProgressRecord]) -> list[ProgressRecord]:
         return [r for r in records
-                if r.stage == stage.stage_index and r.num_stages == stage.num_stages and r.node != self.node]
+                if r.stage == self.stage_index and r.num_stages == self.num_stages and r.node != self.node]

@@ -21,6 +21,7 @@ from torch import nn
 
 from p2p_diloco.config import DiLoCoConfig, InnerConfig
 from p2p_diloco.swarm.averager import RoundOutcome
+from p2p_diloco.swarm.progress import Position
 from p2p_diloco.training.outer import OuterOptimizer
 from p2p_diloco.training.round import RULES
 from p2p_diloco.training.schedule import inner_lr
@@ -374,6 +375,10 @@ class Stage:
             p.copy_(value)
 
     # ---- helpers ------------------------------------------------------------------------------------
+    def position(self) -> Position:
+        """Where this stage stands, for its progress record."""
+        return Position(self.round_index, self.inner_step, self.applied_round)
+
     @contextmanager
     def anchor_weights(self) -> Iterator[None]:
         """Temporarily load the anchor into the working parameters (to evaluate the agreed model)."""

@@ -75,7 +75,7 @@ class SwarmSync:
             self.stage.averager.state_sharing_priority = float(self.stage.applied_round + 1) + bonus
 
     def at_start(self, resumed: bool) -> None:
-        others = self.swarm.others(self.stage)
+        others = self.swarm.others()
         swarm_round = max((r.round for r in others), default=0)
         mine = self.stage.round_index
         # a peer one round ahead whose average of this stage's round is still in flight (delayed mode: it is
@@ -96,7 +96,7 @@ class SwarmSync:
             self._reload(reason if behind else "another stage of this peer is reloading", swarm_round)
 
     def after_round(self) -> None:
-        others = self.swarm.others(self.stage)
+        others = self.swarm.others()
         swarm_round = max((r.round for r in others), default=0)
         mine = self.stage.round_index
         if self.stage.diloco_cfg.round_end == "swarm":
@@ -169,7 +169,7 @@ class SwarmSync:
 
     def _reload(self, reason: str, swarm_round: int) -> None:
         if swarm_round > self.stage.round_index:  # the others count this stage in while it downloads
-            self.swarm.publish(self.stage, float("nan"), 0.0, force=True, joining_round=swarm_round)
+            self.swarm.announce(self.stage.position(), swarm_round)
         state = self._download()
         points = self.executor.common_value(None if state is None else (state[0]["round"], state[0]["inner_step"]))
         if state is None or None in points or len({r for r, _ in points}) != 1:

@@ -68,7 +68,7 @@ class Trainer:
                                     mode=stage.mode)
         self.sync = sync
         if swarm is not None:  # a round nobody can join any more fails at once, not after its timeout
-            stage.round_is_hopeless = lambda round_index: swarm.moved_past(stage, round_index)
+            stage.round_is_hopeless = swarm.moved_past
 
     def request_stop(self) -> None:
         """Finish the current inner step, apply the round in flight, checkpoint and return (signal handlers)."""
@@ -85,7 +85,7 @@ class Trainer:
             self.sync.at_start(resumed)
             self._log_sync_events()
         if self.stage.pending is not None:  # resumed with a round in flight, and not replaced by a reload
-            self.stage.restart_pending(self.swarm.expected_group_size(self.stage) if self.swarm else 1)
+            self.stage.restart_pending(self.swarm.expected_group_size(self.stage.round_index) if self.swarm else 1)
         self.reporter.on_start(num_rounds * H, self.stage.inner_step)
         if self.summary.eval_loss_start is None:
             self.summary.eval_loss_start = self._evaluate()
@@ -114,7 +114,7 @@ class Trainer:
             return
         logger.info(f"Waiting for {wanted} peers of run {self.cfg.run.run_id} before the first round "
                     f"(at most {self.cfg.train.wait_for_peers_timeout_s:.0f} s)")
-        seen = self.swarm.wait_for_peers(self.stage, wanted, self.cfg.train.wait_for_peers_timeout_s)
+        seen = self.swarm.wait_for_peers(self.stage.position(), wanted, self.cfg.train.wait_for_peers_timeout_s)
         if seen < wanted:
             logger.warning(f"Starting with {seen} of the {wanted} peers waited for")
 
@@ -133,7 +133,7 @@ class Trainer:
         slowdown = self.cfg.train.slowdown
         while self.stage.inner_step < (self.stage.round_index + 1) * H:
             ended = self.follow_swarm and self.stage.inner_step > first and not self._nearly_done(H) and \
-                self.swarm.others_ended_round(self.stage)
+                self.swarm.others_ended_round(self.stage.round_index)
             stop, ended = self.executor.any_stages(self.stop_requested, ended)  # every stage of the peer agrees
             if stop:
                 self.stop_requested = True  # every stage of the peer stops after the same inner step
@@ -188,9 +188,9 @@ class Trainer:
         self.stage.round_first_step = None
         tokens = self._round_steps * self.tokens_per_step
         if self.follow_swarm:  # the others end this round now too (they wait for this peer's contribution)
-            self.swarm.publish(self.stage, self.summary.last_loss or float("nan"), self.tokens_per_s, force=True,
-                               joining_round=self.stage.round_index + 1)
-        expected = self.swarm.expected_group_size(self.stage) if self.swarm else 1
+            self.swarm.announce(self.stage.position(), self.stage.round_index + 1,
+                                self.summary.last_loss or float("nan"), self.tokens_per_s)
+        expected = self.swarm.expected_group_size(self.stage.round_index) if self.swarm else 1
         round_started = time.monotonic()
         report = self.stage.end_round(tokens, expected, compute_s=self._round_compute_s)
         self.summary.train_s += time.monotonic() - round_started
@@ -232,7 +232,7 @@ class Trainer:
         if self.swarm is None or not self._last_group:
             return
         self._publish(self.summary.last_loss or float("nan"), self.tokens_per_s, force=True)
-        waiting = self.swarm.wait_for_groupmates(self.stage, self._last_group, self.stage.applied_round,
+        waiting = self.swarm.wait_for_groupmates(self._last_group, self.stage.applied_round,
                                                  timeout_s=self.cfg.averaging.next_chunk_timeout_s)
         if waiting:
             logger.info(f"Stage {self.stage.stage_index}: leaving before {len(waiting)} groupmate(s) of the last "
@@ -293,7 +293,7 @@ class Trainer:
 
     def _publish(self, loss: float, tokens_per_s: float, force: bool = False) -> None:
         if self.swarm is not None:
-            self.swarm.publish(self.stage, loss, tokens_per_s, force=force)
+            self.swarm.publish(self.stage.position(), loss, tokens_per_s, force=force)
 
     def _save_checkpoint(self) -> None:
         save_stage(self.checkpoint_dir, self.stage, self.sampler, self.summary, self.cfg.run.run_id,

@@ -230,20 +230,17 @@ def test_a_peer_leaving_at_the_end_waits_for_its_last_groupmates(swarm):
     """``SwarmLink.wait_for_groupmates`` (a peer at the end of the run): it waits while a groupmate's record says it
     has not applied the last round, returns as soon as it has, and does not wait for a node without a record (gone)
     nor past its bound."""
-    from types import SimpleNamespace
-
     from p2p_diloco.swarm import SwarmLink
 
     a, b, _ = swarm
     link = SwarmLink(a, RUN, "QmPeerA")
-    stage = SimpleNamespace(stage_index=0, num_stages=1)
     b_id = b.peer_id.to_base58()
     publish_progress(b, RUN, record(4, peer="QmPeerB", applied_round=2), ttl_s=60)
     assert wait_for(lambda: b_id in by_node(fetch_progress(a, RUN)))
     started = time.monotonic()
-    assert link.wait_for_groupmates(stage, [b_id, link.node, "QmGone"], 3, timeout_s=1.5) == {b_id}
+    assert link.wait_for_groupmates([b_id, link.node, "QmGone"], 3, timeout_s=1.5) == {b_id}
     assert time.monotonic() - started >= 1.5
     publish_progress(b, RUN, record(4, peer="QmPeerB", applied_round=3), ttl_s=60)
     started = time.monotonic()
-    assert link.wait_for_groupmates(stage, [b_id, "QmGone"], 3, timeout_s=30) == set()
+    assert link.wait_for_groupmates([b_id, "QmGone"], 3, timeout_s=30) == set()
     assert time.monotonic() - started < 20

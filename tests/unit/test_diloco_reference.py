@@ -21,6 +21,7 @@ from p2p_diloco.config import load_config
 from p2p_diloco.data import ShardDataset, WindowSampler
 from p2p_diloco.model import ModelArgs, Transformer, loss_fn
 from p2p_diloco.swarm.averager import RoundOutcome
+from p2p_diloco.swarm.progress import Position
 from p2p_diloco.training import LocalExecutor, Stage, Trainer, inner_lr, read_metrics
 from p2p_diloco.training.summary import anchor_fingerprint
 from tests.helpers import TINY_ARGS, make_shards
@@ -181,17 +182,22 @@ class _FixedSwarm:
         self.published: list[tuple[int, str, str]] = []  # (applied round, fingerprint published, actual one)
         self.rounds, self.index = rounds, index
 
-    def expected_group_size(self, stage) -> int:
+    def expected_group_size(self, round_index: int) -> int:
         return K
 
-    def publish(self, stage, *args, joining_round: int | None = None, **kwargs) -> None:
-        self.published.append((stage.applied_round, self.anchor_fingerprint, anchor_fingerprint(stage.anchor)))
+    def publish(self, position: Position, *args, **kwargs) -> None:
+        self.published.append((position.applied_round, self.anchor_fingerprint, anchor_fingerprint(self.stage.anchor)))
         if self.rounds is not None:
-            self.rounds[self.index] = stage.round_index if joining_round is None else joining_round
+            self.rounds[self.index] = position.round
 
-    def others_ended_round(self, stage) -> bool:
-        return self.rounds is not None and any(r > stage.round_index for i, r in self.rounds.items()
-                                               if i != self.index)
+    def announce(self, position: Position, round_index: int, *args) -> None:
+        self.publish(Position(round_index, 0, position.applied_round))
+
+    def others_ended_round(self, round_index: int) -> bool:
+        return self.rounds is not None and any(r > round_index for i, r in self.rounds.items() if i != self.index)
+
+    def moved_past(self, round_index: int) -> bool:
+        return False
 
 
 def run_trainers(cfg, dataset: ShardDataset, seeds: list[int], tmp_path: Path,
@@ -209,6 +215,7 @@ def run_trainers(cfg, dataset: ShardDataset, seeds: list[int], tmp_path: Path,
             stage = Stage(model, stage_index=0, num_stages=1, inner_cfg=cfg.inner, diloco_cfg=cfg.diloco,
                           total_steps=ROUNDS * H, averager=shared.view(k))
             stages.append(stage)
+            swarms[k].stage = stage
             trainer = Trainer(cfg, stage, LocalExecutor(model, torch.device("cpu")),
                               WindowSampler(dataset, SEQ, BATCH, seeds[k]), [], swarm=swarms[k],
                               output_dir=tmp_path / f"w{k}", peer_name=f"w{k}")

@@ -108,10 +108,10 @@ class FakeSwarm:
     def __init__(self, records, node="me"):
         self.records, self.node, self.published = records, node, []
 
-    def publish(self, stage, loss, tokens_per_s, force=False, joining_round=None):
-        self.published.append(joining_round)
+    def announce(self, position, round_index, *args):
+        self.published.append(round_index)
 
-    def others(self, stage):
+    def others(self):
         return self.records
 
 
