@@ -15,7 +15,8 @@ sender by the group's capped record of its tokens rather than the weight written
 by a reducer is refused when it is non-finite or far larger than this peer's own part. Every such finding lands
 in ``runner.flags`` as (peer id, reason).
 
-Built on hivemind 1.1.12 internals (``AllReduceRunner``, ``TensorPartContainer``); the version is pinned.
+Built on hivemind internals (``AllReduceRunner``, ``TensorPartContainer``), through
+:mod:`p2p_diloco.swarm.hivemind_api`.
 Called only by :class:`p2p_diloco.swarm.averager.PseudoGradientAverager`.
 """
 
@@ -27,16 +28,23 @@ from collections.abc import AsyncIterator
 from typing import Optional
 
 import torch
-from hivemind.averaging.allreduce import AllReduceRunner
-from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
-from hivemind.p2p import P2PContext, PeerID
-from hivemind.proto import averaging_pb2
-from hivemind.utils import get_logger
-from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_event_on_finished
 
 from p2p_diloco.compression.codecs import decode_tensor
 from p2p_diloco.faults import HONEST, Honest
 from p2p_diloco.swarm.guard import BAD_AVERAGE, MALFORMED
+from p2p_diloco.swarm.hivemind_api import (
+    AllreduceException,
+    AllReduceRunner,
+    BannedException,
+    P2PContext,
+    PeerID,
+    TensorPartReducer,
+    aiter_with_timeout,
+    amap_in_executor,
+    attach_event_on_finished,
+    averaging_pb2,
+    get_logger,
+)
 from p2p_diloco.swarm.robust import RobustRule, combine
 
 logger = get_logger(__name__)

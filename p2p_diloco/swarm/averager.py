@@ -34,13 +34,6 @@ from dataclasses import dataclass, field, fields
 from typing import Optional
 
 import torch
-from hivemind.averaging import DecentralizedAverager
-from hivemind.averaging.allreduce import AllreduceException
-from hivemind.averaging.control import AveragingStage
-from hivemind.averaging.load_balancing import load_balance_peers
-from hivemind.averaging.matchmaking import MatchmakingException
-from hivemind.compression import CompressionInfo, PerTensorCompression
-from hivemind.utils.asyncio import enter_asynchronously
 
 from p2p_diloco.compression.codecs import CODECS
 from p2p_diloco.compression.policy import CompressionPolicy
@@ -49,6 +42,17 @@ from p2p_diloco.faults import HONEST, Honest, fault_point
 from p2p_diloco.process import die_with_parent, leave_signals_to_parent, lower_priority
 from p2p_diloco.swarm.allreduce import BYTES_RECEIVED, BYTES_SENT, ExactAllReduceRunner
 from p2p_diloco.swarm.guard import GroupView, GuardedAverager, PeerGuard, read_group
+from p2p_diloco.swarm.hivemind_api import (
+    AllreduceException,
+    AveragingStage,
+    CompressionInfo,
+    DecentralizedAverager,
+    MatchmakingException,
+    MPFuture,
+    PerTensorCompression,
+    enter_asynchronously,
+    load_balance_peers,
+)
 from p2p_diloco.swarm.reduce import RoundReducer
 from p2p_diloco.swarm.robust import RobustRule
 
@@ -267,8 +271,6 @@ class PseudoGradientAverager(GuardedAverager, DecentralizedAverager):
     # ---- called from the training process -----------------------------------------------------------
     def set_expected_group_size(self, size: Optional[int]) -> None:
         """Assemble the group as soon as ``size`` peers joined (the live peers of this stage), else wait."""
-        from hivemind.utils import MPFuture
-
         size = self.cfg.target_group_size if size is None or size < 2 else size
         future = MPFuture()
         self._outer_pipe.send(("_set_target_group_size", [], dict(size=size, future=future)))
@@ -383,8 +385,6 @@ class PseudoGradientAverager(GuardedAverager, DecentralizedAverager):
 
     def _flags_of(self, round_index: int) -> tuple[dict, list]:
         """The groupmates flagged in a round and the peers banned so far, from the background process."""
-        from hivemind.utils import MPFuture
-
         future = MPFuture()
         try:
             self._outer_pipe.send(("_report_flags", [], dict(round_index=round_index, future=future)))

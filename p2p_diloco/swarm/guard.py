@@ -12,8 +12,8 @@
 - :class:`GuardedAverager`, mixed into the averager, refuses join requests from banned peers and outsiders, does
   not follow them as leaders, and neither serves state to outsiders nor downloads it from them.
 
-Built on hivemind 1.1.12 internals (``Matchmaking._request_join_group``, ``_load_state_from_peers``); the
-version is pinned. Called by :class:`p2p_diloco.swarm.averager.PseudoGradientAverager`.
+Built on hivemind internals (``Matchmaking._request_join_group``, ``_load_state_from_peers``), through
+:mod:`p2p_diloco.swarm.hivemind_api`. Called by :class:`p2p_diloco.swarm.averager.PseudoGradientAverager`.
 """
 
 from __future__ import annotations
@@ -25,10 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional
 
-from hivemind.averaging.allreduce import AllreduceException, AveragingMode
-from hivemind.p2p import P2PContext
-from hivemind.proto import averaging_pb2
-
+from p2p_diloco.swarm.hivemind_api import AllreduceException, AveragingMode, P2PContext, averaging_pb2
 from p2p_diloco.swarm.robust import MALFORMED, NONFINITE, TOO_LARGE, cap_weights, lower_median
 
 logger = logging.getLogger(__name__)
