@@ -8,8 +8,8 @@ its manifest is not), ``allreduce-group-formed`` (in the averager: a round's gro
 is about to start; the groupmates are waiting for this peer's parts).
 
 A hostile peer's averager lies to its groupmates (a test hook for the robust aggregation of
-:mod:`p2p_diloco.swarm.robust`; the peer's own training is unchanged). Only tests and benchmarks turn it on, and
-only explicitly: ``p2p-diloco peer --test-hostility <kind>[:<value>]``, or a :class:`Hostility` given to
+:mod:`p2p_diloco.swarm.averaging.robust`; the peer's own training is unchanged). Only tests and benchmarks turn it on,
+and only explicitly: ``p2p-diloco peer --test-hostility <kind>[:<value>]``, or a :class:`Hostility` given to
 :class:`~p2p_diloco.swarm.PseudoGradientAverager` (nothing a production peer could inherit from its environment).
 An honest averager has the :class:`Honest` behaviour, whose hooks change nothing. Kinds:
 

@@ -1,7 +1,7 @@
 """Planning arithmetic for a run past this machine: bytes, transfer time and compute utilization per round.
 
 Owns the formulas behind ``p2p-diloco plan``: what one DiLoCo round costs on the wire with the butterfly
-all-reduce of :mod:`p2p_diloco.swarm.allreduce`, how much of it the overlap modes of
+all-reduce of :mod:`p2p_diloco.swarm.averaging.allreduce`, how much of it the overlap modes of
 :mod:`p2p_diloco.training.stage` hide, and how that compares with a vanilla data-parallel AllReduce of
 the gradients at every inner step. Pure arithmetic (no torch, no hivemind at import), so that it can
 plan a 100B-parameter run on a laptop. Who calls this: :mod:`p2p_diloco.cli.plan`.

@@ -25,8 +25,8 @@ from p2p_diloco.data import ShardDataset, WindowSampler, eval_batches, resolve_d
 from p2p_diloco.model import balanced_split, build_stage_model, check_split, model_args_from_config
 from p2p_diloco.training.executor import LocalExecutor
 from p2p_diloco.training.stage import Stage
+from p2p_diloco.training.state.swarm_state import shareable_state
 from p2p_diloco.training.summary import Reporter, TrainSummary
-from p2p_diloco.training.swarm_state import shareable_state
 from p2p_diloco.training.sync import SwarmSync
 from p2p_diloco.training.trainer import Trainer
 
@@ -127,8 +127,8 @@ def run_stage(cfg: Config, *, pipeline=None, reporter: Optional[Reporter] = None
     from p2p_diloco.faults import HONEST
     from p2p_diloco.monitoring import serve_stage_metrics
     from p2p_diloco.swarm import PseudoGradientAverager, SwarmLink, start_dht, visible_maddrs
-    from p2p_diloco.swarm.fingerprint import check_fingerprint, config_fingerprint
-    from p2p_diloco.swarm.records import run_record_validators
+    from p2p_diloco.swarm.discovery.fingerprint import check_fingerprint, config_fingerprint
+    from p2p_diloco.swarm.discovery.records import run_record_validators
 
     stage_index = pipeline.stage_index if pipeline is not None else 0
     device = pipeline.device if pipeline is not None else select_device(cfg.run.device)

@@ -42,7 +42,7 @@ def run(args: argparse.Namespace, overrides: list[tuple[str, str]]) -> int:
     from p2p_diloco.monitoring import serve_bootstrap_metrics
     from p2p_diloco.monitoring.nodes import PeerCounts
     from p2p_diloco.swarm import start_dht, visible_maddrs
-    from p2p_diloco.swarm.records import run_record_validators
+    from p2p_diloco.swarm.discovery.records import run_record_validators
 
     extra = [] if args.identity_path or any(k == "dht.identity_path" for k, _ in overrides) \
         else [("dht.identity_path", DEFAULT_IDENTITY)]

@@ -14,7 +14,7 @@ import math
 import time
 
 from p2p_diloco.cli.logs import configure_logging
-from p2p_diloco.swarm.progress import ProgressRecord
+from p2p_diloco.swarm.discovery.progress import ProgressRecord
 
 logger = logging.getLogger(__name__)
 

@@ -355,7 +355,9 @@ class DHTConfig:
     """Give up if the DHT cannot start or reach the initial peers within this many seconds."""
 
     def validate(self) -> None:
-        from p2p_diloco.swarm.maddrs import check_maddrs  # local import: config stays free of hivemind at import
+        from p2p_diloco.swarm.discovery.maddrs import (
+            check_maddrs,  # local import: config stays free of hivemind at import
+        )
 
         check_maddrs(self.initial_peers, "dht.initial_peers", require_peer_id=True)
         check_maddrs(self.host_maddrs, "dht.host_maddrs")

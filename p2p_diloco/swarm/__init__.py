@@ -1,12 +1,11 @@
 """Everything that crosses the network, all through hivemind: DHT nodes and identities, progress
 records, and the averager of pseudo-gradients."""
 
-from p2p_diloco.swarm.averager import PseudoGradientAverager, RoundOutcome, group_prefix, round_bits
-from p2p_diloco.swarm.dht import start_dht, visible_maddrs
-from p2p_diloco.swarm.errors import SwarmError
-from p2p_diloco.swarm.identity import ensure_identity
-from p2p_diloco.swarm.maddrs import check_maddrs
-from p2p_diloco.swarm.progress import (
+from p2p_diloco.swarm.averaging.averager import PseudoGradientAverager, RoundOutcome, group_prefix, round_bits
+from p2p_diloco.swarm.discovery.dht import start_dht, visible_maddrs
+from p2p_diloco.swarm.discovery.identity import ensure_identity
+from p2p_diloco.swarm.discovery.maddrs import check_maddrs
+from p2p_diloco.swarm.discovery.progress import (
     Position,
     ProgressRecord,
     SwarmLink,
@@ -14,6 +13,7 @@ from p2p_diloco.swarm.progress import (
     live_group_size,
     publish_progress,
 )
+from p2p_diloco.swarm.errors import SwarmError
 
 __all__ = [
     "ProgressRecord",

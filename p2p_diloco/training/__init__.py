@@ -1,7 +1,12 @@
 """Training: the stage's DiLoCo state and round, the inner schedule, the outer optimizer, executors,
 the training loop, metrics and checkpoints."""
 
-from p2p_diloco.training.checkpoint import (
+from p2p_diloco.training.executor import LocalExecutor
+from p2p_diloco.training.metrics import MetricsWriter, read_metrics
+from p2p_diloco.training.outer import OuterOptimizer
+from p2p_diloco.training.schedule import inner_lr
+from p2p_diloco.training.stage import RoundReport, Stage
+from p2p_diloco.training.state.checkpoint import (
     Checkpoint,
     CheckpointError,
     checkpoint_steps,
@@ -10,12 +15,7 @@ from p2p_diloco.training.checkpoint import (
     read_checkpoint,
     save_checkpoint,
 )
-from p2p_diloco.training.executor import LocalExecutor
-from p2p_diloco.training.metrics import MetricsWriter, read_metrics
-from p2p_diloco.training.outer import OuterOptimizer
-from p2p_diloco.training.schedule import inner_lr
-from p2p_diloco.training.stage import RoundReport, Stage
-from p2p_diloco.training.stage_state import load_state, state_meta, state_tensors
+from p2p_diloco.training.state.stage_state import load_state, state_meta, state_tensors
 from p2p_diloco.training.summary import TrainSummary, anchor_digest
 from p2p_diloco.training.trainer import Trainer
 

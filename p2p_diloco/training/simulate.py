@@ -3,14 +3,14 @@
 :class:`ExactGroup` stands in for hivemind's matchmaking and all-reduce and keeps everything else of a real
 round: every peer proposes its compression in the same metadata, the group agrees on the plan with the real
 :class:`~p2p_diloco.compression.policy.CompressionPolicy`, each peer's
-:class:`~p2p_diloco.swarm.reduce.RoundReducer` runs its phases (codecs, PowerSGD with warm Qs, error-feedback
-residuals), and every part is combined by the robust reducer's rule (:func:`p2p_diloco.swarm.robust.combine`,
+:class:`~p2p_diloco.swarm.averaging.reduce.RoundReducer` runs its phases (codecs, PowerSGD with warm Qs, error-feedback
+residuals), and every part is combined by the robust reducer's rule (:func:`p2p_diloco.swarm.averaging.robust.combine`,
 weights capped as the guard caps them) and sent back through the reducer's codec, as
-:class:`~p2p_diloco.swarm.allreduce.ExactAllReduceRunner` does. The group always holds all K peers (the
+:class:`~p2p_diloco.swarm.averaging.allreduce.ExactAllReduceRunner` does. The group always holds all K peers (the
 rounds listed in ``fail_rounds`` fail for everyone), so a simulation measures the algorithm, not the network.
 
 Each peer's :class:`ExactAverager` has the methods :class:`~p2p_diloco.training.stage.Stage` calls on a
-:class:`~p2p_diloco.swarm.averager.PseudoGradientAverager`. Peers may end their rounds from different threads
+:class:`~p2p_diloco.swarm.averaging.averager.PseudoGradientAverager`. Peers may end their rounds from different threads
 (blocking mode needs that: each waits for the others' contributions) or, in the overlap modes, one after the
 other. Called by ``benchmarks/quality.py`` and the tests.
 """
@@ -26,9 +26,9 @@ import torch
 from p2p_diloco.compression.codecs import roundtrip
 from p2p_diloco.compression.policy import CompressionPolicy
 from p2p_diloco.config import AveragingConfig
-from p2p_diloco.swarm.averager import RoundOutcome
-from p2p_diloco.swarm.reduce import RoundReducer
-from p2p_diloco.swarm.robust import RobustRule, cap_weights, combine
+from p2p_diloco.swarm.averaging.averager import RoundOutcome
+from p2p_diloco.swarm.averaging.reduce import RoundReducer
+from p2p_diloco.swarm.averaging.robust import RobustRule, cap_weights, combine
 
 
 class ExactGroup:

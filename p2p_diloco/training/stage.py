@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from p2p_diloco.config import DiLoCoConfig, InnerConfig
-from p2p_diloco.swarm.averager import RoundOutcome
-from p2p_diloco.swarm.progress import Position
+from p2p_diloco.swarm.averaging.averager import RoundOutcome
+from p2p_diloco.swarm.discovery.progress import Position
 from p2p_diloco.training.outer import OuterOptimizer
 from p2p_diloco.training.round import RULES
 from p2p_diloco.training.schedule import inner_lr

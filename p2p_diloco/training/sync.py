@@ -2,7 +2,7 @@
 
 Decisions come from the swarm's progress records (round, last applied round and anchor fingerprint of every
 live stage process); states come from other peers through hivemind's state sharing
-(:mod:`p2p_diloco.training.swarm_state`):
+(:mod:`p2p_diloco.training.state.swarm_state`):
 
 - at start, a stage (new or resumed) reloads when another peer is two rounds ahead of it, or one round ahead
   with this stage's round already applied (a peer one whole round behind can never again meet the others'
@@ -27,10 +27,10 @@ import logging
 import math
 import time
 
-from p2p_diloco.swarm.progress import moved_past
+from p2p_diloco.swarm.discovery.progress import moved_past
 from p2p_diloco.training.stage import Stage
+from p2p_diloco.training.state.swarm_state import StateError, adopt_state, check_state
 from p2p_diloco.training.summary import anchor_fingerprint
-from p2p_diloco.training.swarm_state import StateError, adopt_state, check_state
 
 logger = logging.getLogger(__name__)
 REMEMBERED_ROUNDS = 4

@@ -21,8 +21,8 @@ import torch
 
 from p2p_diloco.config import Config
 from p2p_diloco.training.metrics import MetricsWriter
-from p2p_diloco.training.persist import resume_stage, save_stage
 from p2p_diloco.training.stage import RoundReport, Stage
+from p2p_diloco.training.state.persist import resume_stage, save_stage
 from p2p_diloco.training.summary import NullReporter, Reporter, TrainSummary, anchor_digest, anchor_fingerprint
 from p2p_diloco.training.sync import SwarmSync
 

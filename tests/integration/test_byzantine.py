@@ -15,8 +15,8 @@ import torch
 from p2p_diloco.config import AveragingConfig
 from p2p_diloco.faults import HONEST, parse_hostility
 from p2p_diloco.swarm import PseudoGradientAverager
-from p2p_diloco.swarm.guard import OFFENCES
-from p2p_diloco.swarm.robust import cap_weights
+from p2p_diloco.swarm.averaging.guard import OFFENCES
+from p2p_diloco.swarm.averaging.robust import cap_weights
 from tests.integration.test_swarm import applied, peer_args, rounds_told, summary
 
 pytestmark = pytest.mark.timeout(180)

@@ -17,9 +17,9 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from p2p_diloco.config import DHTConfig
 from p2p_diloco.swarm import SwarmError, fetch_progress, publish_progress, start_dht, visible_maddrs
-from p2p_diloco.swarm.fingerprint import check_fingerprint, config_key, publish_fingerprint
-from p2p_diloco.swarm.progress import ProgressRecord, progress_key
-from p2p_diloco.swarm.records import record_owner, run_record_validators
+from p2p_diloco.swarm.discovery.fingerprint import check_fingerprint, config_key, publish_fingerprint
+from p2p_diloco.swarm.discovery.progress import ProgressRecord, progress_key
+from p2p_diloco.swarm.discovery.records import record_owner, run_record_validators
 
 pytestmark = pytest.mark.timeout(120)
 RUN = "records-test"

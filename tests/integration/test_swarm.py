@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from p2p_diloco.swarm.guard import OFFENCES
+from p2p_diloco.swarm.averaging.guard import OFFENCES
 from p2p_diloco.training import read_metrics
 from tests.integration.conftest import FAST_AVERAGING, LOOPBACK, TINY_TRAINING, processes_mentioning
 

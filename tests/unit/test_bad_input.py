@@ -18,7 +18,7 @@ from p2p_diloco.data import DataError, ShardDataset, WindowSampler, resolve_data
 from p2p_diloco.model import ModelArgs, Transformer
 from p2p_diloco.stage_process import StageData, check_vocab
 from p2p_diloco.training import CheckpointError, LocalExecutor, Stage
-from p2p_diloco.training.persist import resume_stage, save_stage
+from p2p_diloco.training.state.persist import resume_stage, save_stage
 from p2p_diloco.training.summary import TrainSummary
 from tests.helpers import TINY_ARGS, make_shards
 

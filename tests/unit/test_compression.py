@@ -13,7 +13,7 @@ from p2p_diloco.compression import CODECS, CompressionPolicy, decode_tensor, enc
 from p2p_diloco.compression.codecs import BLOCK
 from p2p_diloco.compression.lowrank import desired_rank, fit_q, orthonormalize, reconstruct, seeded_q
 from p2p_diloco.config import AveragingConfig
-from p2p_diloco.swarm.reduce import RoundReducer
+from p2p_diloco.swarm.averaging.reduce import RoundReducer
 
 
 def sample(*shape, seed=0, scale=1.0) -> torch.Tensor:

@@ -20,8 +20,8 @@ import torch
 from p2p_diloco.config import load_config
 from p2p_diloco.data import ShardDataset, WindowSampler
 from p2p_diloco.model import ModelArgs, Transformer, loss_fn
-from p2p_diloco.swarm.averager import RoundOutcome
-from p2p_diloco.swarm.progress import Position
+from p2p_diloco.swarm.averaging.averager import RoundOutcome
+from p2p_diloco.swarm.discovery.progress import Position
 from p2p_diloco.training import LocalExecutor, Stage, Trainer, inner_lr, read_metrics
 from p2p_diloco.training.summary import anchor_fingerprint
 from tests.helpers import TINY_ARGS, make_shards

@@ -18,10 +18,10 @@ import torch
 from torch import nn
 
 from p2p_diloco.config import load_config
-from p2p_diloco.swarm.averager import RoundOutcome
+from p2p_diloco.swarm.averaging.averager import RoundOutcome
 from p2p_diloco.training import Stage
 from p2p_diloco.training.simulate import ExactGroup
-from p2p_diloco.training.swarm_state import adopt_state, shareable_state
+from p2p_diloco.training.state.swarm_state import adopt_state, shareable_state
 
 ROUNDS = 5
 

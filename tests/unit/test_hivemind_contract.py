@@ -12,8 +12,8 @@ from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.key_manager import GroupKeyManager
 from hivemind.p2p import PeerID
 
-from p2p_diloco.swarm.guard import keep_round_key
-from p2p_diloco.swarm.hivemind_api import (
+from p2p_diloco.swarm.averaging.guard import keep_round_key
+from p2p_diloco.swarm.averaging.hivemind_api import (
     HIVEMIND_BASES,
     REPLACED,
     SUPPORTED_VERSION,
@@ -66,7 +66,7 @@ def _kind(function) -> str:
 
 def _our_overrides() -> list[tuple[type, str, type]]:
     """(our class, method, the hivemind class it overrides it in) for every method our averaging redefines."""
-    from p2p_diloco.swarm import allreduce, averager, guard
+    from p2p_diloco.swarm.averaging import allreduce, averager, guard
 
     found = []
     for module in (averager, allreduce, guard):
@@ -112,7 +112,7 @@ def test_another_hivemind_version_is_refused_with_the_one_to_install():
 
 def test_only_the_adapter_imports_hivemind_internals():
     """hivemind's averaging, its asyncio helpers, averaging protobufs and P2P contexts are reached through
-    p2p_diloco/swarm/hivemind_api.py only."""
+    p2p_diloco/swarm/averaging/hivemind_api.py only."""
     internal = ("hivemind.averaging", "hivemind.utils.asyncio", "hivemind.utils.mpfuture")
     internal_names = {"averaging_pb2", "P2PContext", "MPFuture"}
     package = Path(__file__).resolve().parents[2] / "p2p_diloco"

@@ -9,7 +9,7 @@ import stat
 import pytest
 
 from p2p_diloco.swarm import SwarmError, ensure_identity
-from p2p_diloco.swarm.identity import IdentityLock
+from p2p_diloco.swarm.discovery.identity import IdentityLock
 
 
 def test_created_0600_and_reused(tmp_path):

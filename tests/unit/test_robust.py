@@ -15,9 +15,9 @@ from hivemind.p2p import PeerID
 from hivemind.utils import MSGPackSerializer
 
 from p2p_diloco.faults import HONEST, HOSTILITY_OPTION, parse_hostility
-from p2p_diloco.swarm.allreduce import RobustPartReducer
-from p2p_diloco.swarm.guard import PeerGuard, check_gathered, read_group
-from p2p_diloco.swarm.robust import RobustRule, cap_weights, combine, lower_median, weighted_mean
+from p2p_diloco.swarm.averaging.allreduce import RobustPartReducer
+from p2p_diloco.swarm.averaging.guard import PeerGuard, check_gathered, read_group
+from p2p_diloco.swarm.averaging.robust import RobustRule, cap_weights, combine, lower_median, weighted_mean
 
 DEFAULT = RobustRule()
 

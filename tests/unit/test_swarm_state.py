@@ -10,11 +10,11 @@ import torch
 
 from p2p_diloco.config import load_config
 from p2p_diloco.model import ModelArgs, Transformer
-from p2p_diloco.swarm.averager import RoundOutcome
+from p2p_diloco.swarm.averaging.averager import RoundOutcome
 from p2p_diloco.training import Stage
 from p2p_diloco.training.stage import PendingRound
+from p2p_diloco.training.state.swarm_state import StateError, adopt_state, check_state, shareable_state
 from p2p_diloco.training.summary import anchor_fingerprint
-from p2p_diloco.training.swarm_state import StateError, adopt_state, check_state, shareable_state
 from p2p_diloco.training.sync import SwarmSync
 from tests.helpers import TINY_ARGS
 
@@ -364,7 +364,7 @@ class _Lookups:
 
 
 def test_state_download_looks_again_once_when_no_donor_served():
-    from p2p_diloco.swarm.averager import PseudoGradientAverager
+    from p2p_diloco.swarm.averaging.averager import PseudoGradientAverager
 
     state = ({"round": 3}, [torch.zeros(2)])
     lapsed = _Lookups(None, state)  # a donor's declaration lapsed during the first lookup

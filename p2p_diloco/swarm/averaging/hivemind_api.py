@@ -10,12 +10,12 @@ where they are used.
 
 Hooks replaced on instances:
 
-- ``Matchmaking._request_join_group`` (:mod:`~p2p_diloco.swarm.guard`): a follower never asks a banned peer or an
-  outsider to lead its group;
-- ``GroupKeyManager.update_key_on_group_assembled`` (:func:`~p2p_diloco.swarm.guard.keep_round_key`): the group key
-  stays the round's after a group assembles, so that a failed all-reduce's survivors meet again;
-- ``DecentralizedAverager.get_stub`` (:mod:`~p2p_diloco.swarm.guard`): state is downloaded from members of a private
-  swarm only.
+- ``Matchmaking._request_join_group`` (:mod:`~p2p_diloco.swarm.averaging.guard`): a follower never asks a banned peer
+  or an outsider to lead its group;
+- ``GroupKeyManager.update_key_on_group_assembled`` (:func:`~p2p_diloco.swarm.averaging.guard.keep_round_key`): the
+  group key stays the round's after a group assembles, so that a failed all-reduce's survivors meet again;
+- ``DecentralizedAverager.get_stub`` (:mod:`~p2p_diloco.swarm.averaging.guard`): state is downloaded from members of a
+  private swarm only.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def check_version(version: str) -> None:
     """ImportError unless ``version`` is the hivemind version these internals are known for."""
     if version != SUPPORTED_VERSION:
         raise ImportError(f"p2p_diloco's averaging is built on hivemind {SUPPORTED_VERSION} internals (see "
-                          f"p2p_diloco/swarm/hivemind_api.py), but hivemind {version} is installed: "
+                          f"p2p_diloco/swarm/averaging/hivemind_api.py), but hivemind {version} is installed: "
                           f"pip install hivemind=={SUPPORTED_VERSION}")
 
 

@@ -1,7 +1,7 @@
 """Progress records in the DHT: who is training in a run, on which stage and round, how fast.
 
 Every stage process publishes one record under ``<run_id>_progress`` that expires unless refreshed; its subkey
-is the writer's public key and the record is signed and schema-checked (:mod:`p2p_diloco.swarm.records`), so
+is the writer's public key and the record is signed and schema-checked (:mod:`p2p_diloco.swarm.discovery.records`), so
 nobody can write or overwrite another's record, and a malformed one is never read. Peers read them to know how
 many groupmates to expect in a round (so a group is assembled as soon as everyone is in, and a peer alone skips
 the network); ``p2p-diloco swarm`` and ``status`` read them to show the swarm. Called by the trainer and the CLI.
@@ -15,7 +15,7 @@ import time
 from dataclasses import asdict, dataclass, fields
 from typing import Optional
 
-from p2p_diloco.swarm.records import ProgressValue, is_owner_subkey, record_owner
+from p2p_diloco.swarm.discovery.records import ProgressValue, is_owner_subkey, record_owner
 
 logger = logging.getLogger(__name__)
 
@@ -179,7 +179,7 @@ class SwarmLink:
         try:
             publish_progress(self.dht, self.run_id, record, self.ttl_s)
             if self.fingerprint is not None and force:
-                from p2p_diloco.swarm.fingerprint import publish_fingerprint
+                from p2p_diloco.swarm.discovery.fingerprint import publish_fingerprint
 
                 publish_fingerprint(self.dht, self.run_id, self.fingerprint, self.ttl_s)
         except Exception as e:  # the DHT process may be shutting down; progress is best effort

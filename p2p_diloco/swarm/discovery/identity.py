@@ -5,7 +5,7 @@ them 0600 (the owner may rotate them) and check existing ones before a daemon is
 gets a one-line error instead of a failed daemon start. A missing folder is an error, not created: a
 mistyped path would otherwise give the node a new peer id without a word. While a node runs, it holds a
 lock on its identity (:class:`IdentityLock`), so a second node of this machine cannot start on it.
-Called by :mod:`p2p_diloco.swarm.dht`.
+Called by :mod:`p2p_diloco.swarm.discovery.dht`.
 """
 
 from __future__ import annotations

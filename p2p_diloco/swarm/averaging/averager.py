@@ -7,12 +7,13 @@ matchmaking through the DHT, butterfly all-reduce over libp2p) with these additi
   never land in the same group, and the round carried in the gathered metadata is checked again;
 - contributions are weighted by the tokens each peer trained on in the round;
 - a broken or hostile groupmate cannot poison the average: its metadata is checked and its claims capped
-  (:mod:`p2p_diloco.swarm.guard`), reducers combine parts robustly (:mod:`p2p_diloco.swarm.robust`), averages
-  returned by reducers are checked; offenders are reported with each round, and banned after repeat offences;
-  with ``averaging.allowlist``, only members of a private swarm are grouped with and exchange state;
-- the result is bit-identical on every groupmate (:mod:`p2p_diloco.swarm.allreduce`);
+  (:mod:`p2p_diloco.swarm.averaging.guard`), reducers combine parts robustly
+  (:mod:`p2p_diloco.swarm.averaging.robust`), averages returned by reducers are checked; offenders are reported with
+  each round, and banned after repeat offences; with ``averaging.allowlist``, only members of a private swarm are
+  grouped with and exchange state;
+- the result is bit-identical on every groupmate (:mod:`p2p_diloco.swarm.averaging.allreduce`);
 - pseudo-gradients are compressed under a plan the group agrees on from its gathered metadata
-  (:mod:`p2p_diloco.compression.policy`), low-rank ones in two phases (:mod:`p2p_diloco.swarm.reduce`), all in
+  (:mod:`p2p_diloco.compression.policy`), low-rank ones in two phases (:mod:`p2p_diloco.swarm.averaging.reduce`), all in
   the background process; the round returns this peer's error-feedback residual with the average;
 - a round is started with :meth:`start_round` and collected with :meth:`finish_round`, which never raises
   for network reasons: a round that fails, times out or finds nobody returns ``None`` and the caller
@@ -40,9 +41,9 @@ from p2p_diloco.compression.policy import CompressionPolicy
 from p2p_diloco.config import AveragingConfig
 from p2p_diloco.faults import HONEST, Honest, fault_point
 from p2p_diloco.process import die_with_parent, leave_signals_to_parent, lower_priority
-from p2p_diloco.swarm.allreduce import BYTES_RECEIVED, BYTES_SENT, ExactAllReduceRunner
-from p2p_diloco.swarm.guard import GroupView, GuardedAverager, PeerGuard, read_group
-from p2p_diloco.swarm.hivemind_api import (
+from p2p_diloco.swarm.averaging.allreduce import BYTES_RECEIVED, BYTES_SENT, ExactAllReduceRunner
+from p2p_diloco.swarm.averaging.guard import GroupView, GuardedAverager, PeerGuard, read_group
+from p2p_diloco.swarm.averaging.hivemind_api import (
     AllreduceException,
     AveragingStage,
     CompressionInfo,
@@ -53,8 +54,8 @@ from p2p_diloco.swarm.hivemind_api import (
     enter_asynchronously,
     load_balance_peers,
 )
-from p2p_diloco.swarm.reduce import RoundReducer
-from p2p_diloco.swarm.robust import RobustRule
+from p2p_diloco.swarm.averaging.reduce import RoundReducer
+from p2p_diloco.swarm.averaging.robust import RobustRule
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +94,7 @@ class RoundOutcome:
     compression: dict = field(default_factory=dict)
     """Rank, codecs, payload bytes, relative compression error, measured bandwidth."""
     suspects: dict = field(default_factory=dict)
-    """Groupmates flagged in the round (peer id -> reasons: see :mod:`p2p_diloco.swarm.guard`)."""
+    """Groupmates flagged in the round (peer id -> reasons: see :mod:`p2p_diloco.swarm.averaging.guard`)."""
     banned: tuple[str, ...] = ()
     """Peers this peer no longer groups with."""
     averaged: bool = False

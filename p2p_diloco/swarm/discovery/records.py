@@ -1,19 +1,20 @@
 """Signed, schema-checked DHT records of a run, with hivemind's own validators.
 
 A run keeps two kinds of records in the DHT, both a dictionary with one entry per writing stage process:
-``<run_id>_progress`` (:mod:`p2p_diloco.swarm.progress`) and ``<run_id>_config`` (the config fingerprint,
-:mod:`p2p_diloco.swarm.fingerprint`). Each entry's subkey is its writer's public key (``[owner:<RSA key>]``) and
-its value is signed with the matching private key (hivemind's ``RSASignatureValidator``), so nobody can write or
+``<run_id>_progress`` (:mod:`p2p_diloco.swarm.discovery.progress`) and ``<run_id>_config`` (the config fingerprint,
+:mod:`p2p_diloco.swarm.discovery.fingerprint`). Each entry's subkey is its writer's public key (``[owner:<RSA key>]``)
+and its value is signed with the matching private key (hivemind's ``RSASignatureValidator``), so nobody can write or
 overwrite another process's entry; ``SchemaValidator`` checks every entry against the pydantic schemas below
 (strict types, no NaN, no negative round, no missing or unknown field). Every DHT node that holds the validators
 refuses a bad record when asked to store it and when another node returns it, so a reader never sees one.
 
-Each DHT node signs with its own fresh key (:func:`with_signer`, used by :func:`p2p_diloco.swarm.dht.start_dht`,
-so that the node checks signatures from its first record on); :func:`record_owner` gives the subkey its records go
-under. Readers also parse every entry with the schemas, so a node that got its run's schemas late (``p2p-diloco
-status``) reads no malformed one either. A record's ``node`` (the writer's DHT peer id) is the writer's own signed
-claim: the key, not the claim, is what nobody else can use. Called by the DHT start, the progress and fingerprint
-records, and the commands that start DHT nodes (their run's schemas: :func:`run_record_validators`).
+Each DHT node signs with its own fresh key (:func:`with_signer`, used by
+:func:`p2p_diloco.swarm.discovery.dht.start_dht`, so that the node checks signatures from its first record on);
+:func:`record_owner` gives the subkey its records go under. Readers also parse every entry with the schemas, so a node
+that got its run's schemas late (``p2p-diloco status``) reads no malformed one either. A record's ``node`` (the
+writer's DHT peer id) is the writer's own signed claim: the key, not the claim, is what nobody else can use. Called by
+the DHT start, the progress and fingerprint records, and the commands that start DHT nodes (their run's schemas:
+:func:`run_record_validators`).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ _OWNER = re.compile(RSASignatureValidator.PUBLIC_KEY_REGEX)
 
 
 class ProgressValue(BaseModel):
-    """One stage process's progress record (see :class:`p2p_diloco.swarm.progress.ProgressRecord`)."""
+    """One stage process's progress record (see :class:`p2p_diloco.swarm.discovery.progress.ProgressRecord`)."""
 
     peer: _NAME
     node: _NAME
@@ -68,7 +69,8 @@ class ProgressValue(BaseModel):
 
 
 class FingerprintValue(BaseModel):
-    """One stage process's config fingerprint (see :func:`p2p_diloco.swarm.fingerprint.config_fingerprint`)."""
+    """One stage process's config fingerprint (see :func:`~p2p_diloco.swarm.discovery.fingerprint.config_fingerprint`).
+    """
 
     version: conint(strict=True, ge=1)
     model_dim: conint(strict=True, ge=1) = Field(..., alias="model.dim")
@@ -109,7 +111,7 @@ class RunSchemaValidator(SchemaValidator):
 
 def run_record_validators(run_id: str) -> list[RecordValidatorBase]:
     """Schemas of the records of run ``run_id`` (keys ``<run_id>_progress`` and ``<run_id>_config``); other keys
-    (the averagers' matchmaking, other runs) pass. Give them to :func:`~p2p_diloco.swarm.dht.start_dht`."""
+    (the averagers' matchmaking, other runs) pass. Give them to :func:`~p2p_diloco.swarm.discovery.dht.start_dht`."""
     return [RunSchemaValidator(ProgressSchema, run_id), RunSchemaValidator(FingerprintSchema, run_id)]
 
 
@@ -149,7 +151,7 @@ def record_owner(dht, run_id: Optional[str] = None) -> bytes:
     ``DHT.add_validators``); its signature checks were in from the start, and readers parse every entry anyway.
 
     Raises:
-        SwarmError: ``dht`` was not started by :func:`~p2p_diloco.swarm.dht.start_dht`: without a signature
+        SwarmError: ``dht`` was not started by :func:`~p2p_diloco.swarm.discovery.dht.start_dht`: without a signature
             validator from its start, entries other nodes handed it could not be told from forged ones.
     """
     with _lock:

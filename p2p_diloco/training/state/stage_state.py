@@ -17,7 +17,7 @@ import dataclasses
 
 import torch
 
-from p2p_diloco.swarm.averager import RoundOutcome
+from p2p_diloco.swarm.averaging.averager import RoundOutcome
 from p2p_diloco.training.stage import PendingRound, RoundReport, Stage
 
 

@@ -9,15 +9,15 @@ knows hivemind's) and checks every part's shape. The byte counters (payload byte
 protobuf messages, both directions) feed the per-round metrics.
 
 Against broken or hostile groupmates: the reducer keeps every sender's part and combines them with
-:func:`p2p_diloco.swarm.robust.combine` (non-finite and far too large parts left out, CenteredClip), weighting each
-sender by the group's capped record of its tokens rather than the weight written in its messages
+:func:`p2p_diloco.swarm.averaging.robust.combine` (non-finite and far too large parts left out, CenteredClip),
+weighting each sender by the group's capped record of its tokens rather than the weight written in its messages
 (:class:`RobustPartReducer`); a part that cannot be decoded or has the wrong shape is refused; an average returned
 by a reducer is refused when it is non-finite or far larger than this peer's own part. Every such finding lands
 in ``runner.flags`` as (peer id, reason).
 
 Built on hivemind internals (``AllReduceRunner``, ``TensorPartContainer``), through
-:mod:`p2p_diloco.swarm.hivemind_api`.
-Called only by :class:`p2p_diloco.swarm.averager.PseudoGradientAverager`.
+:mod:`p2p_diloco.swarm.averaging.hivemind_api`.
+Called only by :class:`p2p_diloco.swarm.averaging.averager.PseudoGradientAverager`.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ import torch
 
 from p2p_diloco.compression.codecs import decode_tensor
 from p2p_diloco.faults import HONEST, Honest
-from p2p_diloco.swarm.guard import BAD_AVERAGE, MALFORMED
-from p2p_diloco.swarm.hivemind_api import (
+from p2p_diloco.swarm.averaging.guard import BAD_AVERAGE, MALFORMED
+from p2p_diloco.swarm.averaging.hivemind_api import (
     AllreduceException,
     AllReduceRunner,
     BannedException,
@@ -45,7 +45,7 @@ from p2p_diloco.swarm.hivemind_api import (
     averaging_pb2,
     get_logger,
 )
-from p2p_diloco.swarm.robust import RobustRule, combine
+from p2p_diloco.swarm.averaging.robust import RobustRule, combine
 
 logger = get_logger(__name__)
 
@@ -212,7 +212,7 @@ class ExactAllReduceRunner(AllReduceRunner):
 
 class RobustPartReducer(TensorPartReducer):
     """hivemind's reducer of one slice, but every sender's part is kept until all are in and then combined with
-    :func:`p2p_diloco.swarm.robust.combine` in sender order (so the result does not depend on arrival order).
+    :func:`p2p_diloco.swarm.averaging.robust.combine` in sender order (so the result does not depend on arrival order).
 
     Args:
         part_shapes: shapes of the parts of this peer's slice.

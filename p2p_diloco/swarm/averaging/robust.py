@@ -19,7 +19,7 @@ groupmate receives the reducer's bytes, so the result stays bit-identical across
 
 Leaving a part out (steps 1 and 2) is an offence of its sender; clipping it (steps 2 with 2 parts, and 4) is only
 reported. Weights are the tokens each groupmate claims, capped by :func:`cap_weights`. Pure tensor logic, no
-network; called by :class:`p2p_diloco.swarm.allreduce.RobustPartReducer` and the averager.
+network; called by :class:`p2p_diloco.swarm.averaging.allreduce.RobustPartReducer` and the averager.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Model shape, pipeline stages and split, vocabulary and data format. Each stage process publishes its
 fingerprint under ``<run_id>_config`` (subkey: its public key; signed and schema-checked, see
-:mod:`p2p_diloco.swarm.records`) and, before training, compares it with the live ones: a peer whose stages
+:mod:`p2p_diloco.swarm.discovery.records`) and, before training, compares it with the live ones: a peer whose stages
 would not line up with the swarm's is refused with a message naming each key that differs. (The averager's
 group key and tensor schema keep mismatched peers apart anyway; this turns a silent "never finds a group" into
 a clear error.) Called by :func:`p2p_diloco.stage_process.run_stage`.
@@ -13,8 +13,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from p2p_diloco.swarm.discovery.records import FingerprintValue, is_owner_subkey, record_owner
 from p2p_diloco.swarm.errors import SwarmError
-from p2p_diloco.swarm.records import FingerprintValue, is_owner_subkey, record_owner
 
 logger = logging.getLogger(__name__)
 FINGERPRINT_VERSION = 1

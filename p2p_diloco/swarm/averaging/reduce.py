@@ -6,7 +6,7 @@ the group's matrix being ``P Q^T``. Besides the average, the round yields this p
 residual (its contribution minus what the wire carried of it: the codec's rounding, and for low rank what
 lies outside the shared basis), the group's averaged Qs (the next round's warm start and spectrum), and
 statistics (bytes, rank, bits, relative compression error). Called by
-:class:`p2p_diloco.swarm.averager.PseudoGradientAverager`.
+:class:`p2p_diloco.swarm.averaging.averager.PseudoGradientAverager`.
 """
 
 from __future__ import annotations

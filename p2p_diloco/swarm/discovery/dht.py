@@ -14,9 +14,9 @@ import hivemind
 
 from p2p_diloco.config import DHTConfig
 from p2p_diloco.process import die_with_parent, leave_signals_to_parent, lower_priority
+from p2p_diloco.swarm.discovery.identity import IdentityLock, ensure_identity
+from p2p_diloco.swarm.discovery.records import bind_signer, with_signer
 from p2p_diloco.swarm.errors import SwarmError
-from p2p_diloco.swarm.identity import IdentityLock, ensure_identity
-from p2p_diloco.swarm.records import bind_signer, with_signer
 
 logger = logging.getLogger(__name__)
 

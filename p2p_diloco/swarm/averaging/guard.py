@@ -13,7 +13,8 @@
   not follow them as leaders, and neither serves state to outsiders nor downloads it from them.
 
 Built on hivemind internals (``Matchmaking._request_join_group``, ``_load_state_from_peers``), through
-:mod:`p2p_diloco.swarm.hivemind_api`. Called by :class:`p2p_diloco.swarm.averager.PseudoGradientAverager`.
+:mod:`p2p_diloco.swarm.averaging.hivemind_api`. Called by
+:class:`p2p_diloco.swarm.averaging.averager.PseudoGradientAverager`.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional
 
-from p2p_diloco.swarm.hivemind_api import AllreduceException, AveragingMode, P2PContext, averaging_pb2
-from p2p_diloco.swarm.robust import MALFORMED, NONFINITE, TOO_LARGE, cap_weights, lower_median
+from p2p_diloco.swarm.averaging.hivemind_api import AllreduceException, AveragingMode, P2PContext, averaging_pb2
+from p2p_diloco.swarm.averaging.robust import MALFORMED, NONFINITE, TOO_LARGE, cap_weights, lower_median
 
 logger = logging.getLogger(__name__)
 
