@@ -307,14 +307,15 @@ def test_a_slow_worker_ends_each_round_with_the_others_and_contributes_its_token
     by_name = {t.summary.peer: t for t in trainers}
     tokens = {name: t.summary.tokens for name, t in by_name.items()}
     per_step = BATCH * SEQ
-    # each round: the first to end it trained its H steps; the other fast one (nearly) all of them, losing the
-    # steps it was behind the first (threads share the GIL), the slow one what it trained meanwhile
+    # each round: the first to end it trained its H steps, the others what they trained meanwhile (at least one
+    # step each). How many the other fast one trained is up to the scheduler: threads share the GIL, and on a busy
+    # machine one fast thread can get much less time than the other (seen under two busy loops: 1472 vs 2304)
     per_round = {name: [e["tokens"] for e in read_metrics(tmp_path / name / "metrics-stage0.jsonl")
                         if e["kind"] == "round" and not e["flush"]] for name in by_name}
     assert all(len(r) == ROUNDS for r in per_round.values()), per_round
     assert all(max(r[i] for r in per_round.values()) == 12 * per_step for i in range(ROUNDS)), per_round
-    assert min(tokens["w0"], tokens["w1"]) >= 0.75 * ROUNDS * 12 * per_step, tokens
-    assert 0 < tokens["w2"] < 0.8 * min(tokens["w0"], tokens["w1"]), tokens
+    assert all(t >= per_step for r in per_round.values() for t in r), per_round
+    assert tokens["w2"] < 0.8 * max(tokens["w0"], tokens["w1"]), tokens
     for t in trainers:
         assert t.summary.averaged_rounds == ROUNDS and t.summary.fallback_rounds == 0
         assert t.stage.inner_step == ROUNDS * 12  # the schedule position of a round ended early is its end
