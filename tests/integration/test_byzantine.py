@@ -222,6 +222,9 @@ def test_swarm_with_hostile_peers_trains_and_names_them(tmp_path, processes, boo
                 named.setdefault(suspect, set()).update(reasons)
         assert "norm" in named.get(hostile_ids["x-scale"], set()), (name, named)
         assert named.get(hostile_ids["x-nan"], set()) & {"nonfinite", "malformed"}, (name, named)
-        assert set(named) == set(hostile_ids.values()), (name, named)  # no honest peer is named
+        # no honest peer is named for an offence (one whose contribution was clipped towards the others' is reported,
+        # not accused: with rounds ended by the swarm, peers contribute different numbers of steps)
+        accused = {peer for peer, reasons in named.items() if reasons & OFFENCES}
+        assert accused == set(hostile_ids.values()), (name, named)
         s = summary(tmp_path, name)
         assert math.isfinite(s["eval_loss_final"]) and s["eval_loss_final"] < s["eval_loss_start"] - 0.3, s
