@@ -25,7 +25,6 @@ from p2p_diloco.data import ShardDataset, WindowSampler, eval_batches, resolve_d
 from p2p_diloco.model import balanced_split, build_stage_model, check_split, model_args_from_config
 from p2p_diloco.training.executor import LocalExecutor
 from p2p_diloco.training.stage import Stage
-from p2p_diloco.training.state.swarm_state import shareable_state
 from p2p_diloco.training.summary import Reporter, TrainSummary
 from p2p_diloco.training.sync import SwarmSync
 from p2p_diloco.training.trainer import Trainer
@@ -49,7 +48,7 @@ def _serve_state(stage: Stage, averager, run_id: str, wait_s: float):
         averager.wait_for_round(max(0.0, deadline - time.monotonic()))
         with stage.state_lock:  # no round end in between: the buffers still hold the average of that round
             if averager.round_settled or time.monotonic() >= deadline:  # (or a round end started another)
-                return shareable_state(stage, run_id, averager.finished_average())
+                return stage.shareable_state(run_id, averager.finished_average())
 
 
 def select_device(spec: str) -> torch.device:

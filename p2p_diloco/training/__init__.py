@@ -15,7 +15,6 @@ from p2p_diloco.training.state.checkpoint import (
     read_checkpoint,
     save_checkpoint,
 )
-from p2p_diloco.training.state.stage_state import load_state, state_meta, state_tensors
 from p2p_diloco.training.summary import TrainSummary, anchor_digest
 from p2p_diloco.training.trainer import Trainer
 
@@ -33,11 +32,8 @@ __all__ = [
     "checkpoint_steps",
     "inner_lr",
     "list_checkpoints",
-    "load_state",
     "load_latest_checkpoint",
     "read_checkpoint",
     "read_metrics",
     "save_checkpoint",
-    "state_meta",
-    "state_tensors",
 ]

@@ -25,6 +25,8 @@ from p2p_diloco.swarm.discovery.progress import Position
 from p2p_diloco.training.outer import OuterOptimizer
 from p2p_diloco.training.round import RULES
 from p2p_diloco.training.schedule import inner_lr
+from p2p_diloco.training.state.stage_state import StageCheckpoint
+from p2p_diloco.training.state.swarm_state import StateSharing
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +82,7 @@ class PendingRound:
         return self.outcome is not None
 
 
-class Stage:
+class Stage(StageCheckpoint, StateSharing):
     """DiLoCo state of one pipeline stage.
 
     Args:

@@ -29,7 +29,7 @@ import time
 
 from p2p_diloco.swarm.discovery.progress import moved_past
 from p2p_diloco.training.stage import Stage
-from p2p_diloco.training.state.swarm_state import StateError, adopt_state, check_state
+from p2p_diloco.training.state.swarm_state import StateError
 from p2p_diloco.training.summary import anchor_fingerprint
 
 logger = logging.getLogger(__name__)
@@ -156,7 +156,7 @@ class SwarmSync:
         self.last_download = {"download_s": round(time.monotonic() - started, 3),
                               "state_bytes": sum(t.numel() * t.element_size() for t in tensors)}
         try:
-            check_state(self.stage, self.run_id, meta, tensors)
+            self.stage.check_state(self.run_id, meta, tensors)
         except StateError as e:
             logger.warning(f"Stage {self.stage.stage_index}: refused a downloaded state: {e}")
             return None
@@ -178,7 +178,7 @@ class SwarmSync:
                            "now; trying again after the next round")
             return
         meta, tensors = state
-        adopt_state(self.stage, meta, tensors, "reload", inner_step=min(step for _, step in points))
+        self.stage.adopt(meta, tensors, "reload", inner_step=min(step for _, step in points))
         self.fingerprints.clear()
         # a donor two rounds past its anchor has a round in flight whose average this stage cannot get
         self.missed_round = meta["applied_round"] + 1 if meta["round"] >= meta["applied_round"] + 2 else None
@@ -207,7 +207,7 @@ class SwarmSync:
                 anchor_fingerprint(tensors[:len(self.stage.anchor)]) != self.canonical:
             logger.info(f"Stage {self.stage.stage_index}: the donor is off the swarm's anchor too; resync later")
             return
-        adopt_state(self.stage, meta, tensors, "resync")
+        self.stage.adopt(meta, tensors, "resync")
         self.fingerprints.clear()
         self.missed_round = None
         self._record("resync", f"the anchor after round {diverged_round} differed from the swarm's", meta)

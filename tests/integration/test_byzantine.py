@@ -158,7 +158,7 @@ def test_repeat_offender_is_banned_and_the_others_go_on(network):
     assert_honest_agree(results[:3], contributions[:3])
     for result in results[:3]:
         assert result.group_size == 3 and set(result.group_peers) == {peer_id(h) for h in honest}
-        assert result.banned == [peer_id(hostile)] and result.suspects == {}
+        assert result.banned == (peer_id(hostile),) and result.suspects == {}
     assert not results[3].averaged
 
 

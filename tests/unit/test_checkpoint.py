@@ -19,11 +19,8 @@ from p2p_diloco.training import (
     Trainer,
     list_checkpoints,
     load_latest_checkpoint,
-    load_state,
     read_checkpoint,
     save_checkpoint,
-    state_meta,
-    state_tensors,
 )
 from tests.helpers import TINY_ARGS, make_shards
 
@@ -128,7 +125,7 @@ def test_stage_refuses_checkpoint_of_other_shape(tmp_path):
     other = Stage(Transformer(ModelArgs(**dict(TINY_ARGS, dim=64, n_heads=8))), stage_index=0, num_stages=1,
                   inner_cfg=cfg.inner, diloco_cfg=cfg.diloco, total_steps=10)
     with pytest.raises(ValueError, match="has shape"):
-        load_state(other, state_tensors(small), state_meta(small))
+        other.load_state_dict(small.state_dict()[0], small.state_dict()[1])
 
 
 def test_the_round_in_flight_and_the_merge_report_survive_a_checkpoint_of_either_format():
@@ -151,9 +148,9 @@ def test_the_round_in_flight_and_the_merge_report_survive_a_checkpoint_of_either
     saved.pending = PendingRound(2, [torch.ones_like(t) for t in saved.anchor], 10.0, outcome=outcome)
     saved._merged = RoundReport(3, applied_round=1, waited_s=0.5, outcome=dataclasses.replace(
         outcome, average=None, residual=None))
-    meta = json.loads(json.dumps(state_meta(saved)))
+    meta = json.loads(json.dumps(saved.state_dict()[1]))
     loaded = stage()
-    load_state(loaded, state_tensors(saved), meta)
+    loaded.load_state_dict(saved.state_dict()[0], meta)
     got = loaded.pending.outcome
     assert (got.averaged, got.group_size, got.group_tokens, got.group_peers) == (True, 3, 30.0, ("a", "b", "c"))
     assert all(torch.equal(a, b) for a, b in zip(got.average, average))
@@ -163,6 +160,6 @@ def test_the_round_in_flight_and_the_merge_report_survive_a_checkpoint_of_either
     old = dict(meta, pending={"round": 2, "weight": 10.0, "settled": True, "averaged": False, "group_size": 1,
                               "group_tokens": 0.0, "reason": "no group", "share": 1.0})
     loaded = stage()
-    load_state(loaded, {k: v for k, v in state_tensors(saved).items() if not k.startswith("pending_")}, old)
+    loaded.load_state_dict({k: v for k, v in saved.state_dict()[0].items() if not k.startswith("pending_")}, old)
     assert loaded.pending.outcome == RoundOutcome(fallback_reason="no group")
     assert loaded.pending.settled and loaded.pending.round_index == 2

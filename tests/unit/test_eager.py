@@ -21,7 +21,6 @@ from p2p_diloco.config import load_config
 from p2p_diloco.swarm.averaging.averager import RoundOutcome
 from p2p_diloco.training import Stage
 from p2p_diloco.training.simulate import ExactGroup
-from p2p_diloco.training.state.swarm_state import adopt_state, shareable_state
 
 ROUNDS = 5
 
@@ -112,8 +111,8 @@ def run_group(mode: str, k: int, lr: float, momentum: float, reload_at: int | No
     params, contributions, reloaded = [], [], None
     for r in range(ROUNDS):
         if r == reload_at:
-            meta, tensors = shareable_state(stages[1], "run")
-            adopt_state(stages[0], meta, tensors, "reload")
+            meta, tensors = stages[1].shareable_state("run")
+            stages[0].adopt(meta, tensors, "reload")
             reloaded = stages[0].anchor[0].clone()
         round_contributions = []
         for i, stage in enumerate(stages):

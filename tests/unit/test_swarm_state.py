@@ -13,7 +13,7 @@ from p2p_diloco.model import ModelArgs, Transformer
 from p2p_diloco.swarm.averaging.averager import RoundOutcome
 from p2p_diloco.training import Stage
 from p2p_diloco.training.stage import PendingRound
-from p2p_diloco.training.state.swarm_state import StateError, adopt_state, check_state, shareable_state
+from p2p_diloco.training.state.swarm_state import StateError
 from p2p_diloco.training.summary import anchor_fingerprint
 from p2p_diloco.training.sync import SwarmSync
 from tests.helpers import TINY_ARGS
@@ -36,19 +36,19 @@ def test_shareable_state_checks_and_round_trips():
     donor = make_stage()
     donor.round_index, donor.applied_round = 5, 3
     donor.inner_step = donor.round_index * donor.diloco_cfg.inner_steps
-    meta, tensors = shareable_state(donor, "run")
-    check_state(donor, "run", meta, tensors)
+    meta, tensors = donor.shareable_state("run")
+    donor.check_state("run", meta, tensors)
     assert meta["round"] == 5 and meta["applied_round"] == 3 and len(tensors) == 2 * len(donor.anchor)
     with pytest.raises(StateError, match="run/stage"):
-        check_state(donor, "other-run", meta, tensors)
+        donor.check_state("other-run", meta, tensors)
     bad = [t.clone() for t in tensors]
     bad[0][0] = float("nan")
     with pytest.raises(StateError, match="non-finite"):
-        check_state(donor, "run", meta, bad)
+        donor.check_state("run", meta, bad)
     with pytest.raises(StateError, match="shapes"):
-        check_state(donor, "run", meta, tensors[:-1])
+        donor.check_state("run", meta, tensors[:-1])
     with pytest.raises(StateError, match="count"):
-        check_state(donor, "run", dict(meta, round="5"), tensors)
+        donor.check_state("run", dict(meta, round="5"), tensors)
 
 
 def test_donor_serves_the_state_after_an_average_that_already_arrived():
@@ -58,7 +58,7 @@ def test_donor_serves_the_state_after_an_average_that_already_arrived():
     average = [torch.full_like(t, 0.01) for t in donor.anchor]
     donor.pending = PendingRound(3, [torch.zeros_like(t) for t in donor.anchor], 1.0)
     before = [t.clone() for t in donor.anchor]
-    meta, tensors = shareable_state(donor, "run", finished_average=average)
+    meta, tensors = donor.shareable_state("run", finished_average=average)
     assert meta["applied_round"] == 3  # the state after round 3's average...
     expected = donor.outer_optimizer.peek(average)
     assert all(torch.equal(a, b) for a, b in zip(tensors[: len(before)], expected))
@@ -74,22 +74,22 @@ def test_reload_becomes_the_donor_and_resync_keeps_local_progress():
     with torch.no_grad():
         for t in donor.anchor:
             t.add_(0.5)
-    meta, tensors = shareable_state(donor, "run")
+    meta, tensors = donor.shareable_state("run")
 
     reloaded = make_stage()
     reloaded.pending = PendingRound(1, [torch.zeros_like(t) for t in reloaded.anchor], 1.0)
-    adopt_state(reloaded, meta, tensors, "reload")
+    reloaded.adopt(meta, tensors, "reload")
     assert (reloaded.round_index, reloaded.applied_round, reloaded.pending) == (7, 6, None)
     assert reloaded.inner_step == reloaded.round_first_step == 7 * H + 2  # joins the round where the donor is
-    check_state(reloaded, "run", meta, tensors)
+    reloaded.check_state("run", meta, tensors)
     with pytest.raises(StateError, match="steps do not fit"):
-        check_state(reloaded, "run", dict(meta, inner_step=9 * H), tensors)
+        reloaded.check_state("run", dict(meta, inner_step=9 * H), tensors)
     assert all(torch.equal(p.detach(), a) for p, a in zip(reloaded.params, donor.anchor))
 
     peer.round_index, peer.applied_round = 7, 6
     nudge(peer, 0.25)  # local progress since the round started
     progress = [p.detach() - s for p, s in zip(peer.params, peer.round_start)]
-    adopt_state(peer, meta, tensors, "resync")
+    peer.adopt(meta, tensors, "resync")
     assert all(torch.equal(a, b) for a, b in zip(peer.anchor, donor.anchor))
     for p, s, d in zip(peer.params, peer.round_start, progress):
         torch.testing.assert_close(p.detach() - s, d, rtol=0, atol=1e-6)  # the same progress, on the new anchor
@@ -152,7 +152,7 @@ def test_newcomer_and_laggard_reload_but_a_peer_on_the_swarms_round_rejoins():
     donor = make_stage(seed=1)
     donor.round_index, donor.applied_round = 6, 5
     donor.inner_step = donor.round_index * donor.diloco_cfg.inner_steps
-    state = shareable_state(donor, "run")
+    state = donor.shareable_state("run")
     newcomer = make_stage()
     sync = make_sync(newcomer, [Record(6, 5, "x")], state)
     sync.at_start(resumed=False)
@@ -178,7 +178,7 @@ def test_a_stage_reloads_when_another_stage_of_its_peer_does():
     donor = make_stage(seed=1)
     donor.round_index, donor.applied_round = 1, 0
     donor.inner_step = donor.round_index * donor.diloco_cfg.inner_steps
-    state = shareable_state(donor, "run")
+    state = donor.shareable_state("run")
     for at_start in (True, False):
         peer = make_stage()
         sync = make_sync(peer, [Record(0, -1, "")], state, other_stage_flags=True)
@@ -195,7 +195,7 @@ def test_resync_only_when_the_others_agree_on_another_anchor():
     donor = make_stage(seed=1)
     donor.round_index, donor.applied_round = 8, 7
     donor.inner_step = donor.round_index * donor.diloco_cfg.inner_steps
-    state = shareable_state(donor, "run")
+    state = donor.shareable_state("run")
     theirs = anchor_fingerprint(donor.anchor)
     peer = make_stage()
     peer.round_index, peer.applied_round = 8, 7
@@ -216,7 +216,7 @@ def test_resync_only_when_the_others_agree_on_another_anchor():
     assert [e["action"] for e in sync.events] == ["resync"]
     assert all(torch.equal(a, b) for a, b in zip(peer.anchor, donor.anchor))
 
-    elsewhere = shareable_state(donor, "run")
+    elsewhere = donor.shareable_state("run")
     elsewhere[0]["applied_round"] = 6  # a donor at another point: the resync waits
     peer.applied_round = 7
     sync = make_sync(peer, [Record(8, 7, theirs)], elsewhere)
@@ -231,7 +231,7 @@ def test_resync_from_a_donor_that_already_applied_the_round_in_flight():
     donor = make_stage(seed=1)
     donor.round_index, donor.applied_round = 8, 7
     donor.inner_step = donor.round_index * donor.diloco_cfg.inner_steps
-    state = shareable_state(donor, "run")
+    state = donor.shareable_state("run")
     peer = make_stage()
     peer.round_index, peer.applied_round = 8, 6
     peer.pending = PendingRound(7, [torch.zeros_like(t) for t in peer.anchor], 1.0)
@@ -250,13 +250,13 @@ def _resync_dropping_round_7(peer: Stage, result: RoundOutcome | None):
     donor = make_stage(seed=1)
     donor.round_index, donor.applied_round = 8, 7
     donor.inner_step = donor.round_index * donor.diloco_cfg.inner_steps
-    meta, tensors = shareable_state(donor, "run")
+    meta, tensors = donor.shareable_state("run")
     peer.round_index, peer.applied_round = 8, 6
     peer.pending = PendingRound(7, [torch.full_like(t, 0.3) for t in peer.anchor], 1.0)
     peer.pending.in_flight = True
     peer.averager = FakeAverager(None, result)
     nudge(peer, -0.05)
-    adopt_state(peer, meta, tensors, "resync")
+    peer.adopt(meta, tensors, "resync")
     assert peer.pending is None and peer.averager.finished == 1
     return donor
 
@@ -302,12 +302,12 @@ def test_reload_and_resync_move_the_eager_state():
         for t, m in zip(donor.anchor, donor.outer_optimizer.momentum_buffers):
             t.add_(0.5)
             m.fill_(0.1)
-    meta, tensors = shareable_state(donor, "run")
+    meta, tensors = donor.shareable_state("run")
     reloaded = make_stage("eager")
     with torch.no_grad():
         for e in reloaded.eager_anchor:
             e.add_(3.0)
-    adopt_state(reloaded, meta, tensors, "reload")
+    reloaded.adopt(meta, tensors, "reload")
     assert all(torch.equal(e, a) for e, a in zip(reloaded.eager_anchor, donor.anchor))
     assert all(torch.equal(e, m) for e, m in zip(reloaded.eager_optimizer.momentum_buffers,
                                                  donor.outer_optimizer.momentum_buffers))
@@ -319,7 +319,7 @@ def test_reload_and_resync_move_the_eager_state():
             e.add_(0.25)
             m.fill_(0.02)
     gap = [e - a for e, a in zip(peer.eager_anchor, peer.anchor)]
-    adopt_state(peer, meta, tensors, "resync")
+    peer.adopt(meta, tensors, "resync")
     for e, a, g in zip(peer.eager_anchor, peer.anchor, gap):
         torch.testing.assert_close(e - a, g, rtol=0, atol=1e-6)
     for m in peer.eager_optimizer.momentum_buffers:
@@ -332,7 +332,7 @@ def test_two_peers_with_different_anchors_converge_on_the_canonical_one():
     donor = make_stage(seed=1)
     donor.round_index, donor.applied_round = 8, 7
     donor.inner_step = donor.round_index * donor.diloco_cfg.inner_steps
-    state = shareable_state(donor, "run")
+    state = donor.shareable_state("run")
     donors = anchor_fingerprint(donor.anchor)  # node-a holds the donor's anchor
     for off in ("0" * 32, "f" * 32):  # node-b's anchor sorts before node-a's, then after it
         outcomes = {}
@@ -399,7 +399,7 @@ def test_newcomer_joins_a_round_the_swarm_is_still_averaging_instead_of_reloadin
     donor.round_index, donor.applied_round = record.round, record.applied_round
     donor.inner_step = donor.round_index * donor.diloco_cfg.inner_steps
     newcomer = make_stage()
-    sync = make_sync(newcomer, [record], shareable_state(donor, "run"))
+    sync = make_sync(newcomer, [record], donor.shareable_state("run"))
     sync.at_start(resumed=False)
     assert bool(sync.events) == reloads and newcomer.averager.downloads == int(reloads)
 
@@ -421,12 +421,12 @@ def test_a_reload_into_a_round_in_flight_resyncs_once_one_other_peer_published_p
             donor.applied_round = 6
         peer = make_stage()
         peer.round_index = 3
-        sync = make_sync(peer, [Record(7, donor.applied_round, "x")], shareable_state(donor, "run"))
+        sync = make_sync(peer, [Record(7, donor.applied_round, "x")], donor.shareable_state("run"))
         sync.after_round()
         assert [e["action"] for e in sync.events] == ["reload"]
         assert sync.missed_round == (6 if in_flight else None) and sync.holds_canonical == (not in_flight)
         peer.round_index, peer.applied_round = 8, 7  # it trained on and applied round 7 on its own anchor
-        peer.averager.state = shareable_state(later, "run")
+        peer.averager.state = later.shareable_state("run")
         sync.swarm.records = [Record(8, 7, theirs, node="other")]
         sync.remember("mine")
         sync.after_round()
@@ -448,7 +448,7 @@ def test_a_peer_ending_its_round_after_the_others_applied_the_next_one_still_com
         peer.round_index, peer.applied_round = 9, 7
         records = [Record(9, 8, "8a", node="n1", prior_anchor=theirs_7),
                    Record(9, 8, "8a", node="n2", prior_anchor=theirs_7)]
-        sync = make_sync(peer, records, shareable_state(donor, "run"), node="n0")
+        sync = make_sync(peer, records, donor.shareable_state("run"), node="n0")
         sync.remember(mine)
         sync.after_round()
         assert [e["action"] for e in sync.events] == (["resync"] if resyncs else [])
@@ -457,7 +457,7 @@ def test_a_peer_ending_its_round_after_the_others_applied_the_next_one_still_com
     peer = make_stage()
     peer.round_index, peer.applied_round = 9, 7
     sync = make_sync(peer, [Record(9, 8, "8a", node="n1"), Record(9, 8, "8a", node="n2")],
-                     shareable_state(donor, "run"), node="n0")
+                     donor.shareable_state("run"), node="n0")
     sync.remember("7b")
     sync.after_round()
     assert not sync.events and sync.holds_canonical
@@ -470,7 +470,7 @@ def test_a_peer_resumed_with_a_round_in_flight_that_the_others_applied_reloads_a
     donor = make_stage(seed=1)
     donor.round_index, donor.applied_round = 4, 2
     donor.inner_step = donor.round_index * donor.diloco_cfg.inner_steps
-    state = shareable_state(donor, "run")
+    state = donor.shareable_state("run")
     for others, reloads in (([Record(4, 2, "x")], True),   # the others applied round 2 and are a round ahead
                             ([Record(3, 2, "x")], True),   # applied round 2 early in round 3 (the merge step)
                             ([Record(3, 1, "x")], False),  # round 2 still averaging: join it
@@ -509,7 +509,7 @@ def test_after_a_round_a_peer_the_swarm_ended_the_next_round_for_joins_it_instea
     peer.diloco_cfg = dataclasses.replace(peer.diloco_cfg, round_end=round_end)
     peer.round_index, peer.applied_round = 2, 1
     peer.inner_step = 2 * peer.diloco_cfg.inner_steps
-    sync = make_sync(peer, [record], shareable_state(donor, "run"))
+    sync = make_sync(peer, [record], donor.shareable_state("run"))
     sync.after_round()
     assert [e["action"] for e in sync.events] == (["reload"] if reloads else []), round_end
     assert peer.averager.downloads == int(reloads)

@@ -20,15 +20,15 @@ from p2p_diloco.training.state.checkpoint import (
     load_latest_checkpoint,
     save_checkpoint,
 )
-from p2p_diloco.training.state.stage_state import load_state, state_meta, state_tensors
 from p2p_diloco.training.summary import RESUMED_FIELDS, TrainSummary
 
 logger = logging.getLogger(__name__)
 
 
 def save_stage(folder: Path, stage: Stage, sampler, summary: TrainSummary, run_id: str, keep: int) -> Path:
-    meta = dict(state_meta(stage), sampler=sampler.state_dict(), run_id=run_id, summary=asdict(summary))
-    tensors = dict(state_tensors(stage), **{"rng/torch": torch.get_rng_state()})
+    stage_tensors, stage_meta = stage.state_dict()
+    meta = dict(stage_meta, sampler=sampler.state_dict(), run_id=run_id, summary=asdict(summary))
+    tensors = dict(stage_tensors, **{"rng/torch": torch.get_rng_state()})
     path = save_checkpoint(folder, stage.inner_step, tensors, meta, keep)
     logger.info(f"Saved checkpoint {path}")
     return path
@@ -60,7 +60,7 @@ def resume_stage(folder: Path, stage: Stage, sampler, summary: TrainSummary, run
         raise CheckpointError(f"checkpoint {checkpoint.path} belongs to run {checkpoint.meta.get('run_id')!r}, "
                               f"not {run_id!r}; use another checkpoint folder or --no-resume")
     try:
-        load_state(stage, checkpoint.tensors, checkpoint.meta)
+        stage.load_state_dict(checkpoint.tensors, checkpoint.meta)
         sampler.load_state_dict(checkpoint.meta["sampler"])
     except (ValueError, KeyError) as e:
         raise CheckpointError(f"checkpoint {checkpoint.path} does not fit this peer: {e}; "
