@@ -157,9 +157,10 @@ def analyse(out: Path, args, names, kills, restarts, rss, codes) -> dict:
                 votes[e["anchor_applied_round"]][e["anchor_sha256"]] += 1
     reference = {r: c.most_common(1)[0][0] for r, c in votes.items()}
 
-    # survivors: the next round end of every other peer after each kill
-    # (attempted: every survivor that had not ended its last round yet; completed: those that ended a round after
-    # the kill; one that never did, because it hung or died, counts as attempted and not completed)
+    # survivors: the next round end of every other peer after each kill that applies a round (attempted: every
+    # survivor that had not ended its last round yet; completed: those that applied a round after the kill; one that
+    # never did, because it hung or died, counts as attempted and not completed). The first round end of an overlap
+    # mode applies nothing (its round's average lands a round later): it cannot count as averaged or as not.
     attempted = completed = averaged = 0
     delays = []
     for kill in kills:
@@ -169,12 +170,12 @@ def analyse(out: Path, args, names, kills, restarts, rss, codes) -> dict:
             if any(e["round_index"] >= args.rounds - 1 for e in rounds[n] if e["time"] <= kill["time"]):
                 continue  # it had finished its rounds
             attempted += 1
-            later = [e for e in rounds[n] if e["time"] > kill["time"] and not e.get("flush")]
+            later = [e for e in rounds[n] if e["time"] > kill["time"] and e["applied_round"] is not None]
             if not later:
                 continue
             first = later[0]
             completed += 1
-            averaged += bool(first["averaged"]) if first["applied_round"] is not None else 0
+            averaged += bool(first["averaged"])
             delays.append(first["time"] - kill["time"])
 
     # restarted peers: round ends until they hold the swarm's anchor again

@@ -110,6 +110,14 @@ class Trainer:
 
     def _wait_for_peers(self) -> None:
         wanted = self.cfg.train.wait_for_peers
+        if self.swarm is not None and self.stage.round_index > 0 and self.swarm.joined_swarm:
+            # resumed mid-run (a restart after a crash): the swarm's records take a moment to reach a fresh DHT node,
+            # and deciding on none made a peer resumed with a round in flight wait out that round's timeouts for a
+            # group the others had long finished (seen in benchmarks/churn.py), instead of reloading at once
+            bound = self.cfg.averaging.matchmaking_time_s
+            if self.swarm.wait_for_peers(self.stage.position(), 2, bound, poll_s=0.25) < 2:
+                logger.info(f"No other peer of this stage visible after {bound:.0f} s; going on")
+            return
         if self.swarm is None or wanted <= 1 or self.stage.round_index > 0:
             return
         logger.info(f"Waiting for {wanted} peers of run {self.cfg.run.run_id} before the first round "

@@ -40,3 +40,18 @@ def test_a_survivor_that_never_ends_another_round_is_not_completed(tmp_path):
     survivors = result["survivor_round_ends"]
     assert (survivors["attempted"], survivors["completed"], survivors["averaged"]) == (2, 1, 0)
     assert survivors["max_s_after_kill"] == 2.0
+
+
+def test_a_round_end_that_applies_nothing_is_skipped_for_the_next_that_applies_a_round(tmp_path):
+    """The first round end of an overlap mode applies nothing (its average lands a round later): the survivor's
+    count goes on to its next round end, which applies a round."""
+    churn = load_churn()
+    first = dict(round_end(11.0, 0), applied_round=None, averaged=False)
+    write_peer(tmp_path, "survivor", [first, round_end(15.0, 1)])
+    write_peer(tmp_path, "fell-back", [first, round_end(16.0, 1, averaged=False)])
+    write_peer(tmp_path, "victim", [])
+    result = churn.analyse(tmp_path, argparse.Namespace(rounds=4), ["survivor", "fell-back", "victim"],
+                           [{"peer": "victim", "time": 10.0}], [], {}, {})
+    survivors = result["survivor_round_ends"]
+    assert (survivors["attempted"], survivors["completed"], survivors["averaged"]) == (2, 2, 1)
+    assert survivors["max_s_after_kill"] == 6.0

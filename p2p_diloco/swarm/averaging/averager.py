@@ -230,8 +230,10 @@ class PseudoGradientAverager(GuardedAverager, DecentralizedAverager):
             stats = dict(outcome.stats, bandwidth_mbit=measured)
             return {"gathered": view.infos, "tokens": view.tokens, "stats": stats, "next": proposal}
         except BaseException as e:
-            if isinstance(e, Exception):
-                logger.debug(f"Averaging failed: {e!r}", exc_info=True)
+            if isinstance(e, Exception):  # hivemind retries the round's matchmaking (within its budget) after this
+                logger.warning(f"The all-reduce of a group of {len(group_info.peer_ids)} failed ({e!r}); looking for "
+                               "the round's group again")
+                logger.debug("The all-reduce's failure", exc_info=True)
             raise MatchmakingException(f"Unable to run All-Reduce: {e}") from e
 
     async def _allreduce_phase(self, tensors, codecs, group_info, group_id, view: GroupView,
