@@ -121,8 +121,9 @@ class ExactAllReduceRunner(AllReduceRunner):
             if part_index != len(expected_shapes):
                 raise AllreduceException(f"{peer_id} sent {part_index} parts, {len(expected_shapes)} expected")
         except BaseException as e:
-            if isinstance(e, Exception):
-                logger.debug(f"Caught {e!r} when communicating with {peer_id}", exc_info=True)
+            if isinstance(e, Exception):  # the round then fails here and is retried (the averager logs it too)
+                logger.warning(f"The averages of reducer {peer_id} did not all arrive: {e!r}")
+                logger.debug("The reducer's failure", exc_info=True)
             self.tensor_part_container.register_failed_reducer(peer_index)
             raise
 
@@ -207,6 +208,8 @@ class ExactAllReduceRunner(AllReduceRunner):
                 yield reply
         finally:
             if part_index != self.tensor_part_reducer.num_parts:
+                logger.warning(f"Sender {self.sender_peer_ids[sender_index]} got {part_index} of "
+                               f"{self.tensor_part_reducer.num_parts} averaged parts from this reducer")
                 await self._ban_sender(self.sender_peer_ids[sender_index])
 
 

@@ -162,6 +162,7 @@ class SwarmLink:
         self._watch = None  # the read in flight (a future of the DHT's answer)
         self._watch_at = float("-inf")
         self._rounds_seen: set[int] = set()  # the rounds other peers of this stage train in, as last read
+        self._others_seen_at = float("-inf")  # when expected_group_size last saw another live peer
 
     def publish(self, position: Position, loss: float, tokens_per_s: float, force: bool = False) -> None:
         """Refresh this stage's record (at most every ``publish_every_s`` unless ``force``)."""
@@ -201,7 +202,15 @@ class SwarmLink:
         records = fetch_progress(self.dht, self.run_id)
         size = live_group_size(records, self.stage_index, self.num_stages, self.node,
                                max_round_lag=1, my_round=round_index)
+        now = time.monotonic()
+        if size > 1:
+            self._others_seen_at = now
         if size <= 1 and round_index == 0 and self.joined_swarm:
+            return None
+        if size <= 1 and now - self._others_seen_at < self.ttl_s:
+            # the others' records outlive them by ttl_s: none at all so soon after seeing some is a failed or slow
+            # read, not a swarm that left. Concluding "alone" skipped the network for the round and cost the
+            # others their group too (seen under two busy loops); unknown tries it, bounded by matchmaking
             return None
         return size
 
