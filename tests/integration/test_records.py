@@ -19,7 +19,7 @@ from p2p_diloco.config import DHTConfig
 from p2p_diloco.swarm import SwarmError, fetch_progress, publish_progress, start_dht, visible_maddrs
 from p2p_diloco.swarm.discovery.fingerprint import check_fingerprint, config_key, publish_fingerprint
 from p2p_diloco.swarm.discovery.progress import ProgressRecord, progress_key
-from p2p_diloco.swarm.discovery.records import record_owner, run_record_validators
+from p2p_diloco.swarm.discovery.records import MAX_RECORD_TTL_S, peer_id_of_owner, record_owner, run_record_validators
 
 pytestmark = pytest.mark.timeout(120)
 RUN = "records-test"
@@ -107,9 +107,9 @@ def progress_value(round_index: int, node: str, **changes) -> dict:
     return dict(value, node=node, **changes)
 
 
-def store(node, subkey, value, key: str = progress_key(RUN)) -> bool:
+def store(node, subkey, value, key: str = progress_key(RUN), ttl_s: float = 120) -> bool:
     """Store and wait; True if the first node that answered kept it."""
-    return node.store(key, subkey=subkey, value=value, expiration_time=get_dht_time() + 120)
+    return node.store(key, subkey=subkey, value=value, expiration_time=get_dht_time() + ttl_s)
 
 
 def held(node, subkey, key: str = progress_key(RUN)) -> bool:
@@ -161,15 +161,22 @@ def test_nobody_overwrites_another_peers_record(swarm, attacker):
         assert [(r.node, r.round, r.loss) for r in records] == [(a_id, 1, 2.5)]
 
 
-@pytest.mark.parametrize("damage", ["unsigned", "wrong signature", "missing field", "wrong type", "negative round",
+@pytest.mark.parametrize("damage", ["another writer's node id", "far-future expiration", "unsigned",
+                                    "wrong signature", "missing field", "wrong type", "negative round",
                                     "nan loss", "unknown field", "stage out of range", "plain subkey"])
 def test_forged_or_malformed_records_are_never_read(swarm, attacker, damage):
     a, _, honest_reader = swarm
     victim = RSASignatureValidator(RSAPrivateKey()).local_public_key
     mallory, forger = attacker(victim)
-    mallory_id, subkey = mallory.peer_id.to_base58(), forger.own.local_public_key
+    subkey = forger.own.local_public_key
+    mallory_id, other_id = peer_id_of_owner(subkey), peer_id_of_owner(forger.other.local_public_key)
     value = progress_value(3, mallory_id)
-    if damage == "unsigned":  # names a key, carries no signature
+    ttl_s = 120
+    if damage == "another writer's node id":  # signed by its own key, claims an honest peer's node id
+        value["node"] = a.peer_id.to_base58()
+    elif damage == "far-future expiration":  # published once, it would outlive its writer forever
+        ttl_s = 10 * MAX_RECORD_TTL_S
+    elif damage == "unsigned":  # names a key, carries no signature
         subkey = RSASignatureValidator(RSAPrivateKey()).local_public_key
     elif damage == "wrong signature":
         subkey = victim
@@ -187,14 +194,14 @@ def test_forged_or_malformed_records_are_never_read(swarm, attacker, damage):
         value["stage"] = 1
     elif damage == "plain subkey":
         subkey = "QmNotAKey"
-    store(mallory, subkey, value)
+    store(mallory, subkey, value, ttl_s=ttl_s)
     assert held(mallory, subkey)  # the attacker's node keeps it: it is in the DHT for others to find
-    assert store(mallory, forger.other.local_public_key, progress_value(4, mallory_id))  # this one is fine
+    assert store(mallory, forger.other.local_public_key, progress_value(4, other_id))  # this one is fine
     status_reader = start_dht(DHTConfig(host_maddrs=LOOPBACK, initial_peers=visible_maddrs(a)))  # as `status` does
     try:
         for reader in (honest_reader, status_reader):  # status_reader gets the run's schemas on its first read
             records = wait_for(lambda r=reader: fetch_progress(r, RUN))
-            assert [(r.node, r.round) for r in records] == [(mallory_id, 4)], damage
+            assert [(r.node, r.round) for r in records] == [(other_id, 4)], damage
         found = honest_reader.get(progress_key(RUN), latest=True)  # its validators dropped it, not only our parse
         assert subkey not in found.value and forger.other.local_public_key in found.value
     finally:
@@ -221,9 +228,29 @@ def test_fingerprint_mismatch_is_refused_but_a_forged_one_is_ignored(swarm, atta
     publish_fingerprint(a, RUN, FINGERPRINT, ttl_s=60)
     assert wait_for(lambda: newcomer.get(config_key(RUN), latest=True))
     check_fingerprint(newcomer, RUN, FINGERPRINT)  # the forged ones are not read: no refusal
-    publish_fingerprint(b, RUN, other_dim, ttl_s=60)
-    with pytest.raises(SwarmError, match=r"model.dim is 32 here but 64 in the swarm"):
+    publish_fingerprint(b, RUN, other_dim, ttl_s=60)  # one peer of two differs: no veto
+    assert wait_for(lambda: len(newcomer.get(config_key(RUN), latest=True).value) >= 2)
+    check_fingerprint(newcomer, RUN, FINGERPRINT)
+    publish_fingerprint(a, RUN, other_dim, ttl_s=60)  # now the swarm's majority differs: refused
+    with pytest.raises(SwarmError, match=r"model.dim is 32 here but 64 in the swarm \(2 of 2 live peers\)"):
         wait_for(lambda: check_fingerprint(newcomer, RUN, FINGERPRINT))
+
+
+def test_records_are_signed_by_the_nodes_libp2p_identity(swarm, tmp_path):
+    """The signing key is the node's identity key, so averaging.allowlist (peer ids) applies to records, and a
+    node with a fixed identity signs with the same key after a restart."""
+    a, _, _ = swarm
+    assert peer_id_of_owner(record_owner(a, RUN)) == a.peer_id.to_base58()
+    path = tmp_path / "identity.key"
+    keys = []
+    for _ in range(2):
+        node = start_dht(DHTConfig(host_maddrs=LOOPBACK, identity_path=str(path)), run_record_validators(RUN))
+        try:
+            keys.append(record_owner(node, RUN))
+            assert peer_id_of_owner(keys[-1]) == node.peer_id.to_base58()
+        finally:
+            node.shutdown()
+    assert keys[0] == keys[1]
 
 
 def test_a_peer_leaving_at_the_end_waits_for_its_last_groupmates(swarm):

@@ -7,14 +7,16 @@ hivemind's, running its own p2pd daemon.
 from __future__ import annotations
 
 import logging
+import shutil
 import signal
+import tempfile
 from collections.abc import Iterable, Sequence
 
 import hivemind
 
 from p2p_diloco.config import DHTConfig
 from p2p_diloco.process import die_with_parent, leave_signals_to_parent, lower_priority
-from p2p_diloco.swarm.discovery.identity import IdentityLock, ensure_identity
+from p2p_diloco.swarm.discovery.identity import IdentityLock, ensure_identity, load_signing_key
 from p2p_diloco.swarm.discovery.records import bind_signer, with_signer
 from p2p_diloco.swarm.errors import SwarmError
 
@@ -27,6 +29,7 @@ class _DHT(hivemind.DHT):
     it is shut down."""
 
     identity_lock = None
+    ephemeral_dir = None  # the private folder of an identity made for this node alone (no identity_path given)
 
     def run(self) -> None:
         die_with_parent(signal.SIGKILL)
@@ -41,6 +44,8 @@ class _DHT(hivemind.DHT):
         finally:
             if self.identity_lock is not None:
                 self.identity_lock.release()
+            if self.ephemeral_dir is not None:
+                shutil.rmtree(self.ephemeral_dir, ignore_errors=True)
 
 
 def _not_a_vanished_sender(record: logging.LogRecord) -> bool:
@@ -60,6 +65,9 @@ def start_dht(cfg: DHTConfig, record_validators: Iterable = (), check_identity_f
             node; a signature validator with a key of this node's own is always added (see ``swarm.records``).
         check_identity_free: refuse an identity that a running node of the swarm already holds.
 
+    Without ``cfg.identity_path`` the node gets a new identity, in a private folder removed at shutdown: its
+    records are signed with its identity's key either way (see ``swarm.discovery.records``).
+
     Returns:
         A running ``hivemind.DHT``; the caller must ``shutdown()`` it.
 
@@ -67,13 +75,22 @@ def start_dht(cfg: DHTConfig, record_validators: Iterable = (), check_identity_f
         SwarmError: the daemon could not start, no initial peer could be reached, or a running node of this
             machine holds the identity.
     """
-    identity_path, lock = None, None
+    identity_path, lock, ephemeral_dir = None, None, None
     if cfg.identity_path:
         peer_id, created = ensure_identity(cfg.identity_path)
         lock = IdentityLock(cfg.identity_path)
         identity_path = str(cfg.identity_path)
         logger.info(f"{'Created' if created else 'Using'} identity {identity_path} (peer id {peer_id})")
-    record_validators = with_signer(record_validators)
+    else:
+        ephemeral_dir = tempfile.mkdtemp(prefix="p2p-diloco-identity-")  # 0700: only this user reads the key
+        identity_path = f"{ephemeral_dir}/identity.key"
+        ensure_identity(identity_path)
+    try:
+        record_validators = with_signer(record_validators, load_signing_key(identity_path))
+    except SwarmError:
+        if lock is not None:
+            lock.release()
+        raise
     try:
         dht = _DHT(
             initial_peers=list(cfg.initial_peers) or None,
@@ -84,7 +101,7 @@ def start_dht(cfg: DHTConfig, record_validators: Iterable = (), check_identity_f
             use_relay=cfg.use_relay,
             use_auto_relay=cfg.use_auto_relay,
             startup_timeout=cfg.startup_timeout_s,
-            check_if_identity_free=check_identity_free,
+            check_if_identity_free=check_identity_free and ephemeral_dir is None,  # a new identity is free
             record_validators=list(record_validators),
             start=True,
             await_ready=True,
@@ -92,8 +109,10 @@ def start_dht(cfg: DHTConfig, record_validators: Iterable = (), check_identity_f
     except Exception as e:
         if lock is not None:
             lock.release()
+        if ephemeral_dir is not None:
+            shutil.rmtree(ephemeral_dir, ignore_errors=True)
         raise SwarmError(_explain_start_failure(e, cfg.initial_peers)) from None
-    dht.identity_lock = lock
+    dht.identity_lock, dht.ephemeral_dir = lock, ephemeral_dir
     bind_signer(dht, record_validators)
     return dht
 

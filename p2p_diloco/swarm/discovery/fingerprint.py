@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from p2p_diloco.swarm.discovery.records import FingerprintValue, is_owner_subkey, record_owner
+from p2p_diloco.swarm.discovery.records import FingerprintValue, bound_to_writer, is_owner_subkey, record_owner
 from p2p_diloco.swarm.errors import SwarmError
 
 logger = logging.getLogger(__name__)
@@ -46,7 +46,12 @@ def differences(mine: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
 
 
 def check_fingerprint(dht, run_id: str, fingerprint: dict[str, Any], timeout_s: float = 15.0) -> None:
-    """Refuse to join if a live peer of ``run_id`` published a different fingerprint.
+    """Refuse to join if most live peers of ``run_id`` published another fingerprint than this peer's.
+
+    A majority, not a veto: each record is signed by its writer's libp2p identity and expires within minutes (see
+    ``swarm.discovery.records``), but anyone can start a node, and one record of another config used to block every
+    newcomer. Peers whose fingerprint differs from the majority's are refused; a tie lets the newcomer in (the
+    averager's group key and tensor schema keep mismatched peers apart anyway).
 
     Raises:
         SwarmError: naming every key that differs from the swarm's.
@@ -59,13 +64,26 @@ def check_fingerprint(dht, run_id: str, fingerprint: dict[str, Any], timeout_s: 
         return
     if found is None or not isinstance(found.value, dict):
         return
+    same, others = 0, []
     for subkey, entry in found.value.items():
-        if subkey == me or not is_owner_subkey(subkey) or not _well_formed(entry.value):
+        if subkey == me or not is_owner_subkey(subkey) or not _well_formed(entry.value) \
+                or not bound_to_writer(subkey, None, float(entry.expiration_time)):
             continue
-        diff = differences(fingerprint, entry.value)
-        if diff:
-            raise SwarmError(f"this peer's config does not fit the swarm of run {run_id!r}: " + "; ".join(diff)
-                             + ". Use the swarm's settings, or another --run-id")
+        if differences(fingerprint, entry.value):
+            others.append(entry.value)
+        else:
+            same += 1
+    if not others:
+        return
+    counts = [sum(1 for o in others if not differences(theirs, o)) for theirs in others]
+    majority = max(range(len(others)), key=counts.__getitem__)
+    if counts[majority] > same:
+        diff = differences(fingerprint, others[majority])
+        raise SwarmError(f"this peer's config does not fit the swarm of run {run_id!r}: " + "; ".join(diff)
+                         + f" ({counts[majority]} of {same + len(others)} live peers). Use the swarm's settings, "
+                         "or another --run-id")
+    logger.warning(f"{len(others)} of {same + len(others)} live peers of run {run_id!r} published another config "
+                   f"fingerprint ({'; '.join(differences(fingerprint, others[majority]))}); going on with the majority")
 
 
 def _well_formed(value) -> bool:

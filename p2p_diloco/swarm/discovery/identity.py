@@ -35,6 +35,25 @@ def _peer_id_of(data: bytes, path: Path) -> str:
         raise SwarmError(f"identity file {path} does not hold a libp2p private key (garbled?)") from None
 
 
+def load_signing_key(path: str | Path):
+    """The RSA private key of an identity file, as hivemind's ``RSAPrivateKey``: the key the node's DHT records are
+    signed with, so that a record's writer is the node's libp2p identity (see ``swarm.discovery.records``)."""
+    from hivemind.proto import crypto_pb2
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    path = Path(path).expanduser()
+    try:
+        private = crypto_pb2.PrivateKey.FromString(path.read_bytes())
+    except Exception:
+        raise SwarmError(f"identity file {path} does not hold a libp2p private key (garbled?)") from None
+    if private.key_type != crypto_pb2.KeyType.RSA:
+        raise SwarmError(f"identity file {path} holds a {crypto_pb2.KeyType.Name(private.key_type)} key; this "
+                         "version signs its records with RSA identities only: remove the file to have one created")
+    key = RSAPrivateKey.__new__(RSAPrivateKey)
+    key.__setstate__({"_private_key": private.data})  # hivemind's own unpickling: the DER-encoded private key
+    return key
+
+
 def ensure_identity(path: str | Path) -> tuple[str, bool]:
     """Create the identity file if it is missing, else check it.
 

@@ -15,7 +15,7 @@ import time
 from dataclasses import asdict, dataclass, fields
 from typing import Optional
 
-from p2p_diloco.swarm.discovery.records import ProgressValue, is_owner_subkey, record_owner
+from p2p_diloco.swarm.discovery.records import ProgressValue, bound_to_writer, is_owner_subkey, record_owner
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +91,8 @@ def parse_progress(found) -> list[ProgressRecord]:
             if not is_owner_subkey(subkey):
                 raise ValueError("the subkey is not a public key")
             value = ProgressValue.parse_obj(entry.value).dict()
+            if not bound_to_writer(subkey, value, float(entry.expiration_time)):
+                raise ValueError("its node is not its signer's peer id, or it expires too far ahead")
         except ValueError as e:  # pydantic's ValidationError is one
             logger.debug(f"Skipping a malformed progress record under {subkey!r}: {e!r}")
             continue
@@ -102,7 +104,10 @@ def parse_progress(found) -> list[ProgressRecord]:
 def moved_past(others: list[ProgressRecord], round_index: int) -> bool:
     """Whether none of ``others`` (records of the same stage) can still average ``round_index``: none is on that
     round, or on the next with that round not yet applied (averaging it in the background). False when there
-    are no others."""
+    are no others. A record more than two rounds ahead is no evidence either way: a peer that far ahead of a live
+    round is more likely a false record than a swarm that ran off (one such record failed every round of a peer
+    at once; a peer really that far behind is reloaded by the sync anyway)."""
+    others = [r for r in others if r.round <= round_index + 2]
     could_join = [r for r in others if round_index <= r.round <= round_index + 1 and r.applied_round < round_index]
     return bool(others) and not could_join
 
@@ -144,14 +149,16 @@ class SwarmLink:
         publish_every_s: refresh the record at most this often (rounds always refresh it).
         ttl_s: a record expires this long after it was written unless refreshed.
         joined_swarm: this node was started with initial peers (it did not start a new swarm).
+        behaviour: what the records tell (``faults.HONEST``: the truth; a test's ``Hostility`` may lie).
     """
 
     def __init__(self, dht, run_id: str, peer_name: str, *, stage_index: int = 0, num_stages: int = 1,
                  inner_steps: int = 1, fingerprint: Optional[dict] = None, publish_every_s: float = 10.0,
-                 ttl_s: float = 120.0, joined_swarm: bool = True):
+                 ttl_s: float = 120.0, joined_swarm: bool = True, behaviour=None):
         self.dht, self.run_id, self.peer_name, self.fingerprint = dht, run_id, peer_name, fingerprint
         self.stage_index, self.num_stages, self.inner_steps = stage_index, num_stages, inner_steps
         self.joined_swarm = joined_swarm
+        self.behaviour = behaviour
         self.anchor_fingerprint = ""  # set by the trainer whenever the anchor takes an average
         self.prior_anchor_fingerprint = ""  # the one before (see ProgressRecord.prior_anchor)
         self.node = dht.peer_id.to_base58()
@@ -172,10 +179,13 @@ class SwarmLink:
         if not force and now - self._last_publish < self.publish_every_s:
             return
         self._last_publish = now
+        told_round, applied_round = position.round, position.applied_round
+        if self.behaviour is not None:
+            told_round, applied_round = self.behaviour.record(told_round, applied_round)
         record = ProgressRecord(peer=self.peer_name, stage=self.stage_index, num_stages=self.num_stages,
-                                round=position.round, inner_step=position.inner_step,
-                                tokens_per_s=float(tokens_per_s), loss=float(loss), time=get_dht_time(),
-                                applied_round=position.applied_round, anchor=self.anchor_fingerprint,
+                                round=told_round, inner_step=position.inner_step + (told_round - position.round) *
+                                self.inner_steps, tokens_per_s=float(tokens_per_s), loss=float(loss),
+                                time=get_dht_time(), applied_round=applied_round, anchor=self.anchor_fingerprint,
                                 prior_anchor=self.prior_anchor_fingerprint)
         try:
             publish_progress(self.dht, self.run_id, record, self.ttl_s)

@@ -8,17 +8,21 @@ overwrite another process's entry; ``SchemaValidator`` checks every entry agains
 (strict types, no NaN, no negative round, no missing or unknown field). Every DHT node that holds the validators
 refuses a bad record when asked to store it and when another node returns it, so a reader never sees one.
 
-Each DHT node signs with its own fresh key (:func:`with_signer`, used by
-:func:`p2p_diloco.swarm.discovery.dht.start_dht`, so that the node checks signatures from its first record on);
-:func:`record_owner` gives the subkey its records go under. Readers also parse every entry with the schemas, so a node
-that got its run's schemas late (``p2p-diloco status``) reads no malformed one either. A record's ``node`` (the
-writer's DHT peer id) is the writer's own signed claim: the key, not the claim, is what nobody else can use. Called by
-the DHT start, the progress and fingerprint records, and the commands that start DHT nodes (their run's schemas:
-:func:`run_record_validators`).
+Each DHT node signs with the private key of its libp2p identity (:func:`with_signer`, used by
+:func:`p2p_diloco.swarm.discovery.dht.start_dht`, so that the node checks signatures from its first record on), and
+:class:`IdentityBinding` makes every node refuse a run's record whose ``node`` (the writer's DHT peer id) is not the
+peer id of the key that signed it, or whose expiration is further than :data:`MAX_RECORD_TTL_S` ahead. A record's
+writer is therefore a libp2p identity, the one its averager and its DHT node speak as: ``averaging.allowlist``
+applies to records too, and one machine writes one record per identity it runs, which expires within minutes of
+its last refresh. :func:`record_owner` gives the subkey a node's records go under. Readers also parse every entry
+with the schemas, so a node that got its run's schemas late (``p2p-diloco status``) reads no malformed one either.
+Called by the DHT start, the progress and fingerprint records, and the commands that start DHT nodes (their run's
+schemas: :func:`run_record_validators`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 import threading
 import weakref
@@ -27,9 +31,11 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.protocol import DHTProtocol
+from hivemind.dht.routing import DHTID
 from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
-from hivemind.dht.validation import RecordValidatorBase
-from hivemind.utils.crypto import RSAPrivateKey
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 from pydantic.v1 import BaseModel, Extra, Field, StrictBool, confloat, conint, conlist, constr, root_validator
 
 from p2p_diloco.swarm.errors import SwarmError
@@ -39,6 +45,9 @@ _NAME = constr(strict=True, min_length=1, max_length=128, regex=r"^[A-Za-z0-9._-
 _COUNT = conint(strict=True, ge=0, le=2**62)
 _FINITE = confloat(strict=True, allow_inf_nan=False)
 MAX_STAGES = 1024
+MAX_RECORD_TTL_S = 600.0
+"""No node stores or returns a run's record that expires further ahead than this (``dht.record_ttl_s`` is at most
+this): a record published once with a far-future expiration would otherwise outlive its writer forever."""
 _OWNER = re.compile(RSASignatureValidator.PUBLIC_KEY_REGEX)
 
 
@@ -109,19 +118,80 @@ class RunSchemaValidator(SchemaValidator):
         self.run_id = run_id
 
 
+def peer_id_of_owner(owner: bytes) -> str:
+    """The libp2p peer id (base58) of the RSA key an owner subkey (``[owner:<key>]``) names; ValueError if it names
+    none. The libp2p rule: the multihash (sha2-256) of the key's protobuf (type RSA, DER SubjectPublicKeyInfo)."""
+    from cryptography.hazmat.primitives import serialization
+    from hivemind.p2p import PeerID
+    from hivemind.proto import crypto_pb2
+
+    found = _OWNER.search(owner) if isinstance(owner, bytes) else None
+    if found is None:
+        raise ValueError("the subkey names no public key")
+    key = RSAPublicKey.from_bytes(found.group(1))._public_key
+    der = key.public_bytes(encoding=serialization.Encoding.DER, format=serialization.PublicFormat.SubjectPublicKeyInfo)
+    encoded = crypto_pb2.PublicKey(key_type=crypto_pb2.RSA, data=der).SerializeToString()
+    return PeerID(b"\x12\x20" + hashlib.sha256(encoded).digest()).to_base58()  # multihash: sha2-256, 32 bytes
+
+
+class IdentityBinding(RecordValidatorBase):
+    """Refuses a run's record whose writer is not the identity that signed it, or that expires too far ahead.
+
+    For the keys of run ``run_id``: the subkey must name a public key (the signature validator, which runs first,
+    has checked the signature against it); a progress record's ``node`` must be that key's libp2p peer id; the
+    expiration must be at most :data:`MAX_RECORD_TTL_S` ahead. Other keys pass."""
+
+    def __init__(self, run_id: str):
+        self.run_id = run_id
+        self._progress = DHTID.generate(source=f"{run_id}_progress").to_bytes()
+        self._config = DHTID.generate(source=f"{run_id}_config").to_bytes()
+
+    def validate(self, record: DHTRecord) -> bool:
+        if record.key not in (self._progress, self._config):
+            return True
+        try:
+            owner = DHTProtocol.serializer.loads(record.subkey)
+            value = DHTProtocol.serializer.loads(record.value) if record.key == self._progress else None
+        except Exception:  # anything a writer sends may be malformed
+            return False
+        return bound_to_writer(owner, value, record.expiration_time)
+
+    def merge_with(self, other: RecordValidatorBase) -> bool:
+        return isinstance(other, IdentityBinding) and other.run_id == self.run_id
+
+
+def bound_to_writer(owner, value: Optional[dict], expiration_time: float) -> bool:
+    """Whether an entry under subkey ``owner`` is its writer's: ``owner`` names a key, the entry expires at most
+    :data:`MAX_RECORD_TTL_S` ahead, and a progress record's ``value`` names that key's peer id as its ``node`` (pass
+    None for a config entry). :class:`IdentityBinding` checks it in the DHT; readers check it again, as a node
+    that got the run's validators late (``p2p-diloco status``) may have taken an entry before."""
+    from hivemind.utils import get_dht_time
+
+    if expiration_time > get_dht_time() + MAX_RECORD_TTL_S:
+        return False
+    try:
+        peer_id = peer_id_of_owner(owner)
+    except Exception:  # not a key, or a garbled one
+        return False
+    return value is None or (isinstance(value, dict) and value.get("node") == peer_id)
+
 def run_record_validators(run_id: str) -> list[RecordValidatorBase]:
-    """Schemas of the records of run ``run_id`` (keys ``<run_id>_progress`` and ``<run_id>_config``); other keys
-    (the averagers' matchmaking, other runs) pass. Give them to :func:`~p2p_diloco.swarm.discovery.dht.start_dht`."""
-    return [RunSchemaValidator(ProgressSchema, run_id), RunSchemaValidator(FingerprintSchema, run_id)]
+    """Schemas of the records of run ``run_id`` (keys ``<run_id>_progress`` and ``<run_id>_config``) and the binding
+    of each record to its signer's identity; other keys (the averagers' matchmaking, other runs) pass. Give them to
+    :func:`~p2p_diloco.swarm.discovery.dht.start_dht`."""
+    return [RunSchemaValidator(ProgressSchema, run_id), RunSchemaValidator(FingerprintSchema, run_id),
+            IdentityBinding(run_id)]
 
 
-def with_signer(validators: Iterable[RecordValidatorBase]) -> list[RecordValidatorBase]:
-    """``validators`` plus an ``RSASignatureValidator`` with a fresh key of its own, unless they hold one (hivemind
-    keeps only the first one a DHT node is given). A key per node, not hivemind's process-wide one: several nodes
-    of one process (tests, a local swarm) must not share, and overwrite, one another's entries."""
+def with_signer(validators: Iterable[RecordValidatorBase],
+                private_key: Optional[RSAPrivateKey] = None) -> list[RecordValidatorBase]:
+    """``validators`` plus an ``RSASignatureValidator`` with ``private_key`` (the node's libp2p identity key; a fresh
+    key if None), unless they hold one (hivemind keeps only the first one a DHT node is given). A key per node, not
+    hivemind's process-wide one: several nodes of one process (tests, a local swarm) must not share, and overwrite,
+    one another's entries."""
     validators = list(validators)
     if not any(isinstance(v, RSASignatureValidator) for v in validators):
-        validators.append(RSASignatureValidator(RSAPrivateKey()))
+        validators.append(RSASignatureValidator(private_key if private_key is not None else RSAPrivateKey()))
     return validators
 
 
