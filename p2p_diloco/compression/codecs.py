@@ -5,8 +5,12 @@ fp16); hivemind has no CPU blockwise quantizer (its ``BlockwiseQuantization`` ne
 :class:`BlockwiseQuantization8Bit` and :class:`BlockwiseQuantization4Bit` are written here: symmetric
 codes with one fp32 scale (the block's absolute maximum) per block of :data:`BLOCK` values. hivemind's
 deserializer only knows its own compression types, so ours travel as ``NONE`` tensors whose ``dtype``
-field names the codec (``p2p_diloco:int8``); :func:`decode_tensor` reads both kinds. Every decoder
-checks the payload's length against its declared shape, so a malformed message is an error, not garbage.
+field names the codec (``p2p_diloco:int8``). :func:`decode_tensor` decodes what peers send: exactly what this
+version sends (fp32 ``NONE``, hivemind's ``FLOAT16`` of fp32 tensors, our two codecs), and nothing through
+hivemind's decoders, which trust the message's ``dtype`` field (a small ``FLOAT16`` part naming ``V40000`` made
+numpy allocate 40,000 bytes per value). The declared shape (its number of dimensions, at most ``max_values``
+values) and the payload's length are checked before anything is allocated, so a malformed message is a
+ValueError, never garbage or a huge allocation.
 
 Block grids start at each tensor's first value and hivemind cuts parts at multiples of 2**k values, so
 quantizing a part or the whole tensor gives the same values: :func:`roundtrip` on the whole tensor is what
@@ -19,16 +23,12 @@ import math
 
 import numpy as np
 import torch
-from hivemind.compression import (
-    CompressionBase,
-    CompressionInfo,
-    Float16Compression,
-    NoCompression,
-    deserialize_torch_tensor,
-)
+from hivemind.compression import CompressionBase, CompressionInfo, Float16Compression, NoCompression
 from hivemind.proto import runtime_pb2
 
 BLOCK = 256  # values per scale; a power of two, so hivemind's part boundaries fall on block boundaries
+MAX_DIMS = 8  # dimensions of a tensor on the wire: parts are 1-D, state tensors have their parameter's shape
+WIRE_DTYPE = "float32"  # the dtype field of fp32 and fp16 messages: the dtype of the tensor before encoding
 
 
 class _Blockwise(CompressionBase):
@@ -69,8 +69,7 @@ class _Blockwise(CompressionBase):
                                   requires_grad=False)
 
     def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
-        shape = tuple(serialized_tensor.size)
-        num_values = math.prod(shape)
+        shape, num_values = wire_shape(serialized_tensor)
         num_blocks = math.ceil(num_values / BLOCK)
         expected = 4 * num_blocks + self._packed_size(num_values)
         buffer = serialized_tensor.buffer
@@ -143,12 +142,49 @@ CODECS: dict[str, CompressionBase] = {
 _OURS = {codec.name: codec for codec in CODECS.values() if isinstance(codec, _Blockwise)}
 
 
-def decode_tensor(serialized: runtime_pb2.Tensor) -> torch.Tensor:
-    """Decode a tensor from the wire: our blockwise codecs, or any of hivemind's."""
-    codec = _OURS.get(serialized.dtype)
+def decode_tensor(serialized: runtime_pb2.Tensor, max_values: int | None = None) -> torch.Tensor:
+    """Decode a tensor from the wire: fp32, hivemind's fp16 of fp32, or one of our blockwise codecs.
+
+    Args:
+        serialized: the message, as a peer sent it.
+        max_values: refuse a tensor that declares more values than this (None: no bound but the payload's length).
+
+    Raises:
+        ValueError: another compression or dtype, a malformed shape, more than ``max_values`` values, or a payload
+            whose length does not fit the shape; raised before anything is allocated from the message's claims.
+    """
+    compression, dtype = serialized.compression, serialized.dtype
+    codec = _OURS.get(dtype) if compression == runtime_pb2.NONE else None
+    if codec is None and not (dtype == WIRE_DTYPE and compression in (runtime_pb2.NONE, runtime_pb2.FLOAT16)):
+        raise ValueError(f"a tensor of compression {_compression_name(compression)} and dtype {dtype[:40]!r} is not "
+                         f"one this version sends (fp32, fp16 of fp32, {', '.join(sorted(_OURS))})")
+    shape, num_values = wire_shape(serialized)
+    if max_values is not None and num_values > max_values:
+        raise ValueError(f"a tensor of shape {list(shape)} holds {num_values} values, more than the "
+                         f"{max_values} expected")
     if codec is not None:
         return codec.extract(serialized)
-    return deserialize_torch_tensor(serialized)
+    value_bytes = 4 if compression == runtime_pb2.NONE else 2
+    if len(serialized.buffer) != value_bytes * num_values:
+        raise ValueError(f"{_compression_name(compression)} payload of {len(serialized.buffer)} bytes does not fit "
+                         f"shape {list(shape)} ({value_bytes * num_values} bytes expected)")
+    array = np.frombuffer(serialized.buffer, dtype="<f4" if value_bytes == 4 else "<f2")
+    return torch.from_numpy(array.astype(np.float32)).reshape(shape)  # astype copies: the tensor is writable
+
+
+def wire_shape(serialized: runtime_pb2.Tensor) -> tuple[tuple[int, ...], int]:
+    """The shape a message declares and its number of values, of at most :data:`MAX_DIMS` dimensions."""
+    if len(serialized.size) > MAX_DIMS:
+        raise ValueError(f"a tensor declares {len(serialized.size)} dimensions, more than {MAX_DIMS}")
+    shape = tuple(serialized.size)  # uint32 sizes: never negative
+    return shape, math.prod(shape)  # Python integers: a product of huge sizes is huge, never wrapped around
+
+
+def _compression_name(compression: int) -> str:
+    try:
+        return runtime_pb2.CompressionType.Name(compression)
+    except ValueError:  # a number no version of hivemind defines
+        return str(compression)
 
 
 def roundtrip(codec_name: str, tensor: torch.Tensor) -> torch.Tensor:

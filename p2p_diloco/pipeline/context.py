@@ -1,10 +1,15 @@
 """The torch.distributed process group that joins the P stage processes of one peer.
 
-A stage process finds its place from the torchrun-style environment (RANK, WORLD_SIZE, LOCAL_RANK,
-MASTER_ADDR, MASTER_PORT), set by ``torchrun`` across the nodes of a cluster or by our local launcher
-(:mod:`p2p_diloco.pipeline.launch`). gloo on CPU, NCCL on CUDA. Every collective that fails because a
-stage of the peer died becomes a :class:`PipelineError` with a message saying so. Only stages of one peer
-talk through this group; between peers, only hivemind.
+A stage process finds its place from the torchrun-style environment (RANK, WORLD_SIZE, LOCAL_RANK), set by
+``torchrun`` across the nodes of a cluster or by our local launcher (:mod:`p2p_diloco.pipeline.launch`). gloo on
+CPU, NCCL on CUDA. Every collective that fails because a stage of the peer died becomes a :class:`PipelineError`
+with a message saying so. Only stages of one peer talk through this group; between peers, only hivemind.
+
+The stages meet through a store that has no authentication, and object collectives unpickle what they receive, so
+whoever reaches the store can run code in every stage. torch's ``TCPStore`` listens on all interfaces whatever
+``MASTER_ADDR`` says, so our local launcher uses none: it names a ``FileStore`` in a private (0700) directory
+(:data:`STORE_FILE`), checked here, and binds gloo's and NCCL's sockets to the loopback interface. Under torchrun
+(MASTER_ADDR, MASTER_PORT) the store is torch's ``TCPStore``: keep MASTER_PORT on a private network or firewalled.
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")  # torchrun's
+STORE_FILE = "P2P_DILOCO_STORE_FILE"  # our local launcher's instead of MASTER_ADDR and MASTER_PORT
 
 
 class PipelineError(RuntimeError):
@@ -26,7 +32,8 @@ class PipelineError(RuntimeError):
 
 def launched_as_stage() -> bool:
     """Whether this process was started as one stage of a pipeline (by torchrun or our launcher)."""
-    return all(key in os.environ for key in ENV_KEYS)
+    keys = ENV_KEYS[:3] + ((STORE_FILE,) if STORE_FILE in os.environ else ENV_KEYS[3:])
+    return all(key in os.environ for key in keys)
 
 
 @dataclass
@@ -51,8 +58,10 @@ class PipelineContext:
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":
             torch.cuda.set_device(device)
+        timeout = timedelta(seconds=timeout_s)
+        store = _private_store(world, timeout)
         try:
-            dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+            dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, store=store)
         except Exception as e:
             raise PipelineError(f"stage {rank} could not join its peer's other stages: {e}") from None
         return cls(rank, world, local_rank, device)
@@ -106,6 +115,23 @@ class PipelineContext:
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _private_store(world: int, timeout: timedelta):
+    """Our local launcher's ``FileStore`` (None under torchrun: torch's ``env://`` store), in a directory that only
+    this user can reach."""
+    path = os.environ.get(STORE_FILE)
+    if path is None:
+        return None
+    from p2p_diloco.config import ConfigError
+
+    folder = os.stat(os.path.dirname(os.path.abspath(path)))
+    if folder.st_uid != os.getuid() or folder.st_mode & 0o077:
+        raise ConfigError(f"{STORE_FILE}: the folder of {path} must be private to this user (mode 0700), "
+                          f"not {oct(folder.st_mode & 0o777)}")
+    store = dist.FileStore(path, world)
+    store.set_timeout(timeout)
+    return store
 
 
 def _stage_device(spec: str, local_rank: int) -> torch.device:

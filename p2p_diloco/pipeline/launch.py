@@ -5,6 +5,11 @@ one a stage), watches them, and stops them together: when one stage dies, the ot
 message saying which and why, and every process group is killed at the end, so no process of the peer is
 left behind. Across the nodes of a cluster, ``torchrun`` plays this role instead (see
 ``peers/launch-torchrun.sh``). At the end it prints the summary of the peer as a whole.
+
+The stages meet through a ``FileStore`` in a private temporary directory, not torch's ``TCPStore`` (which listens
+on all interfaces, unauthenticated, while the stages unpickle what their object collectives receive), and their
+gloo and NCCL sockets are bound to the loopback interface: nothing of a local peer's pipeline is reachable from
+another machine (see :mod:`p2p_diloco.pipeline.context`).
 """
 
 from __future__ import annotations
@@ -13,13 +18,17 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 from p2p_diloco.config import Config, dump_config
-from p2p_diloco.process import die_with_parent, free_port, signal_group, stop_groups
+from p2p_diloco.pipeline.context import STORE_FILE
+from p2p_diloco.process import die_with_parent, signal_group, stop_groups
 
 logger = logging.getLogger(__name__)
 LAUNCHED_BY_US = "P2P_DILOCO_STAGE_LAUNCHER"
@@ -33,9 +42,41 @@ def run_local_stages(cfg: Config) -> int:
     output_dir.mkdir(parents=True, exist_ok=True)
     config_path = output_dir / "stages.toml"
     config_path.write_text(dump_config(cfg))
-    port = free_port()
     threads = cfg.run.num_threads or max(1, (os.cpu_count() or 1) // num_stages)
-    processes = [_start_stage(j, num_stages, port, config_path, threads) for j in range(num_stages)]
+    with tempfile.TemporaryDirectory(prefix="p2p-diloco-stages-") as store_dir:  # mode 0700, removed at the end
+        processes = [_start_stage(stage_environment(j, num_stages, Path(store_dir) / "store"), config_path, threads)
+                     for j in range(num_stages)]
+        failed = _run_stages(processes)
+    if failed is not None:
+        index, code = failed
+        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        print(f"error: stage {index} of this peer {how}; stopped its other stages (no process is left running)",
+              file=sys.stderr, flush=True)
+        return 1
+    _print_peer_summary(output_dir, num_stages)
+    return 0
+
+
+def stage_environment(index: int, num_stages: int, store_path: Path) -> dict[str, str]:
+    """The environment of stage ``index`` of a local peer: torchrun's ranks, the peer's private store (in place of
+    MASTER_ADDR and MASTER_PORT), and gloo's and NCCL's sockets on the loopback interface."""
+    env = {key: value for key, value in os.environ.items() if key not in ("MASTER_ADDR", "MASTER_PORT")}
+    env.update(RANK=str(index), WORLD_SIZE=str(num_stages), LOCAL_RANK=str(index),
+               **{STORE_FILE: str(store_path), LAUNCHED_BY_US: "1"})
+    loopback = loopback_interface()
+    if loopback is not None:
+        env.update(GLOO_SOCKET_IFNAME=loopback, NCCL_SOCKET_IFNAME=loopback)
+    return env
+
+
+def loopback_interface() -> Optional[str]:
+    """The name of this machine's loopback interface (``lo`` on Linux, ``lo0`` on macOS), if it has one."""
+    names = {name for _index, name in socket.if_nameindex()}
+    return next((name for name in ("lo", "lo0") if name in names), None)
+
+
+def _run_stages(processes: list[subprocess.Popen]) -> tuple[int, int] | None:
+    """Watch the stages, forwarding SIGINT and SIGTERM to them; returns what :func:`_watch` does."""
     stop_requested = []
 
     def forward(signum, _frame) -> None:
@@ -48,24 +89,14 @@ def run_local_stages(cfg: Config) -> int:
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        failed = _watch(processes)
+        return _watch(processes)
     finally:
         stop_groups(processes, GRACE_S)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    if failed is not None:
-        index, code = failed
-        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-        print(f"error: stage {index} of this peer {how}; stopped its other stages (no process is left running)",
-              file=sys.stderr, flush=True)
-        return 1
-    _print_peer_summary(output_dir, num_stages)
-    return 0
 
 
-def _start_stage(index: int, num_stages: int, port: int, config_path: Path, threads: int) -> subprocess.Popen:
-    env = dict(os.environ, RANK=str(index), WORLD_SIZE=str(num_stages), LOCAL_RANK=str(index),
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **{LAUNCHED_BY_US: "1"})
+def _start_stage(env: dict[str, str], config_path: Path, threads: int) -> subprocess.Popen:
     command = [sys.executable, "-m", "p2p_diloco", "peer", "--config", str(config_path),
                "--run.num_threads", str(threads)]
     return subprocess.Popen(command, env=env, start_new_session=True, preexec_fn=die_with_parent)
