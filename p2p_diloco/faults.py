@@ -18,12 +18,24 @@ An honest averager has the :class:`Honest` behaviour, whose hooks change nothing
   default 100), ``nan``, ``inf``, ``shape`` (every part it sends declares one value more than it holds);
 - in the round's metadata: ``tokens:K`` (claims K times its tokens as its weight, default 1000), ``stale:K``
   (replays its contribution of K rounds ago and claims that round, default 1), ``metadata`` (a malformed
-  compression proposal);
-- as a reducer: ``reply-nan`` and ``reply-scale:K`` (the averages it returns are NaN, or K times too large).
+  compression proposal), ``lowball`` (a well-formed record that asks for the least precision: rank 1, 4 bits, a
+  link and a round of compute a million times too slow);
+- as a reducer: ``reply-nan`` and ``reply-scale:K`` (the averages it returns are NaN, or K times too large);
+- as a group leader (it never follows another peer, so it leads every group it is in): ``forge-tokens:K`` (relays
+  to each follower that follower's own record with K times fewer tokens, which would let it accept an average K
+  times larger, and as a reducer returns averages K times too large, default 1000), ``forge-round`` (relays to
+  the first follower in group order the next follower's record on the previous round: that follower alone sees
+  the member excluded, and the group reads two different partitions of the vector);
+- in the all-reduce: ``stall:S`` (joins groups, then neither sends its parts nor answers for S seconds before it
+  leaves the group and looks for the next one, default 30);
+- to the swarm's sync: ``false-state:K`` (its progress records claim K rounds more than it has trained and
+  applied, which made every peer that read them believe it was behind and reload; and the state it serves to
+  newcomers has every anchor value shifted by 1, default 1000).
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 import os
 import signal
@@ -36,7 +48,8 @@ FAULT_EXIT_CODE = 17
 HOSTILITY_OPTION = "--test-hostility"
 # kind -> default value (None: the kind takes no value)
 HOSTILE_KINDS = {"scale": 1000.0, "noise": 100.0, "nan": None, "inf": None, "shape": None, "tokens": 1000.0,
-                 "stale": 1.0, "metadata": None, "reply-nan": None, "reply-scale": 1000.0}
+                 "stale": 1.0, "metadata": None, "lowball": None, "reply-nan": None, "reply-scale": 1000.0,
+                 "forge-tokens": 1000.0, "forge-round": None, "stall": 30.0, "false-state": 1000.0}
 _passes: dict[str, int] = {}
 
 
@@ -59,6 +72,9 @@ class Honest:
     """What an honest averager does to what it sends: nothing. The averager calls these hooks at the points where a
     hostile peer lies (see the module docstring); :class:`Hostility` overrides them."""
 
+    follows_others = True
+    """Whether this peer joins groups led by others (a hostile leader does not: it leads every group it is in)."""
+
     def claim(self, contribution: list[torch.Tensor], round_index: int,
               weight: float) -> tuple[list[torch.Tensor], int, float]:
         """(contribution, round, weight) this peer claims for a round (in the training process)."""
@@ -80,6 +96,22 @@ class Honest:
         """The average this peer returns to a sender as a reducer."""
         return averaged_part
 
+    def relay(self, message, follower: bytes, leader: bytes, serializer) -> None:
+        """As a group leader (peer id ``leader``, as bytes): the group's records as this peer relays them to
+        ``follower`` (a hivemind ``MessageFromLeader`` with BEGIN_ALLREDUCE, changed in place; ``serializer`` reads
+        and writes its records)."""
+
+    async def join_allreduce(self) -> None:
+        """Called once this peer's group has formed, right before it averages with it (in the averager process)."""
+
+    def record(self, round_index: int, applied_round: int) -> tuple[int, int]:
+        """(round, applied round) as this peer's progress records tell them."""
+        return round_index, applied_round
+
+    def served(self, meta: dict, tensors: list[torch.Tensor]) -> tuple[dict, list[torch.Tensor]]:
+        """The state this peer serves to a newcomer (anchor tensors, then momentum)."""
+        return meta, tensors
+
 
 HONEST = Honest()
 
@@ -90,6 +122,7 @@ class Hostility(Honest):
     def __init__(self, kind: str, value: Optional[float]):
         self.kind, self.value = kind, value
         self._sent: dict[int, list[torch.Tensor]] = {}  # stale: contributions of the last rounds
+        self.follows_others = not kind.startswith("forge-")
 
     def __repr__(self) -> str:
         return f"Hostility({self.kind}{'' if self.value is None else f':{self.value:g}'})"
@@ -107,6 +140,10 @@ class Hostility(Honest):
         return (self._sent[old], old, weight) if old in self._sent else (contribution, round_index, weight)
 
     def gather(self, metadata: dict) -> dict:
+        if self.kind == "lowball":
+            slow = {"bandwidth_mbit": metadata["bandwidth_mbit"] * 1e-6,
+                    "compute_s": max(metadata["compute_s"], 1.0) * 1e-6}
+            return dict(metadata, compression={"rank": 1, "bits": 4, "q_round": -1}, last_error=0.0, **slow)
         return dict(metadata, compression={"rank": "all of it"}) if self.kind == "metadata" else metadata
 
     def outgoing(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -129,9 +166,47 @@ class Hostility(Honest):
     def reply(self, averaged_part: torch.Tensor) -> torch.Tensor:
         if self.kind == "reply-nan":
             return torch.full_like(averaged_part, math.nan)
-        if self.kind == "reply-scale":
+        if self.kind in ("reply-scale", "forge-tokens"):
             return averaged_part * self.value
         return averaged_part
+
+    def relay(self, message, follower: bytes, leader: bytes, serializer) -> None:
+        if not self.kind.startswith("forge-"):
+            return
+        peer_ids, records = list(message.ordered_peer_ids), list(message.gathered)
+        followers = [i for i, peer_id in enumerate(peer_ids) if peer_id != leader]
+        position = peer_ids.index(follower)
+        if self.kind == "forge-tokens":
+            target = position  # the follower's own record
+        elif position == followers[0] and len(followers) > 1:
+            target = followers[1]  # the first follower is told the second is on another round
+        else:
+            return
+        bandwidth, mode, user_bytes = serializer.loads(records[target])
+        info = serializer.loads(user_bytes)
+        if self.kind == "forge-tokens":
+            info["tokens"] = info["tokens"] / self.value
+        else:
+            info["round"] = info["round"] - 1 if info["round"] > 0 else info["round"] + 1
+        records[target] = serializer.dumps([bandwidth, mode, serializer.dumps(info)])
+        del message.gathered[:]
+        message.gathered.extend(records)
+
+    def record(self, round_index: int, applied_round: int) -> tuple[int, int]:
+        if self.kind == "false-state":
+            return round_index + int(self.value), applied_round + int(self.value)
+        return round_index, applied_round
+
+    def served(self, meta: dict, tensors: list[torch.Tensor]) -> tuple[dict, list[torch.Tensor]]:
+        if self.kind == "false-state":
+            half = len(tensors) // 2
+            return meta, [t + 1.0 for t in tensors[:half]] + list(tensors[half:])
+        return meta, tensors
+
+    async def join_allreduce(self) -> None:
+        if self.kind == "stall":
+            await asyncio.sleep(self.value)
+            raise RuntimeError(f"stalled the group for {self.value:g} s (a test hook)")
 
 
 def parse_hostility(spec: str) -> Hostility:

@@ -48,7 +48,7 @@ def _serve_state(stage: Stage, averager, run_id: str, wait_s: float):
         averager.wait_for_round(max(0.0, deadline - time.monotonic()))
         with stage.state_lock:  # no round end in between: the buffers still hold the average of that round
             if averager.round_settled or time.monotonic() >= deadline:  # (or a round end started another)
-                return stage.shareable_state(run_id, averager.finished_average())
+                return averager.behaviour.served(*stage.shareable_state(run_id, averager.finished_average()))
 
 
 def select_device(spec: str) -> torch.device:
@@ -167,8 +167,9 @@ def run_stage(cfg: Config, *, pipeline=None, reporter: Optional[Reporter] = None
         executor = _make_executor(cfg, pipeline, model, device)
         swarm = SwarmLink(dht, cfg.run.run_id, peer_name, stage_index=stage_index, num_stages=len(split),
                           inner_steps=cfg.diloco.inner_steps, fingerprint=fingerprint,
-                          joined_swarm=bool(cfg.dht.initial_peers))
-        sync = SwarmSync(stage, swarm, executor, cfg.run.run_id, download_timeout_s=cfg.train.state_timeout_s)
+                          joined_swarm=bool(cfg.dht.initial_peers), behaviour=behaviour or HONEST)
+        sync = SwarmSync(stage, swarm, executor, cfg.run.run_id, download_timeout_s=cfg.train.state_timeout_s,
+                         num_rounds=cfg.train.num_rounds, allowlist=cfg.averaging.allowlist)
         trainer = Trainer(cfg, stage, executor, sampler, eval_data, swarm=swarm, output_dir=output_dir,
                           peer_name=peer_name, reporter=reporter, sync=sync)
         if on_trainer is not None:

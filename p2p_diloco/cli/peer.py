@@ -31,9 +31,10 @@ def register(subparsers) -> None:
     parser.add_argument("--no-resume", action="store_true", help="ignore existing checkpoints and start fresh")
     parser.add_argument("--output-dir", metavar="DIR", help="shortcut for --run.output_dir")
     parser.add_argument("--test-hostility", metavar="KIND[:VALUE]",
-                        help="TEST HOOK, never in a real swarm: this peer's averager lies to its groupmates (scale:K, "
-                        "noise:K, nan, inf, shape, tokens:K, stale:K, metadata, reply-nan, reply-scale:K; see "
-                        "p2p_diloco/faults.py), for tests and benchmarks of the robust averaging; one-stage peers only")
+                        help="TEST HOOK, never in a real swarm: this peer lies to its groupmates and the swarm "
+                        "(scale:K, noise:K, nan, inf, shape, tokens:K, stale:K, metadata, lowball, reply-nan, "
+                        "reply-scale:K, forge-tokens:K, forge-round, stall:S, false-state:K; see p2p_diloco/faults.py"
+                        "), for tests and benchmarks of the defences; shown on /health; one-stage peers only")
     parser.set_defaults(run=run)
 
 

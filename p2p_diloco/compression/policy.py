@@ -5,11 +5,18 @@
 PowerSGD two-phase averaging at a fixed rank, factors quantized; the rest quantized) and ``adaptive``
 (lowrank whose rank and bits change every round). Every peer proposes (rank, bits, the round of the warm Q
 it holds), its last compression error, link rate and round of compute in the round's gathered metadata;
-:meth:`CompressionPolicy.agree` turns them into one :class:`RoundPlan` (smallest rank and bits, more rank
-while the group's error is high, cut to the bandwidth budget of the slowest link; warm start only if
+:meth:`CompressionPolicy.agree` turns them into one :class:`RoundPlan` (the group's median rank and bits, more
+rank while the group's error is high, cut to the bandwidth budget of the slowest link; warm start only if
 everyone holds the same Q), and :meth:`CompressionPolicy.next_proposal` derives the next proposal from what
 the group shares after the round (the spectrum of the averaged Qs). So all peers of a group pick the same
 plan with no extra message. Pure logic; called in the averager process.
+
+Proposals come from groupmates, some of whom may be hostile, so no single one decides the plan: rank, bits and
+round of compute are the group's lower median (with an honest majority, no lower than some honest member's), the
+error that raises the rank is the upper median (a member reporting no error cannot hold the rank down), and a link
+claimed slower than :data:`LINK_SPREAD` times below the median link counts as that much slower (one claim cuts the
+budget by that factor at most, while an honest slow link within it is respected). In a group of 2 there is no
+majority: the smaller proposal still wins there.
 """
 
 from __future__ import annotations
@@ -24,6 +31,19 @@ from p2p_diloco.compression.lowrank import desired_rank, lowrank_size
 from p2p_diloco.config import AveragingConfig
 
 SCHEMES = ("none", "fp16", "int8", "lowrank", "adaptive")
+LINK_SPREAD = 4.0  # a member's link counts as at most this many times slower than the group's median link
+
+
+def lower_median(values: list[float]):
+    """The median, the lower of the two middle values for an even count (of two values: the smaller)."""
+    ordered = sorted(values)
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def upper_median(values: list[float]):
+    """The median, the upper of the two middle values for an even count (of two values: the larger)."""
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
 
 
 @dataclass(frozen=True)
@@ -60,19 +80,20 @@ class CompressionPolicy:
         """The group's plan from every member's gathered metadata (order does not matter).
 
         Each member brings ``compression`` (its proposal: rank, bits, round of its warm Q), ``last_error`` (the
-        relative compression error of its last averaged round), ``bandwidth_mbit`` and ``compute_s``. The rank is
-        the smallest proposed; for ``adaptive`` it doubles while the group's mean last error is above
-        ``averaging.target_error``, and it is then cut (or the bits halved) to what the group's slowest link can
-        send within the budget.
+        relative compression error of its last averaged round), ``bandwidth_mbit`` and ``compute_s``. The rank and
+        bits are the proposals' lower median (the rank within ``averaging.max_rank``); for ``adaptive`` the rank
+        doubles while the upper median of the last errors is above ``averaging.target_error``, and it is then cut
+        (or the bits halved) to what the group's slowest link can send within the budget (see the module docstring
+        for what one member's claims can move).
         """
         proposals = [m["compression"] for m in members]
-        rank = min(int(p["rank"]) for p in proposals)
-        bits = min(int(p["bits"]) for p in proposals)
+        rank = min(lower_median([int(p["rank"]) for p in proposals]), self.cfg.max_rank)
+        bits = lower_median([int(p["bits"]) for p in proposals])
         q_rounds = {int(p["q_round"]) for p in proposals}
         warm = q_rounds.pop() if len(q_rounds) == 1 and -1 not in q_rounds else None
         if self.scheme == "adaptive" and self.eligible:
             errors = [float(m["last_error"]) for m in members if m.get("last_error") is not None]
-            if errors and sum(errors) / len(errors) > self.cfg.target_error:
+            if errors and upper_median(errors) > self.cfg.target_error:
                 rank = min(2 * rank, self.cfg.max_rank)
             rank, bits = self._fit_budget(rank, bits, members)
         return self._plan_at(rank, bits, warm)
@@ -80,8 +101,9 @@ class CompressionPolicy:
     def _fit_budget(self, rank: int, bits: int, members: list[dict]) -> tuple[int, int]:
         """The largest rank up to ``rank`` (at ``bits``, else at 4 bits) whose round fits the bandwidth budget."""
         group_size = len(members)
-        bandwidth = min(float(m["bandwidth_mbit"]) for m in members)
-        compute_s = min(float(m["compute_s"]) for m in members)
+        links = [float(m["bandwidth_mbit"]) for m in members]
+        bandwidth = max(min(links), lower_median(links) / LINK_SPREAD)
+        compute_s = lower_median([float(m["compute_s"]) for m in members])
         if compute_s <= 0:
             return rank, bits  # no round of compute measured yet: nothing to budget against
         butterfly = max(1.0, 2 * (group_size - 1) / group_size)  # the all-reduce sends this many contributions

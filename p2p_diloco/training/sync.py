@@ -18,6 +18,14 @@ live stage process); states come from other peers through hivemind's state shari
   with a round in flight (delayed mode) knows its anchor lacks that round's average: its own anchor gets no
   vote from that round on, so it resyncs as soon as one other peer has published a later anchor.
 
+Whom it believes (a public swarm holds hostile peers; records are signed by their writer's libp2p identity, see
+``swarm.discovery.records``): the records that count are those of the peers on ``averaging.allowlist``, else of
+the peers met in this stage's groups of the last :data:`TRUSTED_ROUNDS` rounds, else (a newcomer) all. Being behind
+takes a majority of them, not one record with a high round. A state is downloaded only from peers whose record
+holds the agreed anchor (self-declared donor priorities are ignored), and taken only if its anchor's sha256 is the
+one the counted records agree on for its round, vouched for by two of them (one in a swarm of one other peer),
+its round is not behind this stage's nor the swarm's, and it is below the run's end.
+
 The stages of a pipelined peer change rounds together or not at all. Called by the trainer.
 """
 
@@ -25,7 +33,9 @@ from __future__ import annotations
 
 import logging
 import math
+import random
 import time
+from collections import deque
 
 from p2p_diloco.swarm.discovery.progress import moved_past
 from p2p_diloco.training.stage import Stage
@@ -34,6 +44,29 @@ from p2p_diloco.training.summary import anchor_fingerprint
 
 logger = logging.getLogger(__name__)
 REMEMBERED_ROUNDS = 4
+TRUSTED_ROUNDS = 8  # the groups of this many recent rounds are the peers whose records count
+
+
+def lower_median(values: list[int]) -> int:
+    ordered = sorted(values)
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def anchor_votes(records, applied_round: int) -> dict[str, list[str]]:
+    """Fingerprint -> the nodes whose records say it is the anchor after ``applied_round`` (their anchor, or the
+    anchor before theirs for a record one round further on)."""
+    votes: dict[str, list[str]] = {}
+    for r in records:
+        fingerprint = r.anchor if r.applied_round == applied_round else \
+            r.prior_anchor if r.applied_round == applied_round + 1 else ""
+        if fingerprint:
+            votes.setdefault(fingerprint, []).append(r.node)
+    return votes
+
+
+def canonical_of(votes: dict[str, list[str]]) -> str:
+    """Most votes; a tie goes to the fingerprint held by the smallest node id (the same on every peer, every round)."""
+    return min(votes, key=lambda fp: (-len(votes[fp]), min(votes[fp])))
 
 
 class SwarmSync:
@@ -45,11 +78,20 @@ class SwarmSync:
         executor: the peer's executor (stages of a pipeline agree through it).
         run_id: the run.
         download_timeout_s: bound of one state download.
+        num_rounds: the run's end (``train.num_rounds``): a state at or past it is refused.
+        allowlist: ``averaging.allowlist`` (a private swarm's peer ids): only their records count.
+        verify_wait_s: how long a downloaded state may wait for the records that vouch for its anchor (a donor serves
+            its anchor after an average it has not published yet; the records follow within a few steps).
     """
 
-    def __init__(self, stage: Stage, swarm, executor, run_id: str, download_timeout_s: float):
+    def __init__(self, stage: Stage, swarm, executor, run_id: str, download_timeout_s: float,
+                 num_rounds: int | None = None, allowlist=(), verify_wait_s: float = 30.0):
         self.stage, self.swarm, self.executor, self.run_id = stage, swarm, executor, run_id
-        self.download_timeout_s = download_timeout_s
+        self.download_timeout_s, self.num_rounds, self.verify_wait_s = download_timeout_s, num_rounds, verify_wait_s
+        self.allowlist = frozenset(allowlist)
+        self.met: deque[frozenset] = deque(maxlen=TRUSTED_ROUNDS)  # the groups of the last rounds
+        # the anchor every peer starts from (the run's init seed): a state before any round is checked against it
+        self.initial_fingerprint = anchor_fingerprint(stage.anchor) if stage.applied_round < 0 else None
         self.fingerprints: dict[int, str] = {}  # applied round -> this stage's anchor fingerprint after it
         self.events: list[dict] = []
         self.last_download: dict = {}  # duration and bytes of the last state download
@@ -68,20 +110,42 @@ class SwarmSync:
             for old in sorted(self.fingerprints)[:-REMEMBERED_ROUNDS]:
                 del self.fingerprints[old]
 
-    def rank_as_donor(self) -> None:
-        """Newcomers download from the most advanced stage first (a client-mode peer serves no state)."""
-        if self.stage.averager is not None and not self.stage.averager.client_mode:
-            bonus = 0.5 if self.holds_canonical else 0.0  # a peer off the canonical anchor is asked last
-            self.stage.averager.state_sharing_priority = float(self.stage.applied_round + 1) + bonus
+    def met_group(self, peers) -> None:
+        """Note the group of a round this stage averaged in (their records count from now on)."""
+        if peers:
+            self.met.append(frozenset(peers) - {self.swarm.node})
+
+    def counted(self, records) -> list:
+        """The records whose word counts (see the module docstring)."""
+        if self.allowlist:
+            return [r for r in records if r.node in self.allowlist]
+        trusted = frozenset().union(*self.met)
+        chosen = [r for r in records if r.node in trusted]
+        return chosen or records  # none of them live (or none met yet): every signed record
+
+    def _others(self) -> list:
+        return self.counted(self.swarm.others())
+
+    @staticmethod
+    def _majority(others, ahead) -> bool:
+        """Whether more than half of ``others`` are ``ahead``: one record, forged or stale, is not the swarm."""
+        return 2 * sum(1 for r in others if ahead(r)) > len(others)
+
+    @staticmethod
+    def _ahead_of(mine: int):
+        """A record of a peer this stage cannot meet in its round any more: two rounds ahead, or one round ahead
+        with this stage's round already applied (one on the next round that has not applied this one is still
+        averaging it, and can be joined)."""
+        return lambda r: r.round > mine + 1 or (r.round == mine + 1 and r.applied_round >= mine)
 
     def at_start(self, resumed: bool) -> None:
-        others = self.swarm.others()
-        swarm_round = max((r.round for r in others), default=0)
+        others = self._others()
+        swarm_round = lower_median([r.round for r in others]) if others else 0
         mine = self.stage.round_index
         # a peer one round ahead whose average of this stage's round is still in flight (delayed mode: it is
         # applied at the end of the next round) can still be joined in that round: no reload then (reloading
         # skipped the round the others were still matching for, and they fell back on it; seen in CI)
-        behind = any(r.round > mine + 1 or (r.round == mine + 1 and r.applied_round >= mine) for r in others)
+        behind = self._majority(others, self._ahead_of(mine))
         reason = "joining the swarm" if not resumed else \
             f"{swarm_round - self.stage.round_index} round(s) behind the swarm"
         # resumed with a round in flight (delayed/eager) that no other peer can still average: its average cannot
@@ -96,16 +160,16 @@ class SwarmSync:
             self._reload(reason if behind else "another stage of this peer is reloading", swarm_round)
 
     def after_round(self) -> None:
-        others = self.swarm.others()
-        swarm_round = max((r.round for r in others), default=0)
+        others = self._others()
+        swarm_round = lower_median([r.round for r in others]) if others else 0
         mine = self.stage.round_index
         if self.stage.diloco_cfg.round_end == "swarm":
             # a peer that ended this stage's round (it publishes the next one before averaging) is still
             # averaging it until it applies it: this stage ends its round at its next step and joins them
             # (reloading instead lost this stage's round in flight and cost it a resync; seen in make test)
-            behind = any(r.round > mine + 1 or (r.round == mine + 1 and r.applied_round >= mine) for r in others)
+            behind = self._majority(others, self._ahead_of(mine))
         else:  # rounds of H steps: a peer a round ahead is a whole round's compute ahead
-            behind = swarm_round > mine
+            behind = self._majority(others, lambda r: r.round > mine)
         if self.executor.any_stage(behind):  # the stages of a pipeline decide together (see at_start)
             self._reload(f"{swarm_round - mine} round(s) behind the swarm" if behind
                          else "another stage of this peer is reloading", swarm_round)
@@ -113,7 +177,6 @@ class SwarmSync:
         diverged = self._diverged_round(others)
         if diverged is not None:
             self._resync(diverged)
-        self.rank_as_donor()
 
     def _diverged_round(self, others) -> int | None:
         """The newest applied round for which this stage's anchor is not the swarm's canonical one, or None.
@@ -128,15 +191,13 @@ class SwarmSync:
         for applied, mine in sorted(self.fingerprints.items(), reverse=True):
             # a peer that applied the next round since (delayed mode: a few steps into it) still tells its anchor
             # after this one: a peer that ends its rounds a little behind the others compares all the same
-            theirs = [(r.node, r.anchor) for r in others if r.applied_round == applied and r.anchor] + \
-                [(r.node, r.prior_anchor) for r in others if r.applied_round == applied + 1 and r.prior_anchor]
-            if not theirs:
+            holders = anchor_votes(others, applied)
+            if not holders:
                 continue
             known_off = self.missed_round is not None and applied >= self.missed_round
-            holders: dict[str, list[str]] = {} if known_off else {mine: [self.swarm.node]}
-            for node, fingerprint in theirs:
-                holders.setdefault(fingerprint, []).append(node)
-            canonical = min(holders, key=lambda fp: (-len(holders[fp]), min(holders[fp])))
+            if not known_off:
+                holders.setdefault(mine, []).append(self.swarm.node)
+            canonical = canonical_of(holders)
             self.holds_canonical, self.canonical = canonical == mine, canonical
             if self.holds_canonical:
                 self.missed_round = None  # another peer holds this anchor too: it is not off after all
@@ -144,33 +205,90 @@ class SwarmSync:
         self.holds_canonical = True  # nobody to compare with
         return None
 
-    def _download(self):
-        """A checked state from some peer, or None (logged). The donor's inner step is moved on by the steps it
-        trained while the state travelled, so that a reloading peer reaches the round's end with it."""
+    def donors(self, others) -> list[str]:
+        """Nodes to download from: the counted peers whose anchor is the agreed one after their applied round and
+        whose round is not beyond the swarm's (a record far ahead of the others' is not believed), the most advanced
+        first (ties in random order, so that newcomers spread over them)."""
+        if not others:
+            return []
+        swarm_round = lower_median([r.round for r in others])
+        holding = [r for r in others if r.anchor and r.round <= swarm_round + 1
+                   and r.anchor == canonical_of(anchor_votes(others, r.applied_round))]
+        random.shuffle(holding)
+        return [r.node for r in sorted(holding, key=lambda r: -r.applied_round)]
+
+    def refusal(self, meta: dict, tensors) -> str | None:
+        """Why a downloaded (well-formed) state cannot be taken, or None: its round is past the run's end, or its
+        anchor is not the one the counted records agree on for its applied round.
+
+        Agreed: the fingerprint most records give for that round, by two of them where two or more give one (a
+        second peer confirms the donor), by one where only one does. Until some record gives one (a donor serves
+        the anchor after an average it may not have published yet), it waits, at most ``verify_wait_s``."""
+        if self.num_rounds is not None and meta["round"] >= self.num_rounds:
+            return f"its round {meta['round']} is past the run's end ({self.num_rounds} rounds)"
+        fingerprint, applied = anchor_fingerprint(tensors[:len(self.stage.anchor)]), meta["applied_round"]
+        if applied < 0:
+            return None if fingerprint == self.initial_fingerprint else \
+                "its anchor before any round is not the run's initial one"
+        deadline = time.monotonic() + self.verify_wait_s
+        while True:
+            votes = anchor_votes(self._others(), applied)
+            if votes:
+                canonical = canonical_of(votes)
+                needed = min(2, len({node for nodes in votes.values() for node in nodes}))
+                if canonical == fingerprint and len(votes[canonical]) >= needed:
+                    return None
+                if fingerprint not in votes:
+                    return f"its anchor after round {applied} is not the one the swarm agrees on"
+            if time.monotonic() >= deadline:
+                return f"no two peers agree on the anchor after round {applied}" if votes else \
+                    f"no peer vouches for its anchor after round {applied}"
+            time.sleep(0.5)
+
+    def _download(self, at_least_round: int):
+        """A checked state from a donor holding the agreed anchor, or None (logged). The donor's inner step is moved
+        on by the steps it trained while the state travelled, so that a reloading peer reaches the round's end with
+        it."""
+        if self.stage.averager is None:
+            return None
         started = time.monotonic()
-        downloaded = self.stage.averager.download_state(timeout_s=self.download_timeout_s) \
-            if self.stage.averager is not None else None
-        if downloaded is None:
-            return None
-        meta, tensors = downloaded
-        self.last_download = {"download_s": round(time.monotonic() - started, 3),
-                              "state_bytes": sum(t.numel() * t.element_size() for t in tensors)}
-        try:
-            self.stage.check_state(self.run_id, meta, tensors)
-        except StateError as e:
-            logger.warning(f"Stage {self.stage.stage_index}: refused a downloaded state: {e}")
-            return None
-        step_s = meta.get("seconds_per_step")
-        if isinstance(step_s, float) and math.isfinite(step_s) and step_s > 0:
-            H = self.stage.diloco_cfg.inner_steps
-            travelled = int((time.monotonic() - started) / step_s)
-            meta["inner_step"] = min(meta["inner_step"] + travelled, meta["round_start_step"] + H - 1)
-        return meta, tensors
+        deadline = started + self.download_timeout_s
+        for donor in self.donors(self._others()):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            downloaded = self.stage.averager.download_state([donor], timeout_s=remaining)
+            if downloaded is None:
+                continue
+            meta, tensors = downloaded
+            self.last_download = {"download_s": round(time.monotonic() - started, 3),
+                                  "state_bytes": sum(t.numel() * t.element_size() for t in tensors)}
+            try:
+                self.stage.check_state(self.run_id, meta, tensors)
+            except StateError as e:
+                logger.warning(f"Stage {self.stage.stage_index}: refused the state of {donor}: {e}")
+                continue
+            if meta["round"] < at_least_round:
+                logger.warning(f"Stage {self.stage.stage_index}: refused the state of {donor}: its round "
+                               f"{meta['round']} is behind {at_least_round}")
+                continue
+            refusal = self.refusal(meta, tensors)
+            if refusal is not None:
+                logger.warning(f"Stage {self.stage.stage_index}: refused the state of {donor}: {refusal}")
+                continue
+            step_s = meta.get("seconds_per_step")
+            if isinstance(step_s, float) and math.isfinite(step_s) and step_s > 0:
+                H = self.stage.diloco_cfg.inner_steps
+                travelled = int((time.monotonic() - started) / step_s)
+                meta["inner_step"] = min(meta["inner_step"] + travelled, meta["round_start_step"] + H - 1)
+            return meta, tensors
+        return None
 
     def _reload(self, reason: str, swarm_round: int) -> None:
         if swarm_round > self.stage.round_index:  # the others count this stage in while it downloads
             self.swarm.announce(self.stage.position(), swarm_round)
-        state = self._download()
+        # a state behind this stage or the swarm (the records announce the next round as a round ends) is no use
+        state = self._download(at_least_round=max(self.stage.round_index, swarm_round - 1))
         points = self.executor.common_value(None if state is None else (state[0]["round"], state[0]["inner_step"]))
         if state is None or None in points or len({r for r, _ in points}) != 1:
             # a pipeline's stages change rounds together or not at all
@@ -186,7 +304,7 @@ class SwarmSync:
         self._record("reload", reason, meta)
 
     def _resync(self, diverged_round: int) -> None:
-        state = self._download()
+        state = self._download(at_least_round=self.stage.round_index)
         if state is None:
             return
         meta, tensors = state
@@ -202,10 +320,6 @@ class SwarmSync:
         if meta["applied_round"] < self.stage.applied_round:
             logger.info(f"Stage {self.stage.stage_index}: the donor's anchor is older (applied "
                         f"{meta['applied_round']}, this stage {self.stage.applied_round}); resync later")
-            return
-        if meta["applied_round"] == diverged_round and self.canonical is not None and \
-                anchor_fingerprint(tensors[:len(self.stage.anchor)]) != self.canonical:
-            logger.info(f"Stage {self.stage.stage_index}: the donor is off the swarm's anchor too; resync later")
             return
         self.stage.adopt(meta, tensors, "resync")
         self.fingerprints.clear()

@@ -79,11 +79,13 @@ class Trainer:
         started = time.monotonic()
         resumed = self.cfg.checkpoint.resume and self._resume()
         H, num_rounds = self.cfg.diloco.inner_steps, self.cfg.train.num_rounds
+        self._note_anchor()  # the records carry this stage's anchor from the start (donors are chosen by it)
         self._publish(loss=float("nan"), tokens_per_s=0.0, force=True)
         self._wait_for_peers()
         if self.sync is not None:
             self.sync.at_start(resumed)
-            self._log_sync_events()
+            if self._log_sync_events():
+                self._note_anchor()
         if self.stage.pending is not None:  # resumed with a round in flight, and not replaced by a reload
             self.stage.restart_pending(self.swarm.expected_group_size(self.stage.round_index) if self.swarm else 1)
         self.reporter.on_start(num_rounds * H, self.stage.inner_step)
@@ -247,13 +249,12 @@ class Trainer:
                         f"round said they had its result")
 
     def _note_anchor(self) -> None:
-        """Publish where this stage's anchor stands (for the swarm's divergence checks), and rank it as a donor."""
+        """Publish where this stage's anchor stands (divergence checks, donor choice, state checks)."""
         fingerprint = anchor_fingerprint(self.stage.anchor)
         if self.swarm is not None:
             self.swarm.anchor_fingerprint = fingerprint
         if self.sync is not None:
             self.sync.remember(fingerprint)
-            self.sync.rank_as_donor()
             if self.swarm is not None:
                 self.swarm.prior_anchor_fingerprint = self.sync.fingerprints.get(self.stage.applied_round - 1, "")
 
@@ -272,6 +273,8 @@ class Trainer:
     def _record_round(self, report: RoundReport, flush: bool = False) -> None:
         self.summary.account(report, self.cfg.diloco.inner_steps)
         self._last_group = list(report.outcome.group_peers)
+        if self.sync is not None:
+            self.sync.met_group(self._last_group)
         self._note_anchor()
         digest = anchor_digest(self.stage.anchor) if self.cfg.train.anchor_digest else ""
         self.metrics.write("round", **report.record(), inner_step=self.stage.inner_step, anchor_sha256=digest,

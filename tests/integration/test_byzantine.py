@@ -164,25 +164,22 @@ def test_repeat_offender_is_banned_and_the_others_go_on(network):
 
 def test_private_swarm_refuses_outsiders(network):
     """Two members of an allowlist average with each other and not with an outsider on the same run; the outsider
-    gets no state from them, and a member never downloads state from the outsider (who advertises the best)."""
+    gets no state from them, and a member never downloads state from the outsider, even when asked to first."""
     member_dhts = [network.dht(), network.dht()]
     private = dataclasses.replace(CFG, allowlist=[str(d.peer_id) for d in member_dhts])
     members = [network.averager(cfg=private, dht=d) for d in member_dhts]
     outsider = network.averager()
     for averager, name in zip(members + [outsider], ("member0", "member1", "outsider")):
-        averager.state_provider = lambda name=name: ({"served_by": name}, [torch.ones(3)])
-    outsider.state_sharing_priority = 1e9  # the first donor anyone would ask
-    members[0].state_sharing_priority = 1.0
-    members[1].allow_state_sharing = False
+        averager.state_provider = lambda name=name: ({"served_by": name}, [torch.ones(t.shape) for t in TEMPLATES * 2])
     _, results = average_round(members + [outsider], round_index=0)
     for result in results[:2]:
         assert result.fallback_reason == "" and result.group_size == 2
         assert set(result.group_peers) == {peer_id(m) for m in members}
     assert not results[2].averaged
-    assert outsider.download_state(timeout_s=10) is None
-    downloaded = members[1].download_state(timeout_s=10)
+    assert outsider.download_state([peer_id(m) for m in members], timeout_s=10) is None
+    downloaded = members[1].download_state([peer_id(outsider), peer_id(members[0])], timeout_s=10)
     assert downloaded is not None and downloaded[0] == {"served_by": "member0"}
-    assert math.isfinite(float(downloaded[1][0].sum()))
+    assert len(downloaded[1]) == 2 * len(TEMPLATES) and all(torch.equal(t, torch.ones(t.shape)) for t in downloaded[1])
 
 
 @pytest.mark.timeout(300)

@@ -12,6 +12,7 @@ from hivemind.compression import CompressionInfo
 from p2p_diloco.compression import CODECS, CompressionPolicy, decode_tensor, encoded_size, roundtrip
 from p2p_diloco.compression.codecs import BLOCK
 from p2p_diloco.compression.lowrank import desired_rank, fit_q, orthonormalize, reconstruct, seeded_q
+from p2p_diloco.compression.policy import LINK_SPREAD
 from p2p_diloco.config import AveragingConfig
 from p2p_diloco.swarm.averaging.reduce import RoundReducer
 
@@ -139,16 +140,43 @@ def member(rank=8, bits=8, q_round=3, error=None, bandwidth=1000.0, compute=60.0
 
 
 def test_plan_agreement_is_order_free_and_deterministic():
-    policy = CompressionPolicy(SHAPES, cfg(compression="adaptive"))
+    policy = CompressionPolicy(SHAPES, cfg(compression="adaptive", max_rank=64))
     members = [member(8, 8), member(4, 8), member(16, 4)]
     plan = policy.agree(members)
     assert plan == policy.agree(list(reversed(members)))
-    assert plan.rank == 4 and plan.warm_round == 3 and plan.codecs[0] == "int4"
+    assert plan.rank == 8 and plan.warm_round == 3 and plan.codecs[0] == "int8"  # the lower medians
+    two = policy.agree([member(16, 8), member(4, 4)])  # no majority in a pair: the smaller proposal wins
+    assert (two.rank, two.codecs[0]) == (4, "int4")
     assert plan.lowrank == (0, 1, 3)  # the vector and the 16x16 matrix are quantized whole
     assert policy.agree([member(q_round=3), member(q_round=2)]).warm_round is None
     # at a rank where low rank would send more than half of a matrix's values, that matrix goes whole
     assert policy.agree([member(32)]).lowrank == (0, 1, 3) and policy.agree([member(48)]).lowrank == (1,)
     assert policy.agree([member(q_round=-1), member(q_round=-1)]).warm_round is None
+
+
+def test_one_hostile_proposal_cannot_lower_the_precision_of_an_honest_majority():
+    """A well-formed record asking for rank 1, 4 bits, a link and a round of compute a million times too slow, and
+    no compression error: among 3 honest members the plan is theirs, but for the link, the one claim that still
+    pulls the budget down, by LINK_SPREAD at most (before: rank 1 at 4 bits, the least precision there is)."""
+    policy = CompressionPolicy(SHAPES, cfg(compression="adaptive", target_error=0.5, max_rank=64))
+    # links just fast enough for rank 16 at 8 bits within the budget (21 KB a contribution; 34 KB allowed)
+    honest = [member(8, 8, error=0.6, bandwidth=0.012, compute=60.0) for _ in range(3)]
+    lowball = member(1, 4, q_round=-1, error=0.0, bandwidth=1e-8, compute=6e-5)
+    alone = policy.agree(honest)
+    assert alone.rank == 16 and alone.codecs[0] == "int8"  # doubled: the honest errors are above target
+    attacked = policy.agree(honest + [lowball])
+    # the budget of a link 4x slower, not 1e6x: about a quarter of the rank, still at 8 bits
+    assert alone.rank // LINK_SPREAD <= attacked.rank < alone.rank and attacked.codecs[0] == "int8"
+    assert policy.payload_bytes(attacked) <= 0.5 * 60.0 * (0.012 / LINK_SPREAD) * 1e6 / 8 / 1.5
+    assert attacked.warm_round is None  # a member can still force a cold start (a stated limit)
+    # without the link claim, nothing of the lowball proposal is left
+    assert policy.agree(honest + [dict(lowball, bandwidth_mbit=0.012)]).rank == 16
+    # a rank beyond max_rank is never planned, whoever proposes it
+    assert policy.agree([member(1000)] * 3).rank == 64
+    # an honest slow link within LINK_SPREAD of the median is respected in full
+    slow = [member(8, bandwidth=0.01), member(8, bandwidth=0.01), member(8, bandwidth=0.003)]
+    assert policy.agree(slow) == policy.agree([dict(m, bandwidth_mbit=0.003) for m in slow])
+    assert policy.agree(slow).rank < policy.agree([member(8, bandwidth=0.01)] * 3).rank
 
 
 def test_adaptive_rank_grows_with_the_group_error_within_the_budget():

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import dataclasses
 import inspect
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from hivemind.averaging.group_info import GroupInfo
@@ -14,10 +16,12 @@ from hivemind.p2p import PeerID
 
 from p2p_diloco.swarm.averaging.guard import keep_round_key
 from p2p_diloco.swarm.averaging.hivemind_api import (
+    CALLED,
     HIVEMIND_BASES,
     REPLACED,
     SUPPORTED_VERSION,
     DecentralizedAverager,
+    Matchmaking,
     check_version,
 )
 
@@ -99,7 +103,7 @@ def test_every_method_our_averaging_overrides_exists_in_hivemind_with_the_same_p
 
 
 def test_every_method_our_averaging_replaces_exists_in_hivemind_with_the_parameters_it_is_called_with():
-    for (cls, name), parameters in REPLACED.items():
+    for (cls, name), parameters in (REPLACED | CALLED).items():
         assert hasattr(cls, name), (cls.__name__, name)
         assert tuple(inspect.signature(getattr(cls, name)).parameters) == parameters, (cls.__name__, name)
 
@@ -125,3 +129,106 @@ def test_only_the_adapter_imports_hivemind_internals():
                     node.module.startswith(internal) or internal_names & {a.name for a in node.names}):
                 offenders.append(f"{path.relative_to(package)}: from {node.module} import ...")
     assert not offenders, offenders
+
+
+def _source(function) -> str:
+    """A function's source with whitespace collapsed (hivemind's line breaks are not part of the contract)."""
+    return " ".join(inspect.getsource(function).split())
+
+
+def test_hivemind_relays_the_records_through_the_leader_and_forgets_it_so_a_follower_notes_both():
+    """Why GroupViews exists: the leader builds every record from what each follower sent it (its own from its step)
+    and relays them all unchecked; a follower's group is assembled by follower_assemble_group(leader, message), and
+    hivemind resets current_leader before the group is averaged; the group that _step averages, and registers its
+    all-reduce under, is the one look_for_group(step) returned."""
+    assert "self.step_control.data_for_gather if peer_id == self.peer_id else " \
+           "self.current_followers[peer_id].gather" in _source(Matchmaking.leader_assemble_group)
+    assert "gathered=group_info.gathered" in _source(Matchmaking.rpc_join_group)
+    join = _source(Matchmaking._request_join_group)
+    assert "gather=self.step_control.data_for_gather" in join
+    assert "return await self.follower_assemble_group(leader, message)" in join
+    assert "finally: self.was_accepted_to_group.clear() self.current_leader = None" in join
+    step = _source(DecentralizedAverager._step)
+    assert "group_info = await self._matchmaking.look_for_group(step)" in step
+    assert "with self._register_allreduce_group(group_info):" in step
+    assert "self._aggregate_with_group( group_info," in step
+    assert dataclasses.replace(_groups()[0], group_id=b"view").gathered == (b"", b"")  # a dataclass, replaceable
+
+
+def test_hivemind_holds_parts_for_an_unknown_group_so_guarded_averagers_refuse_foreign_views_at_once():
+    """Why GuardedAverager overrides rpc_aggregate_part: hivemind holds a part whose group is not registered until
+    this peer registers its next group (the sender would wait out its timeout and see a stall), and lets one sender's
+    timeout end every other sender's stream."""
+    source = _source(DecentralizedAverager.rpc_aggregate_part)
+    assert "if request.group_id not in self._running_groups:" in source
+    assert "await self._pending_groups_registered.wait()" in source
+    # every sender's handler awaits the one future that registers the group's all-reduce: a handler cancelled when
+    # its sender gives up cancels it for all (why ours shields it); the routing is otherwise as ours
+    assert "group = await future" in source
+    assert "group.rpc_aggregate_part(achain(as_aiter(request), stream), context)" in source
+
+
+class _Matchmaking:
+    """hivemind's Matchmaking as far as the hooks go: a follower's group comes from follower_assemble_group, called
+    through self, inside _request_join_group, inside look_for_group."""
+
+    def __init__(self, leader, gathered):
+        self.leader, self.gathered = leader, gathered
+
+    async def look_for_group(self, step):
+        return await self._request_join_group(self.leader) if self.leader is not None else \
+            GroupInfo(b"led", (ME, OTHER), self.gathered)
+
+    async def _request_join_group(self, leader):
+        message = SimpleNamespace(group_id=b"followed", ordered_peer_ids=[ME, OTHER], gathered=self.gathered)
+        return await self.follower_assemble_group(leader, message)
+
+    async def follower_assemble_group(self, leader, msg):
+        return GroupInfo(msg.group_id, tuple(msg.ordered_peer_ids), tuple(msg.gathered))
+
+
+@pytest.mark.parametrize("leader", [OTHER, None])
+def test_guarded_matchmaking_hands_back_the_group_under_its_view_id_with_its_origin(leader):
+    from p2p_diloco.swarm.averaging.guard import GroupOrigin, GuardedAverager, PeerGuard, view_digest
+
+    averager = GuardedAverager()
+    averager.guard, averager.peer_id = PeerGuard(ban_after=3), ME
+    averager._matchmaking = _Matchmaking(leader, (b"mine", b"theirs"))
+    averager._guard_matchmaking()
+    averager._guard_matchmaking()  # idempotent
+    step = SimpleNamespace(data_for_gather=b"mine")
+    group = asyncio.run(averager._matchmaking.look_for_group(step))
+    raw = b"followed" if leader is not None else b"led"
+    assert group.group_id == raw + view_digest((ME, OTHER), (b"mine", b"theirs"))
+    assert averager.group_views.origin(group.group_id) == GroupOrigin(leader or ME, b"mine")
+
+
+def test_hivemind_buffers_the_length_a_peer_declares_so_the_message_cap_replaces_its_reader():
+    """Why limits.install_message_cap replaces P2P.receive_raw_data: hivemind reads an 8-byte length header and then
+    that many bytes, whatever the length; every protobuf message of a stream is read through P2P.receive_raw_data,
+    looked up on the class at each call (so replacing it there covers every stream of the process). Our copy reads
+    the header as hivemind does, and refuses a length above the cap before reading on."""
+    from p2p_diloco.swarm.averaging.hivemind_api import P2P
+    from p2p_diloco.swarm.averaging.limits import MessageTooLargeError, install_message_cap
+
+    install_message_cap()
+    installed = P2P.receive_raw_data
+    install_message_cap()  # idempotent
+    assert P2P.receive_raw_data is installed and installed.message_cap
+    theirs = installed.__wrapped__
+    source = _source(theirs)
+    assert "header = await reader.readexactly(P2P.HEADER_LEN)" in source
+    assert "content_length = int.from_bytes(header, P2P.BYTEORDER)" in source
+    assert "data = await reader.readexactly(content_length)" in source
+    assert _source(P2P.receive_protobuf).count("await P2P.receive_raw_data(reader)") == 2
+    assert (P2P.HEADER_LEN, P2P.BYTEORDER) == (8, "big")
+
+    async def receive(function):
+        reader = asyncio.StreamReader()
+        reader.feed_data((2**40).to_bytes(8, "big") + b"\x00" * 1024)  # a header declaring 1 TiB, then 1 KiB
+        return await asyncio.wait_for(function(reader), timeout=1)
+
+    with pytest.raises(asyncio.TimeoutError):  # hivemind waits to buffer all of it
+        asyncio.run(receive(theirs))
+    with pytest.raises(MessageTooLargeError):  # ours refuses at once
+        asyncio.run(receive(installed))

@@ -96,6 +96,24 @@ def test_two_parts_have_no_majority_the_larger_is_bounded_not_dropped():
     assert honest.flags == {} and torch.equal(honest.average, weighted_mean([small, large], [1.0, 1.0]))
 
 
+def test_a_hostile_member_of_a_pair_keeps_at_most_pair_ratio_times_the_honest_norm_and_two_thirds_of_the_weight():
+    """The limit of a group of 2: no majority to judge by. Whatever the hostile part (any size, any direction) and
+    claim (capped at 2x the honest one), the result is within (2 x 3 + 1) / 3 of the honest part's norm; it was
+    (2 x 10 + 1) / 3 with the larger part scaled only to outlier_ratio."""
+    honest, _ = honest_parts(2, seed=4)
+    weights = cap_weights([1024.0, 1e12], 2.0)
+    assert weights[1] / sum(weights) == pytest.approx(2 / 3)
+    for hostile in (honest * 1e6, -honest * 1e6, torch.randn(4096) * 1e6, honest * -2.5):
+        combined = combine([honest, hostile], weights, DEFAULT)
+        bound = (weights[1] * DEFAULT.pair_ratio + weights[0]) / sum(weights) * honest.norm()
+        assert combined.average.norm() <= bound * (1 + 1e-5), float(combined.average.norm() / honest.norm())
+    assert combine([honest, honest * 1e6], weights, DEFAULT).flags == {1: "clipped"}  # reported, not an offence
+    # the pair ratio never exceeds the outlier ratio, and 0 there still turns the whole step off
+    loose = combine([honest, honest * 1e6], [1.0, 1.0], RobustRule(outlier_ratio=2.0, pair_ratio=3.0)).average
+    assert loose.norm() <= 1.5 * honest.norm() * (1 + 1e-5)
+    assert combine([honest, honest * 1e6], [1.0, 1.0], RobustRule(0, 0)).flags == {}
+
+
 def test_nothing_usable_gives_no_average_and_weight_zero_is_left_out():
     parts = honest_parts(3)
     assert combine([torch.full((8,), math.nan)] * 2, [1.0, 1.0], DEFAULT).average is None
@@ -267,3 +285,23 @@ def test_hostile_corruptions():
     replayed, claimed_round, _ = stale.claim([torch.ones(2)], 1, 1.0)
     assert claimed_round == 0 and torch.equal(replayed[0], torch.zeros(2))
     assert torch.isnan(hostile("reply-nan").reply(torch.ones(3))).all()
+
+
+def test_the_outlier_test_scales_norms_by_claimed_tokens():
+    """An honest peer that trained on 5 times the others' tokens (they joined the round late, in the warmup) sends a
+    part 18 times larger: compared per claimed token it is no outlier (it was left out, and named, in a calm swarm
+    on a busy machine). A part 100 times larger on the same claim is; so is one that claims 1000 times the tokens
+    for a 1000 times larger part (a claim counts for at most outlier_ratio times the median)."""
+    from p2p_diloco.swarm.averaging.robust import TOO_LARGE, RobustRule, combine
+
+    g = torch.Generator().manual_seed(0)
+    base = [torch.randn(64, generator=g) for _ in range(3)]
+    rule = RobustRule()
+    late_joiners = combine([base[0], base[1], 18 * base[2]], [1.0, 1.0, 2.0], rule, claims=[1024, 1024, 5120])
+    assert TOO_LARGE not in late_joiners.flags.values()
+    without_claims = combine([base[0], base[1], 18 * base[2]], [1.0, 1.0, 1.0], rule)
+    assert without_claims.flags.get(2) == TOO_LARGE  # what the old per-part test did
+    scaled = combine([base[0], base[1], 100 * base[2]], [1.0, 1.0, 1.0], rule, claims=[1024, 1024, 1024])
+    assert scaled.flags.get(2) == TOO_LARGE
+    inflated = combine([base[0], base[1], 1000 * base[2]], [1.0, 1.0, 2.0], rule, claims=[1024, 1024, 1024000])
+    assert inflated.flags.get(2) == TOO_LARGE

@@ -124,8 +124,9 @@ class FakeAverager:
         self.finished += 1
         return self.result or RoundOutcome(fallback_reason="it failed")
 
-    def download_state(self, timeout_s):
+    def download_state(self, donors, timeout_s):
         self.downloads += 1
+        self.asked = list(donors)
         return self.state
 
     def abandon_round(self):
@@ -143,9 +144,16 @@ class OneStage:
         return flag or self.other_stage_flags
 
 
-def make_sync(peer: Stage, records, state, other_stage_flags: bool = False, node: str = "me"):
+def make_sync(peer: Stage, records, state, other_stage_flags: bool = False, node: str = "me", **options):
+    """A sync of ``peer`` whose swarm shows ``records`` (an anchor "x" stands for the anchor of ``state``) and whose
+    averager serves ``state``."""
+    if state is not None:
+        served = anchor_fingerprint(state[1][:len(peer.anchor)])
+        records = [dataclasses.replace(r, anchor=served) if r.anchor == "x" else r for r in records]
     peer.averager = FakeAverager(state)
-    return SwarmSync(peer, FakeSwarm(records, node), OneStage(other_stage_flags), "run", download_timeout_s=5)
+    options.setdefault("verify_wait_s", 0.0)
+    return SwarmSync(peer, FakeSwarm(records, node), OneStage(other_stage_flags), "run", download_timeout_s=5,
+                     **options)
 
 
 def test_newcomer_and_laggard_reload_but_a_peer_on_the_swarms_round_rejoins():
@@ -167,7 +175,7 @@ def test_newcomer_and_laggard_reload_but_a_peer_on_the_swarms_round_rejoins():
 
     behind = make_stage()
     behind.round_index = 4
-    sync = make_sync(behind, [Record(6, 4, "x")], state)
+    sync = make_sync(behind, [Record(6, 5, "x")], state)
     sync.after_round()
     assert behind.round_index == 6 and sync.events[0]["action"] == "reload"
 
@@ -176,14 +184,15 @@ def test_a_stage_reloads_when_another_stage_of_its_peer_does():
     """The stages of a pipeline read the swarm's records at slightly different times; one that sees no reason
     to reload still reloads with the others (else it trains on while they wait in the reload's collective)."""
     donor = make_stage(seed=1)
-    donor.round_index, donor.applied_round = 1, 0
+    donor.round_index, donor.applied_round = 2, 0  # its round 1 still averaging: this peer can join it
     donor.inner_step = donor.round_index * donor.diloco_cfg.inner_steps
     state = donor.shareable_state("run")
     for at_start in (True, False):
         peer = make_stage()
-        sync = make_sync(peer, [Record(0, -1, "")], state, other_stage_flags=True)
+        peer.round_index, peer.applied_round = 1, 0
+        sync = make_sync(peer, [Record(2, 0, "x")], state, other_stage_flags=True)
         sync.at_start(resumed=False) if at_start else sync.after_round()
-        assert [e["action"] for e in sync.events] == ["reload"] and peer.round_index == 1
+        assert [e["action"] for e in sync.events] == ["reload"] and peer.round_index == 2
         assert "another stage" in sync.events[0]["reason"]
     alone = make_stage()
     sync = make_sync(alone, [Record(0, -1, "")], state, other_stage_flags=False)
@@ -236,7 +245,8 @@ def test_resync_from_a_donor_that_already_applied_the_round_in_flight():
     peer.round_index, peer.applied_round = 8, 6
     peer.pending = PendingRound(7, [torch.zeros_like(t) for t in peer.anchor], 1.0)
     peer.pending.in_flight = True
-    sync = make_sync(peer, [Record(8, 6, "theirs"), Record(8, 6, "theirs")], state)
+    # the others applied round 7 too; their records still tell their anchor after round 6 (prior_anchor)
+    sync = make_sync(peer, [Record(8, 7, "x", prior_anchor="theirs"), Record(8, 7, "x", prior_anchor="theirs")], state)
     sync.remember("mine")
     sync.after_round()
     assert [e["action"] for e in sync.events] == ["resync"]
@@ -347,34 +357,6 @@ def test_two_peers_with_different_anchors_converge_on_the_canonical_one():
         assert outcomes == {"node-a": [], "node-b": ["resync"]}
 
 
-class _Lookups:
-    """Stands in for the averager in :meth:`PseudoGradientAverager.download_state`: each lookup returns the next
-    of ``results`` (None: no donor found, or every donor failed)."""
-
-    def __init__(self, *results):
-        self.results, self.calls = list(results), 0
-
-    def load_state_from_peers(self, wait: bool, timeout: float):
-        from concurrent.futures import Future
-
-        self.calls += 1
-        future = Future()
-        future.set_result(self.results.pop(0) if self.results else None)
-        return future
-
-
-def test_state_download_looks_again_once_when_no_donor_served():
-    from p2p_diloco.swarm.averaging.averager import PseudoGradientAverager
-
-    state = ({"round": 3}, [torch.zeros(2)])
-    lapsed = _Lookups(None, state)  # a donor's declaration lapsed during the first lookup
-    assert PseudoGradientAverager.download_state(lapsed, timeout_s=5) == state and lapsed.calls == 2
-    nobody = _Lookups()
-    assert PseudoGradientAverager.download_state(nobody, timeout_s=5) is None and nobody.calls == 2
-    found = _Lookups(state)
-    assert PseudoGradientAverager.download_state(found, timeout_s=5) == state and found.calls == 1
-
-
 @pytest.mark.parametrize("overrides", [
     [], [("averaging.next_chunk_timeout_s", "5")],
     [("averaging.next_chunk_timeout_s", "60"), ("averaging.allreduce_timeout_s", "4")]])
@@ -446,8 +428,8 @@ def test_a_peer_ending_its_round_after_the_others_applied_the_next_one_still_com
     for mine, resyncs in (("7b", True), (theirs_7, False)):
         peer = make_stage()
         peer.round_index, peer.applied_round = 9, 7
-        records = [Record(9, 8, "8a", node="n1", prior_anchor=theirs_7),
-                   Record(9, 8, "8a", node="n2", prior_anchor=theirs_7)]
+        records = [Record(9, 8, "x", node="n1", prior_anchor=theirs_7),
+                   Record(9, 8, "x", node="n2", prior_anchor=theirs_7)]
         sync = make_sync(peer, records, donor.shareable_state("run"), node="n0")
         sync.remember(mine)
         sync.after_round()

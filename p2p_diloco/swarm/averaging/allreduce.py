@@ -12,8 +12,11 @@ Against broken or hostile groupmates: the reducer keeps every sender's part and 
 :func:`p2p_diloco.swarm.averaging.robust.combine` (non-finite and far too large parts left out, CenteredClip),
 weighting each sender by the group's capped record of its tokens rather than the weight written in its messages
 (:class:`RobustPartReducer`); a part that cannot be decoded or has the wrong shape is refused; an average returned
-by a reducer is refused when it is non-finite or far larger than this peer's own part. Every such finding lands
-in ``runner.flags`` as (peer id, reason).
+by a reducer is refused when it is non-finite or far larger than this peer's own part; a reducer that took this
+peer's parts and returned no average within the reducer timeout (2 x ``averaging.next_chunk_timeout_s``: an honest
+reducer answers once every sender's part is in, or a sender timeout after) stalled the group. Explicit refusals and
+broken connections are not stalls: a reducer that read the group differently, or left it, refuses at once. Every
+such finding lands in ``runner.flags`` as (peer id, reason).
 
 Built on hivemind internals (``AllReduceRunner``, ``TensorPartContainer``), through
 :mod:`p2p_diloco.swarm.averaging.hivemind_api`.
@@ -23,6 +26,8 @@ Called only by :class:`p2p_diloco.swarm.averaging.averager.PseudoGradientAverage
 from __future__ import annotations
 
 import asyncio
+import functools
+import math
 import typing
 from collections.abc import AsyncIterator
 from typing import Optional
@@ -31,7 +36,7 @@ import torch
 
 from p2p_diloco.compression.codecs import decode_tensor
 from p2p_diloco.faults import HONEST, Honest
-from p2p_diloco.swarm.averaging.guard import BAD_AVERAGE, MALFORMED
+from p2p_diloco.swarm.averaging.guard import BAD_AVERAGE, MALFORMED, STALL
 from p2p_diloco.swarm.averaging.hivemind_api import (
     AllreduceException,
     AllReduceRunner,
@@ -60,6 +65,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         traffic: a shared int64 tensor of two counters (bytes sent, bytes received), updated in place.
         weights: peer id -> the weight of its parts in this peer's reductions (absent: 0).
         rule: how this peer's reducer combines the parts.
+        claims: peer id -> the tokens it claims (the outlier test's scale, see ``robust.combine``; default: weights).
         average_bound: an average returned by a reducer whose norm is more than this many times this peer's own
             part is refused (0: no bound).
         behaviour: what this peer does to the parts it sends and the averages it returns as a reducer: nothing
@@ -68,7 +74,7 @@ class ExactAllReduceRunner(AllReduceRunner):
     """
 
     def __init__(self, *, traffic: torch.Tensor, weights: dict, rule: RobustRule, average_bound: float = 0.0,
-                 behaviour: Honest = HONEST, **kwargs):
+                 behaviour: Honest = HONEST, claims: dict | None = None, **kwargs):
         super().__init__(**kwargs)
         self._traffic, self._average_bound, self._behaviour = traffic, average_bound, behaviour
         self.flags: list[tuple[PeerID, str]] = []
@@ -79,7 +85,8 @@ class ExactAllReduceRunner(AllReduceRunner):
         self.tensor_part_reducer.finished.set()  # hivemind's plain reducer is replaced before it ever ran
         self.tensor_part_reducer = RobustPartReducer(
             self.tensor_part_reducer.part_shapes, [weights.get(peer_id, 0.0) for peer_id in self.sender_peer_ids],
-            rule, on_flag=lambda sender, reason: self.flags.append((self.sender_peer_ids[sender], reason)))
+            rule, on_flag=lambda sender, reason: self.flags.append((self.sender_peer_ids[sender], reason)),
+            claims=None if claims is None else [claims.get(peer_id, 0.0) for peer_id in self.sender_peer_ids])
 
     def _encode_result(self, averaged_part: torch.Tensor, part_index: int):
         """The reducer encodes each averaged part once; every groupmate decodes the same bytes."""
@@ -91,6 +98,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         peer_index = self.ordered_peer_ids.index(peer_id)
         if peer_id == self.peer_id:
             return await self._reduce_own_parts(peer_index)
+        stream = None
         try:
             done_sending = asyncio.Event()
             inputs = attach_event_on_finished(self._generate_input_for_peer(peer_index), done_sending)
@@ -99,11 +107,12 @@ class ExactAllReduceRunner(AllReduceRunner):
                 await done_sending.wait()
             parts = self.tensor_part_container._input_parts_by_peer[peer_index]
             expected_shapes = [part.shape for part, _info in parts]
+            largest = max((part.numel() for part, _info in parts), default=0)
 
             def decode(message):
                 if message.code != averaging_pb2.AVERAGED_PART:
                     raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(message.code)}")
-                return _decode_part(message)
+                return _decode_part(message, largest)
 
             part_index = 0
             async for averaged_part in amap_in_executor(decode, aiter_with_timeout(stream, self.reducer_timeout),
@@ -121,6 +130,8 @@ class ExactAllReduceRunner(AllReduceRunner):
             if part_index != len(expected_shapes):
                 raise AllreduceException(f"{peer_id} sent {part_index} parts, {len(expected_shapes)} expected")
         except BaseException as e:
+            if stream is not None and isinstance(e, asyncio.TimeoutError):  # the stream is open, and silent
+                self.flags.append((peer_id, STALL))
             if isinstance(e, Exception):  # the round then fails here and is retried (the averager logs it too)
                 logger.warning(f"The averages of reducer {peer_id} did not all arrive: {e!r}")
                 logger.debug("The reducer's failure", exc_info=True)
@@ -181,8 +192,10 @@ class ExactAllReduceRunner(AllReduceRunner):
         part_index = 0
         try:
             loop = asyncio.get_event_loop()
+            largest = max((math.prod(shape) for shape in self.tensor_part_reducer.part_shapes), default=0)
             async for tensor_part in amap_in_executor(
-                _decode_part, _count_received(stream, self._traffic), max_prefetch=self.tensor_part_container.prefetch,
+                functools.partial(_decode_part, max_values=largest), _count_received(stream, self._traffic),
+                max_prefetch=self.tensor_part_container.prefetch,
             ):
                 if part_index >= self.tensor_part_reducer.num_parts:
                     self.flags.append((self.sender_peer_ids[sender_index], MALFORMED))
@@ -222,10 +235,11 @@ class RobustPartReducer(TensorPartReducer):
         weights: each sender's weight, in sender order (the weight a sender writes in its messages is ignored).
         rule: the combination's thresholds.
         on_flag: called with (sender index, reason) for every part left out or clipped.
+        claims: each sender's claimed tokens, in sender order (see ``robust.combine``); default: the weights.
     """
 
-    def __init__(self, part_shapes, weights: list[float], rule: RobustRule, on_flag):
-        self.weights, self.rule, self.on_flag = weights, rule, on_flag
+    def __init__(self, part_shapes, weights: list[float], rule: RobustRule, on_flag, claims=None):
+        self.weights, self.rule, self.on_flag, self.claims = weights, rule, on_flag, claims
         self.received: list = []
         self._combining = None  # the task combining the current part, while it runs
         super().__init__(part_shapes, len(weights))
@@ -264,7 +278,8 @@ class RobustPartReducer(TensorPartReducer):
         """Combine the current part in a thread (it takes a while on large parts; the event loop keeps serving the
         other streams meanwhile), then release the senders waiting for it and move on to the next part."""
         combined = await asyncio.get_event_loop().run_in_executor(
-            None, combine, list(self.received), self.weights, self.rule, self.part_shapes[self.current_part_index])
+            None, combine, list(self.received), self.weights, self.rule, self.part_shapes[self.current_part_index],
+            self.claims)
         self._combining = None
         if self.finished.is_set():
             return
@@ -279,10 +294,11 @@ class RobustPartReducer(TensorPartReducer):
         self.reset_accumulators()
 
 
-def _decode_part(message: averaging_pb2.AveragingData):
-    """The tensor of a message, or the exception that decoding it raised (a malformed part flags its sender)."""
+def _decode_part(message: averaging_pb2.AveragingData, max_values: int):
+    """The tensor of a message, or the exception that decoding it raised (a malformed part flags its sender); a part
+    declaring more values than the largest this exchange expects (``max_values``) is refused before decoding."""
     try:
-        return decode_tensor(message.tensor_part)
+        return decode_tensor(message.tensor_part, max_values=max_values)
     except Exception as e:
         return e
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import signal
 import time
 from collections.abc import Callable, Sequence
@@ -50,7 +51,9 @@ from p2p_diloco.swarm.averaging.hivemind_api import (
     DecentralizedAverager,
     MatchmakingException,
     MPFuture,
+    PeerID,
     PerTensorCompression,
+    averaging_pb2,
     enter_asynchronously,
     load_balance_peers,
 )
@@ -59,8 +62,19 @@ from p2p_diloco.swarm.averaging.robust import RobustRule
 
 logger = logging.getLogger(__name__)
 
+MAX_STATE_METADATA_BYTES = 1 << 16  # an honest donor's metadata is a few hundred bytes
 ROUND_BITS = 16  # rounds are told apart modulo 2**16 by the group key, exactly by the gathered metadata
 PHASES = (b"", b".P", b".Q")  # group id suffixes of a round's all-reduces (whole tensors; low-rank P; low-rank Q)
+
+
+def decode_state_tensor(header, buffer: bytes, shape: tuple) -> torch.Tensor:
+    """One tensor of a downloaded state: fp32, uncompressed (what hivemind's state sharing sends by default), of
+    exactly ``shape``; anything else is a ValueError, raised before any allocation from the message's claims."""
+    if header.compression != 0 or header.dtype != "float32" or tuple(header.size) != tuple(shape) \
+            or len(buffer) != 4 * math.prod(shape):
+        raise ValueError(f"a state tensor is not fp32 of shape {list(shape)} (compression {header.compression}, "
+                         f"dtype {header.dtype[:32]!r}, size {list(header.size)[:8]}, {len(buffer)} bytes)")
+    return torch.frombuffer(bytearray(buffer), dtype=torch.float32).reshape(shape)
 
 
 def group_prefix(run_id: str, stage_index: int, num_stages: int) -> str:
@@ -195,9 +209,11 @@ class PseudoGradientAverager(GuardedAverager, DecentralizedAverager):
             self._pending_groups_registered.set()
 
     async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs):
-        """Agree on the round's plan, average under it, and leave the average and the residual in shared memory."""
+        """Agree on the round's plan, average under it, and leave the average and the residual in shared memory.
+        ``group_info.group_id`` is the group's view id (:class:`~p2p_diloco.swarm.averaging.guard.GroupViews`)."""
         try:
-            view = read_group(group_info, self.serializer, self.peer_id, self.guard, self.cfg.max_weight_ratio)
+            origin = self.group_views.origin(group_info.group_id)
+            view = read_group(group_info, self.serializer, self.peer_id, self.guard, self.cfg.max_weight_ratio, origin)
             my_round = view.round_index
             plan = self.policy.agree(list(view.infos.values()))
             fractions = await asyncio.get_event_loop().run_in_executor(
@@ -209,7 +225,8 @@ class PseudoGradientAverager(GuardedAverager, DecentralizedAverager):
                 return await self._allreduce_phase(tensors, codecs, group_info, group_info.group_id + phase, view,
                                                    peer_fractions=fractions, **kwargs)
 
-            fault_point("allreduce-group-formed")  # a test hook: unset, a dictionary lookup
+            fault_point("allreduce-group-formed")  # test hooks: unset, a dictionary lookup and a no-op
+            await self.behaviour.join_allreduce()
             received_before, started = int(self.traffic[BYTES_RECEIVED]), time.monotonic()
             async with enter_asynchronously(self.get_tensors()) as buffers:
                 if int(self._buffered_round[0]) != my_round:
@@ -235,15 +252,19 @@ class PseudoGradientAverager(GuardedAverager, DecentralizedAverager):
                                "the round's group again")
                 logger.debug("The all-reduce's failure", exc_info=True)
             raise MatchmakingException(f"Unable to run All-Reduce: {e}") from e
+        finally:
+            self._leave_group(group_info.group_id)
 
     async def _allreduce_phase(self, tensors, codecs, group_info, group_id, view: GroupView,
                                **kwargs) -> list[torch.Tensor]:
         """One exact, robust all-reduce of ``tensors`` (codec ``codecs[i]`` for tensor i) in the round's group."""
         # an honest average is no larger than outlier_ratio x the median part (larger ones are left out); this
-        # peer's part stands in for the median, scaled by how many fewer tokens it trained on, with a factor 2 to spare
+        # peer's part stands in for the median, scaled by how many fewer tokens it trained on (its own claim is the
+        # one it sent, and the scale is capped: see GroupView.catch_up), with a factor 2 to spare
         average_bound = 2 * self.rule.outlier_ratio * view.catch_up
         runner = ExactAllReduceRunner(
             traffic=self.traffic, weights=view.weights, rule=self.rule, average_bound=average_bound,
+            claims={peer_id: float(info["tokens"]) for peer_id, info in view.infos.items()},
             behaviour=self.behaviour, p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors,
             group_id=group_id,
             ordered_peer_ids=group_info.peer_ids, modes=view.modes,
@@ -397,7 +418,7 @@ class PseudoGradientAverager(GuardedAverager, DecentralizedAverager):
             logger.warning(f"Could not read the groupmates flagged in round {round_index}: {e!r}")
             return {}, []
 
-    # ---- state sharing (hivemind's load_state_from_peers / rpc_download_state) ------------------------
+    # ---- state sharing (hivemind's rpc_download_state, served and asked for) ------------------------------
     def get_current_state(self):
         """Runs in a background thread of the training process when a peer downloads this stage's state."""
         if self.state_provider is None:
@@ -405,27 +426,86 @@ class PseudoGradientAverager(GuardedAverager, DecentralizedAverager):
         metadata, tensors = self.state_provider()
         return metadata, tensors, None
 
-    def download_state(self, timeout_s: float, attempts: int = 2):
-        """(metadata, tensors) of this stage from another peer (the most advanced donor first, the next one if a
-        donor fails mid-download), or None; never longer than ``timeout_s``. When no donor served (none found,
-        or each one failed or was busy past the first-chunk timeout), the lookup is made once more after a
-        pause, within the same bound."""
+    def download_state(self, donors: Sequence[str], timeout_s: float):
+        """(metadata, tensors) of this stage from the first of ``donors`` (DHT peer ids, in the order to ask them)
+        that serves a well-formed state, or None; never longer than ``timeout_s`` in all.
+
+        The caller chooses the donors (from the swarm's signed records: see ``training.sync``), not the priority each
+        averager declares for itself in hivemind's unsigned ``all_averagers`` key. What a donor sends is bounded
+        as it arrives: one metadata message of at most :data:`MAX_STATE_METADATA_BYTES`, at most one tensor per
+        template twice over (anchor and momentum), each fp32 of exactly its template's shape; a donor that sends
+        more, or another layout, or too slowly for what is left of the bound, is dropped for the next one."""
+        future = MPFuture()
+        self._outer_pipe.send(("_download_from", [], dict(donors=[str(d) for d in donors], timeout_s=timeout_s,
+                                                          future=future)))
+        try:
+            return future.result(timeout=timeout_s + 5)
+        except Exception as e:  # every network failure ends in "no state", never in a crash
+            logger.warning(f"State download failed: {e!r}")
+            return None
+
+    async def _download_from(self, donors: list[str], timeout_s: float, future) -> None:
+        """In the background process: :meth:`download_state`."""
         deadline = time.monotonic() + timeout_s
-        for attempt in range(attempts):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            try:
-                future = self.load_state_from_peers(wait=False, timeout=remaining)
-                downloaded = future.result(timeout=remaining)
-            except Exception as e:  # every network failure ends in "no state", never in a crash
-                logger.warning(f"State download failed: {e!r}")
-                downloaded = None
-            if downloaded is not None:
-                return downloaded
-            if attempt + 1 < attempts:
-                time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
-        return None  # the caller says what it does without a state
+        try:
+            for index, donor in enumerate(donors):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                peer_id = PeerID.from_base58(donor)
+                if peer_id == self.peer_id or self.guard.refuses(peer_id) is not None:
+                    continue
+                # a donor that trickles its bytes gets a share of the bound, not all of it (the next donors are left
+                # the rest); hivemind's per-message timeout alone let one slow donor hold a download forever
+                share = remaining if index == len(donors) - 1 else remaining * 0.6
+                try:
+                    state = await asyncio.wait_for(self._download_one(peer_id), timeout=share)
+                except Exception as e:
+                    logger.warning(f"State download from {donor} failed: {type(e).__name__}: {e}")
+                    continue
+                if state is not None:
+                    logger.info(f"Downloaded this stage's state from {donor}")
+                    future.set_result(state)
+                    return
+        finally:
+            if not future.done():
+                future.set_result(None)
+
+    async def _download_one(self, peer_id):
+        """One donor's state, checked for size and layout as it arrives (see :meth:`download_state`)."""
+        shapes = [tuple(t.shape) for t in self._residuals] * 2  # anchor, then momentum
+        stub = self.get_stub(self._p2p, peer_id, namespace=self.prefix)
+        stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+        metadata, tensors, header, chunks, size = None, [], None, [], 0
+
+        def finish_tensor() -> None:
+            tensors.append(decode_state_tensor(header, b"".join(chunks), shapes[len(tensors)]))
+
+        async for message in stream:
+            if message.metadata:
+                if metadata is not None or len(message.metadata) > MAX_STATE_METADATA_BYTES:
+                    raise ValueError("the donor sent more than one metadata message, or one too large")
+                metadata = self.serializer.loads(message.metadata)
+            part = message.tensor_part
+            if part.dtype:  # the first chunk of a tensor names its dtype (hivemind's split_for_streaming)
+                if header is not None:
+                    finish_tensor()
+                if len(tensors) >= len(shapes):
+                    raise ValueError(f"the donor sent more than the {len(shapes)} tensors of this stage's state")
+                header, chunks, size = part, [], 0
+            elif header is None and part.buffer:
+                raise ValueError("the donor sent tensor bytes before naming a tensor")
+            size += len(part.buffer)
+            if header is not None and size > 4 * math.prod(shapes[len(tensors)]):
+                raise ValueError(f"the donor's tensor {len(tensors)} is larger than its shape "
+                                 f"{list(shapes[len(tensors)])}")
+            chunks.append(part.buffer)
+        if header is not None:
+            finish_tensor()
+        if not isinstance(metadata, dict):
+            logger.debug(f"Peer {peer_id} did not send its state")
+            return None
+        return metadata, tensors
 
     @property
     def round_settled(self) -> bool:

@@ -5,50 +5,83 @@
   that member (it becomes an auxiliary peer: it neither sends nor reduces anything); its claimed tokens are capped
   at a multiple of the group's median; claimed link bandwidths are ignored (every member reduces an equal share,
   so nobody can claim the whole vector). Every honest groupmate reads the same records, so all agree.
+- The group's leader relays every record, a follower's own included, and may be hostile. So a follower compares
+  the relayed copy of its own record with the bytes it sent and refuses the group (a proof against the leader: it
+  is banned at once) when they differ; a record that reached this peer only through the leader counts as an offence
+  of nobody (it is still excluded and reported: the leader may have forged it), only what came straight from its
+  sender does (as a leader, every record; as a follower, the leader's own); and the group's all-reduces run under a
+  *view id* (:class:`GroupViews`) that digests the records as this peer read them, so members handed different
+  records never exchange a part (none can find another's parts malformed or see it stall).
 - :class:`PeerGuard`, in the averager's background process, records why groupmates were flagged each round (by
   this peer's reducer, by the checks of the averages it received, by :func:`read_group`), counts the rounds in
-  which a peer committed an offence, and bans it after ``averaging.ban_after`` such rounds; with
-  ``averaging.allowlist`` it also knows who is in a private swarm.
+  which a peer committed an offence, and bans it after ``averaging.ban_after`` such rounds; a groupmate that stalled
+  an all-reduce (accepted this peer's parts and returned no average within the reducer timeout) is banned after
+  stalls in twice as many rounds of the last :data:`STALL_WINDOW` (an honest peer on an overloaded machine stalls
+  now and then, a hostile part never comes from an honest peer); with ``averaging.allowlist`` it also knows who is
+  in a private swarm.
 - :class:`GuardedAverager`, mixed into the averager, refuses join requests from banned peers and outsiders, does
-  not follow them as leaders, and neither serves state to outsiders nor downloads it from them.
+  not follow them as leaders, and serves no state to outsiders (the averager's download skips outsiders and banned
+  peers among the donors it is given).
 
-Built on hivemind internals (``Matchmaking._request_join_group``, ``_load_state_from_peers``), through
-:mod:`p2p_diloco.swarm.averaging.hivemind_api`. Called by
+Built on hivemind internals (``Matchmaking._request_join_group``, ``look_for_group``, ``follower_assemble_group``),
+through :mod:`p2p_diloco.swarm.averaging.hivemind_api`. Called by
 :class:`p2p_diloco.swarm.averaging.averager.PseudoGradientAverager`.
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import hashlib
 import logging
 import math
 import typing
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Optional
 
-from p2p_diloco.swarm.averaging.hivemind_api import AllreduceException, AveragingMode, P2PContext, averaging_pb2
+from p2p_diloco.faults import HONEST, Honest
+from p2p_diloco.swarm.averaging.hivemind_api import (
+    AllreduceException,
+    AveragingMode,
+    P2PContext,
+    PeerID,
+    achain,
+    as_aiter,
+    averaging_pb2,
+)
+from p2p_diloco.swarm.averaging.limits import StateGate
 from p2p_diloco.swarm.averaging.robust import MALFORMED, NONFINITE, TOO_LARGE, cap_weights, lower_median
 
 logger = logging.getLogger(__name__)
 
 # why a groupmate is flagged, besides the reducer's reasons (robust.MALFORMED, NONFINITE, TOO_LARGE, CLIPPED)
 WRONG_ROUND, METADATA, BAD_AVERAGE = "round", "metadata", "bad average"
+FORGED, STALL = "forged record", "stall"
 CAPPED, BANNED = "capped", "banned"
-OFFENCES = frozenset({MALFORMED, NONFINITE, TOO_LARGE, WRONG_ROUND, METADATA, BAD_AVERAGE})  # the rest: reported
+OFFENCES = frozenset({MALFORMED, NONFINITE, TOO_LARGE, WRONG_ROUND, METADATA, BAD_AVERAGE, FORGED})  # the rest: noted
+PROOFS = frozenset({FORGED})  # an offence only a hostile peer commits: one bans at once
+STALL_WINDOW = 20  # rounds: stalls in 2 x ban_after of the last STALL_WINDOW rounds ban a peer
+MAX_CATCH_UP = 8.0  # see GroupView.catch_up
 KEPT_ROUNDS = 8  # flags of older rounds that nobody asked for are dropped
+KEPT_GROUPS = 16  # the groups a GroupViews remembers
+VIEW_DIGEST_BYTES = 8
 
 
 class PeerGuard:
-    """Offences and bans of other peers, and the allowlist.
+    """Offences, stalls and bans of other peers, and the allowlist.
 
     Args:
-        ban_after: rounds with an offence after which a peer is banned (0: never).
+        ban_after: rounds with an offence after which a peer is banned (0: never); stalls ban after stalls in twice
+            as many of the last :data:`STALL_WINDOW` rounds, and a proof of hostility (:data:`PROOFS`) at once.
         allowlist: peer ids (base58) of a private swarm; empty: anyone may join.
     """
 
     def __init__(self, ban_after: int, allowlist: Sequence[str] = ()):
         self.ban_after, self.allowlist = ban_after, frozenset(allowlist)
         self.offence_rounds: dict[str, set[int]] = {}
+        self.stall_rounds: dict[str, set[int]] = {}
         self.banned: set[str] = set()
         self.flags: dict[int, dict[str, set[str]]] = {}  # round -> peer -> reasons
 
@@ -61,30 +94,112 @@ class PeerGuard:
             return "not on averaging.allowlist"
         return "banned for repeated offences" if str(peer_id) in self.banned else None
 
-    def record(self, round_index: int, peer_id, reason: str) -> None:
-        """Note that ``peer_id`` was flagged for ``reason`` in a round; ban it if that makes one offence too many."""
+    def record(self, round_index: int, peer_id, reason: str, counted: bool = True) -> None:
+        """Note that ``peer_id`` was flagged for ``reason`` in a round; ban it if that makes one offence (or stall)
+        too many. ``counted`` False: reported only (this peer cannot tell whether ``peer_id`` is to blame)."""
         name = str(peer_id)
-        reasons = self.flags.setdefault(round_index, {}).setdefault(name, set())
-        if reason in reasons:
-            return
-        reasons.add(reason)
-        if reason not in OFFENCES:
-            return
-        rounds = self.offence_rounds.setdefault(name, set())
-        rounds.add(round_index)
-        logger.warning(f"Round {round_index}: groupmate {name} flagged ({reason}); offences in {len(rounds)} round(s)")
-        if self.ban_after and len(rounds) >= self.ban_after and name not in self.banned:
-            self.banned.add(name)
-            logger.warning(f"Banned {name} after offences in rounds {sorted(rounds)}: this peer no longer groups "
-                           "with it")
+        self.flags.setdefault(round_index, {}).setdefault(name, set()).add(reason)
         for old in [r for r in self.flags if r < round_index - KEPT_ROUNDS]:
             del self.flags[old]
+        if not counted:
+            if reason in OFFENCES:
+                logger.info(f"Round {round_index}: groupmate {name} flagged ({reason}) in a record relayed by the "
+                            "group's leader: not counted against it")
+        elif reason in OFFENCES:
+            rounds = self.offence_rounds.setdefault(name, set())
+            if round_index not in rounds:
+                rounds.add(round_index)
+                logger.warning(f"Round {round_index}: groupmate {name} flagged ({reason}); offences in "
+                               f"{len(rounds)} round(s)")
+            if reason in PROOFS or len(rounds) >= self.ban_after:
+                self._ban(name, f"offences in rounds {sorted(rounds)} ({reason} in round {round_index})")
+        elif reason == STALL:
+            stalls = {r for r in self.stall_rounds.get(name, ()) if r > round_index - STALL_WINDOW}
+            if round_index not in stalls:
+                logger.warning(f"Round {round_index}: groupmate {name} stalled the all-reduce; stalls in "
+                               f"{len(stalls) + 1} of the last {STALL_WINDOW} rounds")
+            self.stall_rounds[name] = stalls = stalls | {round_index}
+            if len(stalls) >= 2 * self.ban_after:
+                self._ban(name, f"stalls in rounds {sorted(stalls)}")
+
+    def _ban(self, name: str, why: str) -> None:
+        if self.ban_after and name not in self.banned:
+            self.banned.add(name)
+            logger.warning(f"Banned {name} after {why}: this peer no longer groups with it")
 
     def report(self, round_index: int) -> dict:
         """The flags of a round (peer -> sorted reasons; forgotten once reported) and every banned peer."""
         flags = self.flags.pop(round_index, {})
         return {"suspects": {peer: sorted(reasons) for peer, reasons in sorted(flags.items())},
                 "banned": sorted(self.banned)}
+
+
+@dataclass(frozen=True)
+class GroupOrigin:
+    """How this peer received a group's records."""
+
+    leader: PeerID
+    """The member that relayed them (this peer itself when it led the group: every record came from its sender)."""
+    own_record: bytes
+    """This peer's record for the round, the exact bytes it sent."""
+
+
+class GroupViews:
+    """The groups this peer was in, as it read them (in the averager's background process).
+
+    Each group's all-reduces run under a *view id*: hivemind's group id followed by a digest of the group's peer ids
+    and records as this peer received them. Members handed different records by a hostile leader have different view
+    ids, and each refuses at once the parts sent under another view of the group (and those of a group it has left,
+    which hivemind would hold until this peer's next group forms: their sender would see this peer stall).
+    """
+
+    def __init__(self):
+        self.leaders: dict[bytes, PeerID] = {}  # hivemind group id -> the leader this peer followed into it
+        self.views: dict[bytes, tuple[bytes, GroupOrigin]] = {}  # hivemind group id -> (view id, origin)
+        self.left: set[bytes] = set()  # view ids of the groups this peer is done with
+
+    def followed(self, group_id: bytes, leader: PeerID) -> None:
+        self.leaders[group_id] = leader
+        _keep_last(self.leaders, KEPT_GROUPS)
+
+    def assembled(self, group_info, own_record: bytes, my_peer_id: PeerID):
+        """The group as this peer averages with it: hivemind's ``GroupInfo`` with the view id as its group id."""
+        leader = self.leaders.pop(group_info.group_id, my_peer_id)
+        view_id = group_info.group_id + view_digest(group_info.peer_ids, group_info.gathered)
+        self.views[group_info.group_id] = (view_id, GroupOrigin(leader, own_record))
+        _keep_last(self.views, KEPT_GROUPS)
+        self.left &= {view for view, _origin in self.views.values()}
+        return dataclasses.replace(group_info, group_id=view_id)
+
+    def origin(self, view_id: bytes) -> GroupOrigin:
+        view, origin = self.views.get(view_id[:-VIEW_DIGEST_BYTES], (None, None))
+        if view != view_id:
+            raise AllreduceException("this peer has no record of how it received the group's metadata")
+        return origin
+
+    def leave(self, view_id: bytes) -> None:
+        self.left.add(view_id)
+
+    def refuses(self, allreduce_id: bytes) -> bool:
+        """Whether parts sent under ``allreduce_id`` are for another view of a group this peer is in, or for a group
+        it has left (False for a group it has not seen yet: hivemind holds those until it forms its next group)."""
+        for group_id, (view_id, _origin) in self.views.items():
+            if allreduce_id.startswith(group_id):
+                return not allreduce_id.startswith(view_id) or view_id in self.left
+        return False
+
+
+def view_digest(peer_ids: Sequence[PeerID], gathered: Sequence[bytes]) -> bytes:
+    """A digest of a group's members and records, in group order (the same on every member that read the same)."""
+    digest = hashlib.sha256()
+    for item in [peer_id.to_bytes() for peer_id in peer_ids] + list(gathered):
+        digest.update(len(item).to_bytes(8, "big") + item)
+    return digest.digest()[:VIEW_DIGEST_BYTES]
+
+
+def _keep_last(entries: dict, count: int) -> None:
+    while len(entries) > count:
+        del entries[next(iter(entries))]
 
 
 @dataclass
@@ -103,17 +218,28 @@ class GroupView:
     tokens: float
     """The group's tokens: the included members' claims, capped."""
     catch_up: float
-    """The group's median claim over this peer's own (at least 1): a peer that trained on fewer tokens (it joined
-    the round part-way) has a smaller pseudo-gradient than its groupmates, and may receive a larger average."""
+    """The group's median claim over this peer's own, from 1 to :data:`MAX_CATCH_UP`: a peer that trained on fewer
+    tokens (it joined the round part-way) has a smaller pseudo-gradient than its groupmates, and may receive a larger
+    average. Capped, so that no claim lifts the bound on the averages this peer accepts more than 8-fold: a peer with
+    less than 1/8 of the median's tokens judges averages as if it had 1/8 (with the default outlier ratio it accepts
+    averages up to 160 times its own part)."""
 
 
-def read_group(group_info, serializer, my_peer_id, guard: PeerGuard, weight_ratio: float) -> GroupView:
+def read_group(group_info, serializer, my_peer_id, guard: PeerGuard, weight_ratio: float,
+               origin: Optional[GroupOrigin] = None) -> GroupView:
     """What this round averages with, from the group's gathered records (see the module docstring).
 
+    Args:
+        origin: who relayed the records, and this peer's own record as it sent it; None: this peer led the group
+            (every record came straight from its sender).
+
     Raises:
-        AllreduceException: this peer's own record is unusable, the group holds an outsider of a private swarm,
-            or nobody is left to average with.
+        AllreduceException: the leader altered this peer's own record, this peer's record is unusable, the group
+            holds an outsider of a private swarm, or nobody is left to average with.
     """
+    leader = my_peer_id if origin is None else origin.leader
+    if origin is not None:
+        _check_own_record(group_info, my_peer_id, origin, serializer, guard)
     infos, modes, excluded = {}, [], {}
     for peer_id, raw in zip(group_info.peer_ids, group_info.gathered):
         try:
@@ -135,7 +261,8 @@ def read_group(group_info, serializer, my_peer_id, guard: PeerGuard, weight_rati
             del infos[peer_id]
             modes[index], excluded[peer_id] = AveragingMode.AUX, WRONG_ROUND
     for peer_id, reason in excluded.items():
-        guard.record(round_index, peer_id, reason)
+        # a record that reached this peer through the leader may be the leader's forgery: it counts against nobody
+        guard.record(round_index, peer_id, reason, counted=leader in (my_peer_id, peer_id))
     if len(infos) < 2 and excluded:
         raise AllreduceException(f"no groupmate left to average with (excluded: {sorted(map(str, excluded))})")
     claims = [float(info["tokens"]) for info in infos.values()]
@@ -147,8 +274,22 @@ def read_group(group_info, serializer, my_peer_id, guard: PeerGuard, weight_rati
             guard.record(round_index, peer_id, BANNED)
         weights[peer_id] = 0.0 if str(peer_id) in guard.banned else capped
     bandwidths = tuple(0.0 if mode in (AveragingMode.CLIENT, AveragingMode.AUX) else None for mode in modes)
-    catch_up = max(1.0, lower_median(capped_claims) / capped_claims[list(infos).index(my_peer_id)])
+    own_claim = capped_claims[list(infos).index(my_peer_id)]
+    catch_up = min(MAX_CATCH_UP, max(1.0, lower_median(capped_claims) / own_claim))
     return GroupView(infos, tuple(modes), bandwidths, weights, round_index, sum(capped_claims), catch_up)
+
+
+def _check_own_record(group_info, my_peer_id, origin: GroupOrigin, serializer, guard: PeerGuard) -> None:
+    """Raise, and flag the leader, unless the group's record of this peer is the one it sent, byte for byte."""
+    relayed = group_info.gathered[list(group_info.peer_ids).index(my_peer_id)]
+    if relayed == origin.own_record:
+        return
+    try:
+        round_index = serializer.loads(serializer.loads(origin.own_record)[2])["round"]
+    except Exception:  # a hostile test peer's own record may be malformed: flag under no round
+        round_index = -1
+    guard.record(round_index, origin.leader, FORGED)
+    raise AllreduceException(f"the leader {origin.leader} relayed this peer's record altered")
 
 
 def check_gathered(info) -> dict:
@@ -186,6 +327,15 @@ class GuardedAverager:
     """Mixin for a hivemind ``DecentralizedAverager`` with a ``guard`` attribute (a :class:`PeerGuard`)."""
 
     guard: PeerGuard
+    behaviour: Honest = HONEST
+
+    @property
+    def group_views(self) -> GroupViews:
+        """The groups this peer was in (made on first use, in the background process)."""
+        views = vars(self).get("_group_views")
+        if views is None:
+            views = self._group_views = GroupViews()
+        return views
 
     # hivemind registers rpc_* handlers from their annotations, and needs typing's AsyncIterator there
     async def rpc_join_group(self, request: averaging_pb2.JoinRequest,
@@ -197,15 +347,40 @@ class GuardedAverager:
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
         async for message in super().rpc_join_group(request, context):
+            if message.code == averaging_pb2.BEGIN_ALLREDUCE:  # what a hostile test leader forges
+                self.behaviour.relay(message, context.remote_id.to_bytes(), self.peer_id.to_bytes(), self.serializer)
+            yield message
+
+    async def rpc_aggregate_part(self, stream: typing.AsyncIterator[averaging_pb2.AveragingData],
+                                 context: P2PContext) -> typing.AsyncIterator[averaging_pb2.AveragingData]:
+        """hivemind's routing of a sender's parts to this peer's all-reduce, but parts sent for another view of a
+        group, or for a group this peer has left, are refused at once; and a sender that gives up waiting for this
+        peer's all-reduce to start no longer cancels it for every other sender (hivemind's handlers all await the
+        same future: the first to time out cancelled it, and the others' streams ended too)."""
+        request = await anext(stream)
+        if self.group_views.refuses(request.group_id):
+            yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
+            return
+        if request.group_id not in self._running_groups:
+            await self._pending_groups_registered.wait()  # the group's all-reduce may not be registered yet
+        future = self._running_groups.get(request.group_id)
+        if future is None:
+            yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
+            return
+        runner = await asyncio.shield(future)
+        async for message in runner.rpc_aggregate_part(achain(as_aiter(request), stream), context):
             yield message
 
     async def rpc_download_state(self, request: averaging_pb2.DownloadRequest,
                                  context: P2PContext) -> typing.AsyncIterator[averaging_pb2.DownloadData]:
-        """Serve this stage's state to members of the swarm only."""
+        """Serve this stage's state to members of the swarm only, to a bounded number of peers at a time (each stream
+        holds a copy of anchor and momentum: see :class:`~p2p_diloco.swarm.averaging.limits.StateGate`). A refused
+        request makes no copy: it ends with no data, and the downloader moves on to its next donor."""
         if self.guard.outsider(context.remote_id):
             logger.warning(f"Refused to serve state to {context.remote_id}: not on averaging.allowlist")
             return
-        async for message in super().rpc_download_state(request, context):
+        serve = StateGate.of(self).serve(context.remote_id, partial(super().rpc_download_state, request, context))
+        async for message in serve:
             yield message
 
     async def _step(self, **kwargs):
@@ -213,40 +388,47 @@ class GuardedAverager:
         keep_round_key(self._matchmaking.group_key_manager)
         return await super()._step(**kwargs)
 
-    async def _load_state_from_peers(self, future, timeout=None):
-        self._guard_donors()
-        return await super()._load_state_from_peers(future, timeout)
-
     def _guard_matchmaking(self) -> None:
         """As a follower: never ask a banned peer or an outsider to lead this peer's group (also when another leader
-        redirects to it). Runs in the background process, once, after hivemind made its Matchmaking."""
+        redirects to it). Note whom this peer followed into each group and the exact record it sent, and hand
+        hivemind each group under its view id (:class:`GroupViews`). Runs in the background process, once, after
+        hivemind made its Matchmaking."""
         matchmaking = self._matchmaking
         if "_request_join_group" in vars(matchmaking):
             return
         request_join_group = matchmaking._request_join_group
+        look_for_group, follower_assemble_group = matchmaking.look_for_group, matchmaking.follower_assemble_group
+        views = self.group_views
 
         async def join_unless_refused(leader):
             reason = self.guard.refuses(leader)
+            if reason is None and not self.behaviour.follows_others:
+                reason = "this hostile test peer follows nobody"
             if reason is not None:
                 logger.debug(f"Not following {leader}: {reason}")
                 return None
             return await request_join_group(leader)
 
+        async def assemble_as_follower(leader, msg):
+            views.followed(msg.group_id, leader)
+            return await follower_assemble_group(leader, msg)
+
+        async def look_for_viewed_group(step):
+            group_info = await look_for_group(step)
+            return None if group_info is None else views.assembled(group_info, step.data_for_gather, self.peer_id)
+
         matchmaking._request_join_group = join_unless_refused
+        matchmaking.follower_assemble_group = assemble_as_follower
+        matchmaking.look_for_group = look_for_viewed_group
 
-    def _guard_donors(self) -> None:
-        """Download state from members of a private swarm only: hivemind's download loop asks ``self.get_stub`` for
-        each donor in turn, and moves on to the next one when it raises."""
-        if not self.guard.allowlist or "get_stub" in vars(self):
-            return
-        get_stub = self.get_stub
-
-        def get_stub_of_member(p2p, peer, namespace=None):
-            if self.guard.outsider(peer):
-                raise PermissionError(f"{peer} is not on averaging.allowlist")
-            return get_stub(p2p, peer, namespace=namespace)
-
-        self.get_stub = get_stub_of_member
+    def _leave_group(self, view_id: bytes) -> None:
+        """Done with a group (averaged, refused or failed): parts sent for it from now on are refused at once, and
+        so are those already waiting for one of its all-reduces that will not start."""
+        self.group_views.leave(view_id)
+        for allreduce_id, future in list(self._running_groups.items()):
+            if allreduce_id.startswith(view_id) and not future.done():
+                future.set_exception(AllreduceException("this peer has left the group"))
+                future.exception()  # retrieved here: nobody may be waiting for it
 
 
 def keep_round_key(key_manager) -> None:

@@ -1,7 +1,7 @@
 """The hivemind internals the averaging builds on, in one place: imported here and nowhere else.
 
 The averager subclasses hivemind's ``DecentralizedAverager``, ``AllReduceRunner`` and ``TensorPartReducer`` and
-replaces three methods of their collaborators. None of that is hivemind's public API, and it changes between
+replaces five methods of their collaborators. None of that is hivemind's public API, and it changes between
 versions, so the version is checked on import (:func:`check_version`) and ``tests/unit/test_hivemind_contract.py``
 checks every hook: each method overridden (:data:`OVERRIDDEN`: found by walking our subclasses) or replaced
 (:data:`REPLACED`) still exists in hivemind with the parameters we call it with, and the behaviour a hook exists for
@@ -12,10 +12,22 @@ Hooks replaced on instances:
 
 - ``Matchmaking._request_join_group`` (:mod:`~p2p_diloco.swarm.averaging.guard`): a follower never asks a banned peer
   or an outsider to lead its group;
+- ``Matchmaking.follower_assemble_group`` (:class:`~p2p_diloco.swarm.averaging.guard.GroupViews`): a follower notes
+  which leader relayed its group's records (hivemind forgets it before the group is averaged);
+- ``Matchmaking.look_for_group`` (:class:`~p2p_diloco.swarm.averaging.guard.GroupViews`): the group comes back under
+  its view id (hivemind's group id and a digest of the records as this peer read them), with the exact record this
+  peer sent noted;
 - ``GroupKeyManager.update_key_on_group_assembled`` (:func:`~p2p_diloco.swarm.averaging.guard.keep_round_key`): the
   group key stays the round's after a group assembles, so that a failed all-reduce's survivors meet again;
-- ``DecentralizedAverager.get_stub`` (:mod:`~p2p_diloco.swarm.averaging.guard`): state is downloaded from members of a
-  private swarm only.
+
+Replaced on the class, for the whole process: ``P2P.receive_raw_data``
+(:func:`~p2p_diloco.swarm.averaging.limits.install_message_cap`): a message whose header declares more bytes
+than the cap is refused before they are read (hivemind buffers whatever length a peer declares).
+
+Called, not replaced: ``DecentralizedAverager.get_stub`` and the ``rpc_download_state`` stream it opens
+(:meth:`~p2p_diloco.swarm.averaging.averager.PseudoGradientAverager.download_state` asks the donors the caller chose,
+checking what arrives as it arrives, instead of hivemind's ``load_state_from_peers``, which orders donors by the
+priority each declares in an unsigned DHT key and buffers whatever they send).
 """
 
 from __future__ import annotations
@@ -29,19 +41,33 @@ from hivemind.averaging.load_balancing import load_balance_peers
 from hivemind.averaging.matchmaking import Matchmaking, MatchmakingException
 from hivemind.averaging.partition import BannedException, TensorPartReducer
 from hivemind.compression import CompressionInfo, PerTensorCompression
-from hivemind.p2p import P2PContext, PeerID
+from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture, get_logger
-from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_event_on_finished, enter_asynchronously
+from hivemind.utils.asyncio import (
+    achain,
+    aiter_with_timeout,
+    amap_in_executor,
+    as_aiter,
+    attach_event_on_finished,
+    enter_asynchronously,
+)
 
 SUPPORTED_VERSION = "1.1.12"
 
 REPLACED = {
     (Matchmaking, "_request_join_group"): ("self", "leader"),
+    (Matchmaking, "follower_assemble_group"): ("self", "leader", "msg"),
+    (Matchmaking, "look_for_group"): ("self", "step"),
     (GroupKeyManager, "update_key_on_group_assembled"): ("self", "group_info"),
-    (DecentralizedAverager, "get_stub"): ("p2p", "peer", "namespace"),
+    (P2P, "receive_raw_data"): ("reader",),
 }
 """(hivemind class, method) -> its parameters, as the replacement is called."""
+
+CALLED = {
+    (DecentralizedAverager, "get_stub"): ("p2p", "peer", "namespace"),
+}
+"""hivemind internals called directly (not replaced) -> their parameters, as we call them."""
 
 HIVEMIND_BASES = (DecentralizedAverager, AllReduceRunner, TensorPartReducer)
 """The hivemind classes our averaging subclasses; every method a subclass redefines is a hook."""
@@ -58,9 +84,10 @@ def check_version(version: str) -> None:
 check_version(hivemind.__version__)
 
 __all__ = [
+    "CALLED", "P2P",
     "AllReduceRunner", "AllreduceException", "AveragingMode", "AveragingStage", "BannedException", "CompressionInfo",
     "DecentralizedAverager", "GroupKeyManager", "HIVEMIND_BASES", "MPFuture", "Matchmaking", "MatchmakingException",
-    "P2PContext", "PeerID", "PerTensorCompression", "REPLACED", "SUPPORTED_VERSION", "TensorPartReducer",
-    "aiter_with_timeout", "amap_in_executor", "attach_event_on_finished", "averaging_pb2", "check_version",
+    "P2PContext", "PeerID", "PerTensorCompression", "REPLACED", "SUPPORTED_VERSION", "TensorPartReducer", "achain",
+    "aiter_with_timeout", "amap_in_executor", "as_aiter", "attach_event_on_finished", "averaging_pb2", "check_version",
     "enter_asynchronously", "get_logger", "load_balance_peers",
 ]

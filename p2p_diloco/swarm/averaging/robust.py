@@ -6,9 +6,10 @@ groupmate receives the reducer's bytes, so the result stays bit-identical across
 
 1. a part of the wrong shape or with a non-finite value, or from a sender whose weight is 0 (banned, excluded),
    is left out;
-2. with 3 or more parts left, a part whose norm is more than ``outlier_ratio`` times the median norm is left out
-   (with an honest majority the median is an honest norm); with 2 there is no majority to judge by, and the larger
-   part is only scaled down to ``outlier_ratio`` times the smaller;
+2. with 3 or more parts left, a part whose norm per claimed token is more than ``outlier_ratio`` times the median
+   is left out (with an honest majority the median is an honest norm; a claim counts for at most ``outlier_ratio``
+   times the median claim); with 2 there is no majority to judge by, and the larger
+   part is only scaled down to ``pair_ratio`` (at most ``outlier_ratio``) times the smaller;
 3. the weighted mean of the parts left, ``sum_i w_i x_i / sum_i w_i``, computed as hivemind's reducer computes it;
 4. CenteredClip (Karimireddy, He and Jaggi, "Learning from History for Byzantine Robust Optimization", ICML 2021)
    with 3 or more parts: ``v <- v + sum_i w_i clip(x_i - v, tau) / sum_i w_i`` from v = the mean, with
@@ -18,8 +19,17 @@ groupmate receives the reducer's bytes, so the result stays bit-identical across
    most about tau times its weight share.
 
 Leaving a part out (steps 1 and 2) is an offence of its sender; clipping it (steps 2 with 2 parts, and 4) is only
-reported. Weights are the tokens each groupmate claims, capped by :func:`cap_weights`. Pure tensor logic, no
-network; called by :class:`p2p_diloco.swarm.averaging.allreduce.RobustPartReducer` and the averager.
+reported, never an offence: with 2 parts the clipped one may be the honest one (the other sent a tiny part), and with
+3 or more honest parts are clipped too when peers trained on different numbers of steps. Weights are the tokens each
+groupmate claims, capped by :func:`cap_weights`. Pure tensor logic, no network; called by
+:class:`p2p_diloco.swarm.averaging.allreduce.RobustPartReducer` and the averager.
+
+What one hostile sender can still do (stated in the README): with 3 or more parts and an honest majority, move the
+result by about tau times its weight share (CenteredClip), its weight being at most ``max_weight_ratio`` times the
+median claim; in a group of 2 there is no majority, and it keeps at most ``pair_ratio`` (3) times the honest part's
+norm with at most ``max_weight_ratio / (1 + max_weight_ratio)`` (2/3) of the weight, so the result is at most
+``(2 * 3 + 1) / 3``, about 2.3, times the honest part's norm, in any direction; and a tiny part shrinks the honest one
+to ``pair_ratio`` times its own norm (the round is then wasted, not poisoned).
 """
 
 from __future__ import annotations
@@ -42,6 +52,9 @@ class RobustRule:
 
     outlier_ratio: float = 10.0
     """Parts whose norm is above this multiple of the median norm are left out."""
+    pair_ratio: float = 3.0
+    """With only 2 parts, the larger is scaled down to this multiple of the smaller (at most ``outlier_ratio``): an
+    honest pair trained on the same tokens differs far less, and a hostile one then adds little to the honest part."""
     clip_ratio: float = 2.0
     """CenteredClip radius as a multiple of the median distance of the parts to their coordinate-wise median."""
 
@@ -77,7 +90,7 @@ def weighted_mean(parts: Sequence[torch.Tensor], weights: Sequence[float]) -> to
 
 
 def combine(parts: Sequence[Optional[torch.Tensor]], weights: Sequence[float], rule: RobustRule,
-            shape: Optional[torch.Size] = None) -> Combined:
+            shape: Optional[torch.Size] = None, claims: Optional[Sequence[float]] = None) -> Combined:
     """Combine one part of the vector from every sender (None: the sender sent nothing), in sender order.
 
     Args:
@@ -85,6 +98,11 @@ def combine(parts: Sequence[Optional[torch.Tensor]], weights: Sequence[float], r
         weights: each sender's weight.
         rule: the thresholds.
         shape: the part's shape; parts of another shape are left out (default: the first part's).
+        claims: the tokens each sender claims to have trained on (default: the weights). With 3 or more parts the
+            outlier test compares norms per claimed token: an honest peer that trained on 5 times the tokens of the
+            others (they joined the round late) has a part 5 to 20 times larger (more during the warmup's rising
+            learning rate), and was left out as an outlier (seen in a calm swarm on a busy machine). A claim counts
+            for at most ``outlier_ratio`` times the median claim.
     """
     flags: dict[int, str] = {}
     kept = []
@@ -102,11 +120,15 @@ def combine(parts: Sequence[Optional[torch.Tensor]], weights: Sequence[float], r
     if rule.outlier_ratio > 0 and len(kept) >= 2:
         norms = {i: float(torch.linalg.vector_norm(values[i])) for i in kept}
         if len(kept) >= 3:
-            bound = rule.outlier_ratio * lower_median(list(norms.values()))
-            flags.update({i: TOO_LARGE for i in kept if norms[i] > bound})
+            claimed = {i: float((claims if claims is not None else weights)[i]) for i in kept}
+            typical = lower_median(list(claimed.values()))
+            rates = {i: norms[i] * typical / max(min(claimed[i], rule.outlier_ratio * typical), 1e-12)
+                     for i in kept}  # the norm the part would have at the median claim
+            bound = rule.outlier_ratio * lower_median(list(rates.values()))
+            flags.update({i: TOO_LARGE for i in kept if rates[i] > bound})
             kept = [i for i in kept if i not in flags]
         else:
-            bound = rule.outlier_ratio * min(norms.values())
+            bound = min(rule.outlier_ratio, rule.pair_ratio or rule.outlier_ratio) * min(norms.values())
             for i in kept:
                 if norms[i] > bound:
                     values[i], flags[i] = values[i] * (bound / norms[i]), CLIPPED

@@ -1,0 +1,218 @@
+"""Unit tests of the defences against a hostile group leader and stalling groupmates: a follower's own record
+checked byte for byte, offences counted only against the sender of a record this peer got straight from it, the
+catch-up cap, the view ids that keep members handed different records apart, stall counting, and the hostile
+test hooks that mount these attacks."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from hivemind.averaging.allreduce import AllreduceException, AveragingMode
+from hivemind.averaging.group_info import GroupInfo
+from hivemind.p2p import PeerID
+from hivemind.proto import averaging_pb2
+from hivemind.utils import MSGPackSerializer
+
+from p2p_diloco.faults import HONEST, parse_hostility
+from p2p_diloco.swarm.averaging.guard import (
+    FORGED,
+    MAX_CATCH_UP,
+    METADATA,
+    STALL,
+    STALL_WINDOW,
+    WRONG_ROUND,
+    GroupOrigin,
+    GroupViews,
+    PeerGuard,
+    read_group,
+    view_digest,
+)
+
+PEERS = [PeerID(bytes([0x12, 0x20]) + bytes([i]) * 32) for i in range(4)]
+ME, LEADER = PEERS[0], PEERS[3]
+
+
+def record(round_index=5, tokens=1024.0, **changes) -> bytes:
+    info = dict(round=round_index, tokens=tokens, compute_s=3.0, bandwidth_mbit=100.0, last_error=None,
+                compression={"rank": 8, "bits": 8, "q_round": -1})
+    info.update(changes)
+    return MSGPackSerializer.dumps([None, AveragingMode.NODE.value, MSGPackSerializer.dumps(info)])
+
+
+def group(*records) -> GroupInfo:
+    return GroupInfo(b"g" * 20, tuple(PEERS[: len(records)]), tuple(records))
+
+
+def as_follower(own: bytes = None) -> GroupOrigin:
+    """This peer (PEERS[0]) followed PEERS[3] and sent ``own`` (default: an honest record)."""
+    return GroupOrigin(LEADER, record() if own is None else own)
+
+
+# ---- the follower's own record ------------------------------------------------------------------------------------
+def test_a_follower_refuses_a_group_whose_leader_altered_its_record_and_bans_the_leader_at_once():
+    guard = PeerGuard(ban_after=3)
+    forged = group(record(tokens=1.0), record(), record(), record())  # the leader shrank this peer's claim
+    with pytest.raises(AllreduceException, match="relayed this peer's record altered"):
+        read_group(forged, MSGPackSerializer, ME, guard, 2.0, as_follower())
+    assert guard.refuses(LEADER) is not None and guard.banned == {str(LEADER)}  # a proof: no three rounds needed
+    assert guard.report(5)["suspects"] == {str(LEADER): [FORGED]}
+    # the bytes are compared, not the claims: the same values written otherwise (an int for a float) are refused
+    with pytest.raises(AllreduceException, match="altered"):
+        read_group(group(record(tokens=1024), record(), record(), record()), MSGPackSerializer, ME, PeerGuard(3),
+                   2.0, as_follower(record(tokens=1024.0)))
+    lenient = PeerGuard(ban_after=0)  # ban_after 0: never ban, proofs included
+    with pytest.raises(AllreduceException):
+        read_group(forged, MSGPackSerializer, ME, lenient, 2.0, as_follower())
+    assert lenient.refuses(LEADER) is None
+
+
+def test_an_intact_group_reads_as_before_for_a_follower():
+    guard = PeerGuard(ban_after=3)
+    view = read_group(group(record(), record(tokens=512.0), record(), record()), MSGPackSerializer, ME, guard, 2.0,
+                      as_follower())
+    assert list(view.infos) == PEERS and view.modes == (AveragingMode.NODE,) * 4
+    assert guard.report(5) == {"suspects": {}, "banned": []}
+
+
+# ---- whose offence a bad record is ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("bad, reason", [(lambda r: b"\xc1garbage", METADATA),
+                                         (lambda r: record(round_index=r - 1), WRONG_ROUND)])
+def test_a_bad_record_relayed_by_the_leader_is_excluded_and_reported_but_counts_against_nobody(bad, reason):
+    guard = PeerGuard(ban_after=1)  # one counted offence would ban
+    for r in range(5, 8):
+        mine = record(round_index=r)
+        view = read_group(group(mine, bad(r), record(round_index=r), record(round_index=r)), MSGPackSerializer, ME,
+                          guard, 2.0, as_follower(mine))
+        assert PEERS[1] not in view.infos and view.modes[1] == AveragingMode.AUX
+        assert guard.report(r)["suspects"] == {str(PEERS[1]): [reason]}
+    assert guard.banned == set() and guard.offence_rounds == {}
+
+
+@pytest.mark.parametrize("bad, reason", [(b"\xc1garbage", METADATA), (record(round_index=4), WRONG_ROUND)])
+def test_a_bad_record_that_came_straight_from_its_sender_counts(bad, reason):
+    # the leader's own record, as a follower gets it
+    guard = PeerGuard(ban_after=1)
+    read_group(group(record(), record(), record(), bad), MSGPackSerializer, ME, guard, 2.0, as_follower())
+    assert guard.banned == {str(LEADER)}
+    # as the leader, every record came from its sender
+    for origin in (None, GroupOrigin(ME, record())):
+        guard = PeerGuard(ban_after=1)
+        read_group(group(record(), bad, record(), record()), MSGPackSerializer, ME, guard, 2.0, origin)
+        assert guard.banned == {str(PEERS[1])} and guard.report(5)["suspects"] == {str(PEERS[1]): [reason]}
+
+
+# ---- catch-up -------------------------------------------------------------------------------------------------------
+def test_catch_up_follows_the_claims_and_is_capped():
+    guard = PeerGuard(ban_after=3)
+    late = read_group(group(record(tokens=256.0), record(), record()), MSGPackSerializer, ME, guard, 2.0)
+    assert late.catch_up == 4.0  # a quarter of the median's tokens: averages up to 4x larger are plausible
+    tiny = read_group(group(record(tokens=1e-3), record(), record()), MSGPackSerializer, ME, guard, 2.0)
+    assert tiny.catch_up == MAX_CATCH_UP
+    ahead = read_group(group(record(tokens=2048.0), record(), record()), MSGPackSerializer, ME, guard, 2.0)
+    assert ahead.catch_up == 1.0
+
+
+# ---- stalls ---------------------------------------------------------------------------------------------------------
+def test_stalls_ban_after_twice_ban_after_recent_rounds_and_are_not_offences():
+    guard = PeerGuard(ban_after=3)
+    for round_index in range(5):
+        guard.record(round_index, PEERS[1], STALL)
+        guard.record(round_index, PEERS[1], STALL)  # one stalled round, however many groups it stalled
+    assert guard.refuses(PEERS[1]) is None and guard.offence_rounds == {}
+    assert guard.report(4)["suspects"] == {str(PEERS[1]): [STALL]}
+    guard.record(5, PEERS[1], STALL)
+    assert guard.refuses(PEERS[1]) is not None  # 6 = 2 x ban_after
+    # stalls long ago are forgotten: one in every few rounds never bans
+    sparse = PeerGuard(ban_after=3)
+    for round_index in range(0, 10 * STALL_WINDOW, STALL_WINDOW // 4):
+        sparse.record(round_index, PEERS[2], STALL)
+    assert sparse.refuses(PEERS[2]) is None
+    # a stall noted as uncounted (never used today, but allowed) bans nobody
+    quiet = PeerGuard(ban_after=1)
+    for round_index in range(4):
+        quiet.record(round_index, PEERS[1], STALL, counted=False)
+    assert quiet.refuses(PEERS[1]) is None
+
+
+# ---- view ids -------------------------------------------------------------------------------------------------------
+def test_members_handed_different_records_get_different_view_ids_and_refuse_each_others_parts():
+    honest = group(record(), record(), record(), record())
+    forged = group(record(), record(round_index=4), record(), record())
+    assert view_digest(honest.peer_ids, honest.gathered) == view_digest(honest.peer_ids, list(honest.gathered))
+    assert view_digest(honest.peer_ids, honest.gathered) != view_digest(forged.peer_ids, forged.gathered)
+    reordered = GroupInfo(honest.group_id, tuple(reversed(honest.peer_ids)), honest.gathered)
+    assert view_digest(reordered.peer_ids, reordered.gathered) != view_digest(honest.peer_ids, honest.gathered)
+
+    mine, theirs = GroupViews(), GroupViews()
+    mine.followed(honest.group_id, LEADER)
+    viewed = mine.assembled(honest, record(), ME)
+    other = theirs.assembled(forged, record(), PEERS[1])  # as its own leader
+    assert viewed.group_id.startswith(honest.group_id) and viewed.group_id != other.group_id
+    assert viewed.peer_ids == honest.peer_ids and viewed.gathered == honest.gathered
+    assert mine.origin(viewed.group_id) == GroupOrigin(LEADER, record())
+    assert theirs.origin(other.group_id).leader == PEERS[1]
+    with pytest.raises(AllreduceException, match="no record"):
+        mine.origin(other.group_id)
+    for phase in (b"", b".P", b".Q"):
+        assert not mine.refuses(viewed.group_id + phase)  # this peer's own view: hivemind routes it
+        assert mine.refuses(other.group_id + phase)  # another view of the same group: refused at once
+    assert not mine.refuses(b"h" * 20 + b"12345678")  # a group not seen yet: hivemind waits for it
+    mine.leave(viewed.group_id)
+    assert mine.refuses(viewed.group_id + b".P")  # a group this peer has left
+
+
+def test_group_views_remember_a_bounded_number_of_groups():
+    views = GroupViews()
+    for i in range(100):
+        info = GroupInfo(bytes([i]) * 20, (ME,), (record(),))
+        views.followed(info.group_id, LEADER)
+        views.leave(views.assembled(info, record(), ME).group_id)
+    assert len(views.views) <= 16 and len(views.left) <= 16 and len(views.leaders) <= 16
+
+
+# ---- the hostile test hooks -------------------------------------------------------------------------------------
+def begin(*records) -> averaging_pb2.MessageFromLeader:
+    return averaging_pb2.MessageFromLeader(code=averaging_pb2.BEGIN_ALLREDUCE, group_id=b"g",
+                                           ordered_peer_ids=[p.to_bytes() for p in PEERS[: len(records)]],
+                                           gathered=list(records))
+
+
+def claims(message) -> list[dict]:
+    return [MSGPackSerializer.loads(MSGPackSerializer.loads(r)[2]) for r in message.gathered]
+
+
+def test_a_hostile_leader_forges_what_it_relays_and_an_honest_one_relays_bytes_as_they_are():
+    records = [record(), record(), record(), record()]
+    honest = begin(*records)
+    HONEST.relay(honest, PEERS[1].to_bytes(), LEADER.to_bytes(), MSGPackSerializer)
+    assert list(honest.gathered) == records and HONEST.follows_others
+
+    tokens = parse_hostility("forge-tokens:1000")
+    message = begin(*records)
+    tokens.relay(message, PEERS[1].to_bytes(), LEADER.to_bytes(), MSGPackSerializer)
+    assert [c["tokens"] for c in claims(message)] == [1024.0, 1.024, 1024.0, 1024.0]  # the follower's own
+    assert not tokens.follows_others and torch.equal(tokens.reply(torch.ones(2)), torch.full((2,), 1000.0))
+
+    rounds = parse_hostility("forge-round")
+    for follower in range(3):  # the first follower (the leader is PEERS[3]) sees the second on another round
+        message = begin(*records)
+        rounds.relay(message, PEERS[follower].to_bytes(), LEADER.to_bytes(), MSGPackSerializer)
+        assert [c["round"] for c in claims(message)] == [4 if i == 1 and follower == 0 else 5 for i in range(4)]
+
+
+def test_lowball_and_stall_hooks():
+    metadata = dict(round=2, tokens=64.0, compute_s=30.0, bandwidth_mbit=100.0, last_error=0.4,
+                    compression={"rank": 8, "bits": 8, "q_round": 1})
+    low = parse_hostility("lowball").gather(metadata)
+    assert low["compression"] == {"rank": 1, "bits": 4, "q_round": -1} and low["last_error"] == 0.0
+    assert low["bandwidth_mbit"] == pytest.approx(1e-4) and low["compute_s"] == pytest.approx(3e-5)
+    stall = parse_hostility("stall:0.01")
+    assert stall.value == 0.01 and parse_hostility("stall").value == 30.0 and stall.follows_others
+    with pytest.raises(RuntimeError, match="stalled"):
+        asyncio.run(stall.join_allreduce())
+    asyncio.run(HONEST.join_allreduce())  # a no-op
+    for spec in ("forge-round:2", "lowball:1", "forge-tokens:-1"):
+        with pytest.raises(ValueError):
+            parse_hostility(spec)

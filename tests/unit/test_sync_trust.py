@@ -1,0 +1,166 @@
+"""Issue 16 §1-2 attacks on a stage's sync, as pure logic (the swarm's records and the donors' states are given):
+whose records count, majority for "behind", donors chosen by the agreed anchor, every downloaded state checked
+against the anchor the swarm agrees on (its full sha256), its round against this peer's, the swarm's and the run's
+end. Real-network versions: ``tests/integration/test_hostile_state.py``."""
+
+from __future__ import annotations
+
+import torch
+
+from p2p_diloco.training.summary import anchor_fingerprint
+from p2p_diloco.training.sync import SwarmSync
+from tests.unit.test_swarm_state import FakeSwarm, OneStage, Record, make_stage
+
+
+class Donors:
+    """An averager whose donors serve the given states (donor node -> (meta, tensors)); records who was asked."""
+
+    def __init__(self, states: dict):
+        self.states, self.asked, self.client_mode = states, [], False
+
+    def download_state(self, donors, timeout_s):
+        self.asked += list(donors)
+        return self.states.get(donors[0])
+
+    def abandon_round(self):
+        pass
+
+
+def state_at(round_index: int, applied_round: int, seed: int = 1, poison: float = 0.0):
+    donor = make_stage(seed=seed)
+    donor.round_index, donor.applied_round = round_index, applied_round
+    donor.inner_step = round_index * donor.diloco_cfg.inner_steps
+    if poison:
+        with torch.no_grad():
+            donor.anchor[0].view(-1)[0] += poison  # one value changed
+    return donor.shareable_state("run")
+
+
+def fingerprint(state) -> str:
+    return anchor_fingerprint(state[1][:len(make_stage().anchor)])
+
+
+def sync_of(peer, records, states, **options) -> SwarmSync:
+    peer.averager = Donors(states)
+    options.setdefault("verify_wait_s", 0.0)
+    return SwarmSync(peer, FakeSwarm(records, "me"), OneStage(), "run", download_timeout_s=5, **options)
+
+
+def test_one_record_with_a_high_round_does_not_make_a_newcomer_reload():
+    honest = state_at(3, 2)
+    records = [Record(3, 2, fingerprint(honest), node=f"honest{i}") for i in range(3)]
+    forged = Record(10**6, 10**6 - 1, "f" * 64, node="mallory")
+    peer = make_stage()
+    peer.round_index, peer.applied_round = 3, 2
+    sync = sync_of(peer, records + [forged], {f"honest{i}": honest for i in range(3)})
+    sync.at_start(resumed=True)
+    assert not sync.events and peer.averager.asked == []
+    sync.after_round()  # the same after a round
+    assert not sync.events and peer.round_index == 3
+
+
+def test_a_record_far_ahead_of_the_swarm_is_not_asked_for_its_state():
+    honest = state_at(6, 5)
+    records = [Record(6, 5, fingerprint(honest), node=n) for n in ("a", "b")] + \
+        [Record(1006, 1005, "f" * 64, node="liar")]
+    newcomer = make_stage()
+    sync = sync_of(newcomer, records, {"a": honest, "b": honest, "liar": state_at(6, 5, poison=1.0)})
+    assert sorted(sync.donors(records)) == ["a", "b"]
+    sync.at_start(resumed=False)
+    assert [e["action"] for e in sync.events] == ["reload"] and "liar" not in newcomer.averager.asked
+
+
+def test_once_a_peer_has_met_its_group_records_of_strangers_do_not_count():
+    honest = state_at(3, 2)
+    peer = make_stage()
+    peer.round_index, peer.applied_round = 3, 2
+    friend = Record(3, 2, fingerprint(honest), node="friend")
+    strangers = [Record(9, 8, "e" * 64, node=f"sybil{i}") for i in range(5)]  # a majority of made-up identities
+    sync = sync_of(peer, [friend] + strangers, {"friend": honest})
+    sync.met_group(["me", "friend"])
+    sync.after_round()
+    assert not sync.events and peer.averager.asked == [] and peer.round_index == 3
+    assert [r.node for r in sync.counted([friend] + strangers)] == ["friend"]
+    private = sync_of(peer, [friend] + strangers, {}, allowlist=["friend"])  # a private swarm: members only
+    assert [r.node for r in private.counted([friend] + strangers)] == ["friend"]
+
+
+def test_donors_are_the_holders_of_the_agreed_anchor_whatever_they_declare():
+    honest, poisoned = state_at(6, 5), state_at(6, 5, poison=1.0)
+    records = [Record(6, 5, fingerprint(honest), node="a"), Record(6, 5, fingerprint(honest), node="b"),
+               Record(6, 5, fingerprint(poisoned), node="mallory")]
+    newcomer = make_stage()
+    sync = sync_of(newcomer, records, {"a": honest, "b": honest, "mallory": poisoned})
+    assert sorted(sync.donors(records)) == ["a", "b"]
+    sync.at_start(resumed=False)
+    assert [e["action"] for e in sync.events] == ["reload"] and "mallory" not in newcomer.averager.asked
+    assert all(torch.equal(a, b) for a, b in zip(newcomer.anchor, honest[1]))
+
+
+def test_a_donor_serving_another_anchor_than_it_announced_is_refused_and_the_next_one_asked():
+    honest = state_at(6, 5)
+    poisoned = state_at(6, 5, poison=1e-3)  # a single value changed by a little
+    assert fingerprint(poisoned) != fingerprint(honest)
+    records = [Record(6, 5, fingerprint(honest), node="a"), Record(6, 5, fingerprint(honest), node="b")]
+    newcomer = make_stage()
+    sync = sync_of(newcomer, records, {"a": poisoned, "b": poisoned})
+    sync.at_start(resumed=False)
+    assert not sync.events and newcomer.round_index == 0 and sorted(newcomer.averager.asked) == ["a", "b"]
+    sync = sync_of(make_stage(), records, {"a": poisoned, "b": honest})
+    sync.donors = lambda others: ["a", "b"]  # the liar first
+    sync.at_start(resumed=False)
+    assert [e["action"] for e in sync.events] == ["reload"] and sync.stage.averager.asked == ["a", "b"]
+    assert all(torch.equal(a, b) for a, b in zip(sync.stage.anchor, honest[1]))
+
+
+def test_a_single_voucher_is_not_enough_where_two_peers_vouch_for_that_round():
+    honest = state_at(6, 5)
+    lone = state_at(6, 5, poison=0.25)  # a donor whose anchor nobody else holds
+    records = [Record(6, 5, fingerprint(lone), node="a"), Record(6, 5, fingerprint(honest), node="b")]
+    sync = sync_of(make_stage(), records, {"a": lone, "b": lone})  # a tie: no anchor has two votes
+    sync.at_start(resumed=False)
+    assert not sync.events
+    records = [Record(6, 5, fingerprint(lone), node="a"), Record(6, 4, "", node="b")]  # b says nothing of round 5
+    sync = sync_of(make_stage(), records, {"a": lone})
+    sync.at_start(resumed=False)
+    assert [e["action"] for e in sync.events] == ["reload"]
+    records = [Record(6, 5, fingerprint(honest), node="a"), Record(6, 5, fingerprint(honest), node="b")]
+    sync = sync_of(make_stage(), records, {"a": honest})
+    sync.at_start(resumed=False)
+    assert [e["action"] for e in sync.events] == ["reload"]
+
+
+def test_a_state_past_the_runs_end_or_behind_this_peer_is_refused():
+    finished = state_at(20, 19)
+    records = [Record(20, 19, fingerprint(finished), node=n) for n in ("a", "b")]
+    newcomer = make_stage()
+    sync = sync_of(newcomer, records, {"a": finished, "b": finished}, num_rounds=20)
+    sync.at_start(resumed=False)
+    assert not sync.events and newcomer.round_index == 0  # it would have finished at once with that model
+    old = state_at(3, 2)
+    peer = make_stage()
+    peer.round_index, peer.applied_round = 5, 4
+    records = [Record(8, 7, "", node="x1"), Record(8, 7, "", node="x2"), Record(3, 2, fingerprint(old), node="a")]
+    sync = sync_of(peer, records, {"a": old})
+    sync.after_round()
+    assert not sync.events and peer.round_index == 5
+
+
+def test_a_resync_checks_the_whole_anchor_at_any_round():
+    """The resync took a donor's anchor unchecked unless it was for the diverged round itself."""
+    honest = state_at(8, 7)
+    poisoned = state_at(8, 7, poison=0.5)
+    peer = make_stage()
+    peer.round_index, peer.applied_round = 8, 6
+    records = [Record(8, 7, fingerprint(honest), node=n, prior_anchor="c" * 64) for n in ("a", "b")]
+    sync = sync_of(peer, records, {"a": poisoned, "b": poisoned})
+    sync.remember("mine")  # after round 6: off the swarm's ("c...")
+    sync.after_round()
+    assert not sync.events
+
+
+def test_the_fingerprint_covers_every_value_of_a_large_anchor():
+    big = [torch.zeros(3 << 20)]
+    changed = [big[0].clone()]
+    changed[0][1] = 1.0  # a value a strided sample of 2**20 values skips
+    assert anchor_fingerprint(big) != anchor_fingerprint(changed)
