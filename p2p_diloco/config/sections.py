@@ -273,9 +273,10 @@ class AveragingConfig:
     next_chunk_timeout_s: float = 10.0
     """A groupmate that sends nothing for this long is dropped from the all-reduce."""
     outlier_norm_ratio: float = 10.0
-    """A groupmate's part of a pseudo-gradient whose norm is above this multiple of the median of the group's parts
-    (non-finite parts too) is left out of the average and counts as an offence; with only 2 parts there is no
-    majority, and the larger is scaled down to this multiple of the smaller. 0 disables (not recommended)."""
+    """With 3 or more parts, a groupmate's part of a pseudo-gradient whose norm per claimed token is above this
+    multiple of the median (non-finite parts too) is left out of the average and counts as an offence; with only 2
+    parts there is no majority, and the larger is scaled down to 3 times the smaller (this multiple if lower), no
+    offence. 0 disables (not recommended)."""
     clip_ratio: float = 2.0
     """CenteredClip radius, as a multiple of the median distance of the group's parts to their coordinate-wise
     median: parts farther from the average are clipped to it (bounded influence, reported, no offence). Honest parts
@@ -284,9 +285,10 @@ class AveragingConfig:
     """A groupmate's claimed tokens (its weight in the average) are capped at this multiple of the group's median
     claim. 0 disables."""
     ban_after: int = 3
-    """Rounds with an offence (non-finite, far too large or malformed parts, a wrong round, malformed metadata, an
-    implausible average returned as a reducer) after which this peer stops grouping with that peer (until this
-    peer restarts). 0: never ban."""
+    """Rounds with an offence (non-finite, far too large or malformed parts, a wrong round, malformed metadata sent
+    directly, an implausible average returned as a reducer) after which this peer stops grouping with that peer (until
+    this peer restarts); a leader that forged this peer's own record is banned at once, and a groupmate that stalls
+    the exchange after stalls in 2 x ban_after of the last 20 rounds. 0: never ban."""
     allowlist: list[str] = field(default_factory=list)
     """A private swarm: the peer ids (base58) of its members, one for each stage process of each peer (see
     --identity-path). Join requests, groups, state requests and state donors outside it are refused. Empty: public."""
