@@ -221,9 +221,13 @@ class SwarmSync:
         """Why a downloaded (well-formed) state cannot be taken, or None: its round is past the run's end, or its
         anchor is not the one the counted records agree on for its applied round.
 
-        Agreed: the fingerprint most records give for that round, by two of them where two or more give one (a
-        second peer confirms the donor), by one where only one does. Until some record gives one (a donor serves
-        the anchor after an average it may not have published yet), it waits, at most ``verify_wait_s``."""
+        Agreed: the canonical fingerprint for that round (most votes, a tie to the smallest node id, as the resync
+        decides), confirmed by a second record where two or more peers vouch for some anchor of that round. A tie of
+        single votes decides only for a stage that holds an anchor of that round itself: the survivors of a round
+        that every member had to apply alone converge on the tie-break's anchor (waiting for a second vote that never
+        comes left a peer 30 s late, out of the next group: seen in make test); a newcomer there keeps waiting. Until
+        some record gives one (a donor serves the anchor after an average it may not have published yet), it waits,
+        at most ``verify_wait_s``."""
         if self.num_rounds is not None and meta["round"] >= self.num_rounds:
             return f"its round {meta['round']} is past the run's end ({self.num_rounds} rounds)"
         fingerprint, applied = anchor_fingerprint(tensors[:len(self.stage.anchor)]), meta["applied_round"]
@@ -235,11 +239,12 @@ class SwarmSync:
             votes = anchor_votes(self._others(), applied)
             if votes:
                 canonical = canonical_of(votes)
-                needed = min(2, len({node for nodes in votes.values() for node in nodes}))
-                if canonical == fingerprint and len(votes[canonical]) >= needed:
-                    return None
-                if fingerprint not in votes:
+                if fingerprint not in votes or fingerprint != canonical and len(votes[canonical]) >= 2:
                     return f"its anchor after round {applied} is not the one the swarm agrees on"
+                voters = len({node for nodes in votes.values() for node in nodes})
+                if fingerprint == canonical and (len(votes[canonical]) >= 2 or voters == 1
+                                                 or applied in self.fingerprints):
+                    return None
             if time.monotonic() >= deadline:
                 return f"no two peers agree on the anchor after round {applied}" if votes else \
                     f"no peer vouches for its anchor after round {applied}"

@@ -84,7 +84,9 @@ def _our_overrides() -> list[tuple[type, str, type]]:
                 continue
             for name, member in vars(cls).items():
                 base = next((b for b in bases if name in vars(b)), None)
-                if callable(member) and base is not None and name not in ("__init__", "run"):
+                # classes are not hooks: hivemind caches a servicer's stub type on the class (_stub_type)
+                if callable(member) and not inspect.isclass(member) and base is not None \
+                        and name not in ("__init__", "run"):
                     found.append((cls, name, base))
     return found
 

@@ -164,3 +164,21 @@ def test_the_fingerprint_covers_every_value_of_a_large_anchor():
     changed = [big[0].clone()]
     changed[0][1] = 1.0  # a value a strided sample of 2**20 values skips
     assert anchor_fingerprint(big) != anchor_fingerprint(changed)
+
+
+def test_survivors_of_a_round_every_member_applied_alone_converge_on_the_tie_break():
+    """Each member of a failed round applied its own pseudo-gradient: three anchors, one vote each. The stage off the
+    tie-break's anchor (smallest node id) takes it from its holder at once (it waited for a second vote that never
+    came and missed the next group: make test under load); the other anchor of the tie is not taken."""
+    peer = make_stage()
+    peer.round_index, peer.applied_round = 1, 0
+    a = state_at(1, 0)
+    b = state_at(1, 0, poison=0.3)
+    records = [Record(1, 0, fingerprint(a), node="a"), Record(1, 0, fingerprint(b), node="b")]
+    sync = sync_of(peer, records, {"a": a, "b": b}, verify_wait_s=30.0)
+    sync.remember("mine")  # this stage's own anchor after round 0: the third single vote
+    sync.after_round()
+    assert [e["action"] for e in sync.events] == ["resync"] and sync.stage.averager.asked == ["a"]
+    assert all(torch.equal(x, y) for x, y in zip(sync.stage.anchor, a[1]))
+    sync.verify_wait_s = 0.0  # the other anchor is off the tie-break: not taken (after waiting for more votes)
+    assert sync.refusal(*b) == "no two peers agree on the anchor after round 0"
