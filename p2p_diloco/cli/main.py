@@ -1,9 +1,9 @@
 """``p2p-diloco``: the command line. Owns the console: argument parsing and one-line errors.
 
-Subcommands live in their own modules (``peer``, ``bootstrap``, ``swarm``, ``prepare-data``, ``status``); each
-registers its arguments and a ``run(args, overrides) -> exit code`` function. Known user mistakes (bad
-config, addresses, data, checkpoints, an unreachable swarm) end with ``error: <one line>`` and exit
-code 2 (usage) or 1 (runtime), never a traceback.
+Subcommands live in their own modules (``peer``, ``bootstrap``, ``swarm``, ``prepare-data``, ``plan``, ``status``,
+``export``, ``generate``); each registers its arguments and a ``run(args, overrides) -> exit code`` function. Known
+user mistakes (bad config, addresses, data, checkpoints, an unreachable swarm, an export folder that exists) end with
+``error: <one line>`` and exit code 2 (usage) or 1 (runtime), never a traceback.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from p2p_diloco.cli import bootstrap, peer, plan, prepare, status, swarm
+    from p2p_diloco.cli import bootstrap, export, generate, peer, plan, prepare, status, swarm
 
     parser = argparse.ArgumentParser(
         prog="p2p-diloco",
@@ -26,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Run `p2p-diloco COMMAND --help` for the options of a command.",
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for module in (peer, bootstrap, swarm, prepare, plan, status):
+    for module in (peer, bootstrap, swarm, prepare, plan, status, export, generate):
         module.register(subparsers)
     return parser
 
@@ -34,11 +34,12 @@ def build_parser() -> argparse.ArgumentParser:
 def user_errors() -> tuple[type[BaseException], ...]:
     from p2p_diloco.config import ConfigError
     from p2p_diloco.data import DataError
+    from p2p_diloco.model.export import ExportError
     from p2p_diloco.pipeline import PipelineError
     from p2p_diloco.swarm import SwarmError
     from p2p_diloco.training import CheckpointError
 
-    return ConfigError, DataError, SwarmError, CheckpointError, PipelineError
+    return ConfigError, DataError, SwarmError, CheckpointError, PipelineError, ExportError
 
 
 def main(argv: Optional[list[str]] = None) -> int:

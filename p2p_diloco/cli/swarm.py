@@ -31,6 +31,7 @@ DEMO_DEFAULTS = [
     ("averaging.round_timeout_s", "60"), ("checkpoint.every_rounds", "0"), ("train.progress", "false"),
 ]
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+SAMPLE_PROMPT = "def "  # the demo trains on Python source
 
 
 def register(subparsers) -> None:
@@ -55,11 +56,13 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace, overrides: list[tuple[str, str]]) -> int:
     from p2p_diloco.cli.summary import summarize_swarm
+    from p2p_diloco.monitoring.sinks import check_sinks
 
     if args.peers < 1:
         raise ConfigError(f"--peers: must be at least 1, got {args.peers}")
     root = args.output_dir or Path("runs") / time.strftime("swarm-%Y%m%d-%H%M%S")
     cfg = _swarm_config(args, overrides)
+    check_sinks(cfg.metrics)  # every peer would stop on it: say so once, before anything starts
     configure_logging(cfg.run.log_level)
     root.mkdir(parents=True, exist_ok=True)
     config_path = root / "swarm.toml"
@@ -82,7 +85,30 @@ def run(args: argparse.Namespace, overrides: list[tuple[str, str]]) -> int:
     finally:
         _stop_all(processes)
     summary = summarize_swarm(root, args.peers, cfg, exit_codes)
+    if exit_codes:
+        print_sample(root / "peer0")
     return 0 if summary["ok"] else 1
+
+
+def print_sample(peer_dir: Path, prompt: str = SAMPLE_PROMPT, max_new_tokens: int = 160) -> None:
+    """Print what the final anchor of a peer writes after ``prompt`` (the demo's corpus is Python source)."""
+    import torch
+
+    from p2p_diloco.cli.export import checkpoint_tokenizer
+    from p2p_diloco.model.sample import build_model, sample
+    from p2p_diloco.training.state.anchor import load_peer_anchor
+
+    try:
+        anchor = load_peer_anchor(peer_dir)
+        tokenizer = checkpoint_tokenizer(anchor.data_path, anchor.config_path, None, anchor.args.vocab_size)
+        model = build_model(anchor.args, anchor.tensors, torch.device("cpu"))
+        text = tokenizer.decode(sample(model, tokenizer.encode(prompt), max_new_tokens, temperature=0.7, top_k=40,
+                                       stop_id=tokenizer.eot_id))
+    except Exception as e:  # noqa: BLE001 (the demo's result stands without its sample)
+        logger.warning(f"No sample from {peer_dir}: {e}")
+        return
+    print(f"\nWhat {peer_dir.name}'s final anchor writes (p2p-diloco generate {peer_dir} --prompt {prompt!r}):\n"
+          f"{'-' * 60}\n{prompt}{text}\n{'-' * 60}", flush=True)
 
 
 def _swarm_config(args: argparse.Namespace, overrides: list[tuple[str, str]]):

@@ -12,7 +12,7 @@ from p2p_diloco.data.errors import DataError
 from p2p_diloco.data.prepare import builtin_corpus, prepare_data, resolve_data_path
 from p2p_diloco.data.sampler import WindowSampler, eval_batches, seed_from_peer_id
 from p2p_diloco.data.shards import ShardDataset, ShardWriter, atomic_output_dir, dtype_for_vocab, read_meta, write_meta
-from p2p_diloco.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
+from p2p_diloco.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer, shards_tokenizer
 
 __all__ = [
     "ByteTokenizer",
@@ -27,6 +27,7 @@ __all__ = [
     "dtype_for_vocab",
     "eval_batches",
     "load_tokenizer",
+    "shards_tokenizer",
     "prepare_data",
     "read_meta",
     "resolve_data_path",

@@ -29,6 +29,7 @@ from p2p_diloco.data.errors import DataError
 from p2p_diloco.data.shards import (
     DEFAULT_TOKENS_PER_SHARD,
     META_FILE,
+    TOKENIZER_FILE,
     ShardWriter,
     atomic_output_dir,
     dtype_for_vocab,
@@ -192,6 +193,8 @@ def write_corpus(documents: Sequence[Document], out_dir: Path, tokenizer: Tokeni
             if splits[split]["num_tokens"] == 0:
                 raise DataError(f"{out_dir}: the {split} split would be empty; the inputs hold too little text")
         meta = write_meta(tmp_dir, dtype, tokenizer.vocab_size, tokenizer.name, splits)
+        if getattr(tokenizer, "path", None) is not None:  # the shards' tokenizer, for export and generate
+            shutil.copyfile(tokenizer.path, tmp_dir / TOKENIZER_FILE)
     logger.info("Prepared %s in %.1f s: train %d tokens (%d documents), eval %d tokens (%d documents)", out_dir,
                 time.monotonic() - start_s, splits["train"]["num_tokens"], splits["train"]["num_documents"],
                 splits["eval"]["num_tokens"], splits["eval"]["num_documents"])

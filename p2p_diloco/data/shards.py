@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 FORMAT = "p2p-diloco-shards"
 VERSION = 1
 META_FILE = "meta.json"
+TOKENIZER_FILE = "tokenizer.json"  # a copy of the HF tokenizer the shards were made with (none for bytes)
 DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 DEFAULT_TOKENS_PER_SHARD = 2**24
 _SHARD_NAME = re.compile(r"^[A-Za-z0-9_-]+\.bin$")

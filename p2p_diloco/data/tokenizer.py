@@ -116,3 +116,25 @@ def load_tokenizer(spec: str) -> Tokenizer:
     if path.is_dir():
         path = path / "tokenizer.json"
     return HFTokenizer(path)
+
+
+def shards_tokenizer(data_path: str | Path) -> Tokenizer:
+    """The tokenizer a shards folder was made with: the byte tokenizer, or the ``tokenizer.json`` that
+    ``prepare-data`` copies into the folder.
+
+    Raises:
+        DataError: the folder has no readable meta.json, or its HF tokenizer file is not in it (shards made before
+            the copy was kept: give the tokenizer explicitly).
+    """
+    from p2p_diloco.data.shards import META_FILE, TOKENIZER_FILE
+
+    folder = Path(data_path).expanduser()
+    try:
+        name = json.loads((folder / META_FILE).read_text(encoding="utf-8"))["tokenizer"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise DataError(f"{folder}: no readable {META_FILE} naming its tokenizer ({exc})") from None
+    if name == "byte":
+        return ByteTokenizer()
+    if not (folder / TOKENIZER_FILE).is_file():
+        raise DataError(f"{folder}: its shards were made with {name!r}, whose {TOKENIZER_FILE} is not in the folder")
+    return HFTokenizer(folder / TOKENIZER_FILE)

@@ -1,9 +1,9 @@
 """The round end in each overlap mode: one small rule per mode, chosen once when a stage is made.
 
-DESIGN.md's round on one stage, after the H inner steps: 2. the pseudo-gradient ``delta = phi0 - phi``; 3. error
-feedback ``c = delta + e``; 4. start averaging ``c`` (weight: tokens trained); 5. collect an average (a failed
-round's is this peer's own ``c``); 6. the outer step ``theta = outer_step(theta, avg)`` and the next round's
-starting point. The modes differ in which round step 5 collects and when step 6 runs:
+The round on one stage (docs/design.md §2.4), after the H inner steps: 2. the pseudo-gradient ``delta = phi0 -
+phi``; 3. error feedback ``c = delta + e``; 4. start averaging ``c`` (weight: tokens trained); 5. collect an average
+(a failed round's is this peer's own ``c``); 6. the outer step ``theta = outer_step(theta, avg)`` and the next
+round's starting point. The modes differ in which round step 5 collects and when step 6 runs:
 
 - ``none`` (blocking DiLoCo, arXiv 2311.08105): 3-4-5-6 on this round; the peer waits for the network.
 - ``delayed`` (one-step delay, DiLoCoX): 3-4 now; this round's average is collected and applied a few steps

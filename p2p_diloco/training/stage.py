@@ -1,4 +1,4 @@
-"""One pipeline stage's DiLoCo state and its round, as in DESIGN.md ("One round on one stage").
+"""One pipeline stage's DiLoCo state and its round, as in docs/design.md §2.4 ("One round on one stage").
 
 A :class:`Stage` owns a slice of the model (the whole model when P = 1) and everything DiLoCo keeps
 for it: the working parameters phi (on the device), the anchor theta (fp32, CPU, identical on every
@@ -115,7 +115,7 @@ class Stage(StageCheckpoint, StateSharing):
         self.feedback = [torch.zeros_like(t) for t in self.anchor] if compressed else None
         self.inner_optimizer = _make_adamw(named, inner_cfg)
         self.outer_optimizer = self._make_outer(self.anchor)
-        # eager mode: this peer's own copy of the outer state (DESIGN.md, "eager"); the shared anchor stays the
+        # eager mode: this peer's own copy of the outer state (docs/design.md §2.7); the shared anchor stays the
         # agreed one (state sharing, fingerprints, evaluation) and this copy is where the peer trains from
         self.eager_anchor = [t.clone() for t in self.anchor] if self.rule.keeps_eager_state else None
         self.eager_optimizer = self._make_outer(self.eager_anchor) if self.rule.keeps_eager_state else None
@@ -164,7 +164,7 @@ class Stage(StageCheckpoint, StateSharing):
 
     # ---- the round ----------------------------------------------------------------------------------
     def end_round(self, tokens: int, expected_group_size: int | None, compute_s: float = 0.0) -> RoundReport:
-        """Steps 2-6 of DESIGN.md's round (see :meth:`_end_round`), under the state lock.
+        """Steps 2-6 of the round (docs/design.md §2.4) (see :meth:`_end_round`), under the state lock.
 
         In delayed/eager mode the wait for the previous round's average comes first, outside the lock: state
         serving goes on meanwhile. (Held through the wait, the lock kept a peer whose rounds all failed after
@@ -179,7 +179,7 @@ class Stage(StageCheckpoint, StateSharing):
 
     @torch.no_grad()
     def _end_round(self, tokens: int, expected_group_size: int | None, compute_s: float = 0.0) -> RoundReport:
-        """Steps 2-6 of DESIGN.md's round: pseudo-gradient, averaging, outer step, new starting point.
+        """Steps 2-6 of the round (docs/design.md §2.4): pseudo-gradient, averaging, outer step, new starting point.
 
         Args:
             tokens: tokens this peer trained on in the round (the averaging weight).
@@ -306,7 +306,7 @@ class Stage(StageCheckpoint, StateSharing):
         else:
             self.averager.set_expected_group_size(expected_group_size)
             # a failed all-reduce (a groupmate gone) is retried by the rest of the group within the round's budget:
-            # with overlap, the next round's compute (DESIGN.md); blocking, the matchmaking bound
+            # with overlap, the next round's compute (docs/design.md §2.6); blocking, the matchmaking bound
             budget = compute_s if self.rule.overlaps else 0.0
             self.averager.start_round(contribution, round_index, weight=float(tokens), compute_s=compute_s,
                                       budget_s=budget)

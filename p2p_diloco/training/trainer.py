@@ -10,6 +10,7 @@ swarm``. Called by :mod:`p2p_diloco.stage_process`.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import resource
@@ -306,9 +307,19 @@ class Trainer:
         if self.swarm is not None:
             self.swarm.publish(self.stage.position(), loss, tokens_per_s, force=force)
 
+    @functools.cached_property
+    def data_path(self) -> str | None:
+        """The shards folder this run trains on, absolute (recorded in checkpoints for export and generate)."""
+        from p2p_diloco.data.prepare import resolve_data_path
+
+        try:
+            return str(resolve_data_path(self.cfg.data).resolve())
+        except Exception:  # noqa: BLE001 (only a record: a checkpoint is never lost for it)
+            return None
+
     def _save_checkpoint(self) -> None:
         save_stage(self.checkpoint_dir, self.stage, self.sampler, self.summary, self.cfg.run.run_id,
-                   self.cfg.checkpoint.keep)
+                   self.cfg.checkpoint.keep, data_path=self.data_path)
 
     def _resume(self) -> bool:
         path = resume_stage(self.checkpoint_dir, self.stage, self.sampler, self.summary, self.cfg.run.run_id,

@@ -447,3 +447,32 @@ def test_readme_commands_are_accepted_by_the_cli(compose):
     files = {**SYSTEMD_CONFIG, **config_files(compose["services"]["bootstrap"])}
     for argv in commands:
         cli_config(argv, files)
+
+
+def all_readme_commands() -> list[list[str]]:
+    """The p2p-diloco argument lists in every bash block of README.md ("..." elisions dropped)."""
+    text = (ROOT / "README.md").read_text()
+    commands = []
+    for block in re.findall(r"^```bash\n(.*?)^```", text, re.M | re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            words = shlex.split(line, comments=True)
+            if words[:1] == ["p2p-diloco"] or words[:1] == [".venv/bin/p2p-diloco"]:
+                commands.append([w for w in words[1:] if w != "..."])
+    return commands
+
+
+def test_no_readme_command_uses_an_option_the_cli_lacks():
+    """Every p2p-diloco command in README.md parses: its subcommand and options exist, and config overrides
+    (--section.key) name real keys with valid values."""
+    from p2p_diloco.cli.main import build_parser
+    from p2p_diloco.config import load_config, split_overrides
+
+    commands = all_readme_commands()
+    assert {argv[0] for argv in commands} >= {"peer", "bootstrap", "status", "prepare-data", "export", "generate"}
+    parser = build_parser()
+    for argv in commands:
+        args, rest = parser.parse_known_args(argv)
+        if getattr(args, "accepts_overrides", False):
+            load_config(getattr(args, "config", None), split_overrides(rest))
+        else:
+            assert not rest, f"p2p-diloco {shlex.join(argv)}: unknown {rest}"

@@ -44,14 +44,14 @@ def config(tmp_path: Path, mode_overrides=()):
 
 
 def reference_diloco(cfg, dataset: ShardDataset, seeds: list[int]) -> list[torch.Tensor]:
-    """DiLoCo with K workers as DESIGN.md states it: H AdamW steps, exact mean of pseudo-gradients, Nesterov outer
-    SGD; in ``delayed`` mode round r's mean is applied at the end of round r+1 and each worker continues from the
-    new global parameters minus its own not yet averaged progress; ``eager`` (arXiv 2502.12996) does the same
-    for the global parameters, while each worker keeps its own copy of the outer state (an SGD of its own) and
-    continues from it, stepped at the end of round r with ``mean(r-1) - s(r-1) delta_k(r-1) + s(r) delta_k(r)``,
-    where ``s`` is the worker's share in its last group (1 before the first: nothing is known of a group yet).
-    ``delayed`` with ``overlap_steps`` tau < H applies round r's mean tau steps into round r+1 instead, each worker
-    continuing from the new global parameters minus its progress since round r+1 began."""
+    """DiLoCo with K workers as the design states it (docs/design.md §2): H AdamW steps, exact mean of
+    pseudo-gradients, Nesterov outer SGD; in ``delayed`` mode round r's mean is applied at the end of round r+1 and
+    each worker continues from the new global parameters minus its own not yet averaged progress; ``eager`` (arXiv
+    2502.12996) does the same for the global parameters, while each worker keeps its own copy of the outer state (an
+    SGD of its own) and continues from it, stepped at the end of round r with ``mean(r-1) - s(r-1) delta_k(r-1) + s(r)
+    delta_k(r)``, where ``s`` is the worker's share in its last group (1 before the first: nothing is known of a group
+    yet). ``delayed`` with ``overlap_steps`` tau < H applies round r's mean tau steps into round r+1 instead, each
+    worker continuing from the new global parameters minus its progress since round r+1 began."""
     mode = cfg.diloco.mode
     tau = cfg.diloco.merge_step
     base = Transformer(ModelArgs(**ARGS))

@@ -46,8 +46,9 @@ _COUNT = conint(strict=True, ge=0, le=2**62)
 _FINITE = confloat(strict=True, allow_inf_nan=False)
 MAX_STAGES = 1024
 MAX_RECORD_TTL_S = 600.0
-"""No node stores or returns a run's record that expires further ahead than this (``dht.record_ttl_s`` is at most
-this): a record published once with a far-future expiration would otherwise outlive its writer forever."""
+"""No node stores or returns a run's record that expires further ahead than this (peers refresh their records with a
+lifetime of ``SwarmLink.ttl_s``, 120 s): a record published once with a far-future expiration would otherwise
+outlive its writer forever."""
 _OWNER = re.compile(RSASignatureValidator.PUBLIC_KEY_REGEX)
 
 

@@ -25,9 +25,15 @@ from p2p_diloco.training.summary import RESUMED_FIELDS, TrainSummary
 logger = logging.getLogger(__name__)
 
 
-def save_stage(folder: Path, stage: Stage, sampler, summary: TrainSummary, run_id: str, keep: int) -> Path:
+def save_stage(folder: Path, stage: Stage, sampler, summary: TrainSummary, run_id: str, keep: int,
+               data_path: str | None = None) -> Path:
+    """Write the stage's checkpoint; its metadata also records the whole model's shape and the shards the run trains
+    on, so that ``p2p-diloco export`` and ``generate`` need nothing else."""
     stage_tensors, stage_meta = stage.state_dict()
-    meta = dict(stage_meta, sampler=sampler.state_dict(), run_id=run_id, summary=asdict(summary))
+    meta = dict(stage_meta, sampler=sampler.state_dict(), run_id=run_id, summary=asdict(summary), data_path=data_path)
+    model_args = getattr(stage.module, "args", None)
+    if model_args is not None:
+        meta["model"] = asdict(model_args)
     tensors = dict(stage_tensors, **{"rng/torch": torch.get_rng_state()})
     path = save_checkpoint(folder, stage.inner_step, tensors, meta, keep)
     logger.info(f"Saved checkpoint {path}")
