@@ -145,7 +145,7 @@ def run_stage(cfg: Config, *, pipeline=None, reporter: Optional[Reporter] = None
     own_dht = dht is None
     dht = start_dht(stage_dht_config(cfg.dht, stage_index, len(split)),
                     record_validators=run_record_validators(cfg.run.run_id)) if own_dht else dht
-    stage, metrics_server = None, None
+    stage, trainer, metrics_server = None, None, None
     try:
         logger.info(f"Stage {stage_index}: DHT node up; others can join through: {' '.join(visible_maddrs(dht))}")
         check_fingerprint(dht, cfg.run.run_id, fingerprint)
@@ -179,6 +179,8 @@ def run_stage(cfg: Config, *, pipeline=None, reporter: Optional[Reporter] = None
     finally:
         if metrics_server is not None:
             metrics_server.close()
+        if trainer is not None:  # the run closes its metrics; a start that failed before it must too (W&B, TB)
+            trainer.metrics.close()
         if stage is not None:
             stage.shutdown()
         if own_dht:

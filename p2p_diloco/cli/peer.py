@@ -19,7 +19,8 @@ def register(subparsers) -> None:
         description="Join a training swarm through its initial peers (or start a new one) and train: H inner "
         "AdamW steps on local data, then average pseudo-gradients with the peers found through the DHT and "
         "take an outer Nesterov step. Progress goes to the console and to <run.output_dir>/metrics-*.jsonl; with "
-        "--metrics.port N each stage process j also serves /health and /metrics (Prometheus) on port N + j.",
+        "--metrics.port N each stage process j also serves /health and /metrics (Prometheus) on port N + j; "
+        "--metrics.tensorboard_dir DIR and --metrics.wandb_project NAME also log to TensorBoard and W&B.",
         epilog=CONFIG_HELP,
     )
     add_config_arguments(parser)
@@ -50,11 +51,13 @@ def pipeline_overrides(args: argparse.Namespace) -> list[tuple[str, str]]:
 
 def run(args: argparse.Namespace, overrides: list[tuple[str, str]]) -> int:
     from p2p_diloco.config import dump_config
+    from p2p_diloco.monitoring.sinks import check_sinks
     from p2p_diloco.pipeline import launched_as_stage
     from p2p_diloco.pipeline.launch import LAUNCHED_BY_US
 
     cfg = config_from_args(args, overrides, extra=pipeline_overrides(args))
     behaviour = _hostility(args.test_hostility, cfg)
+    check_sinks(cfg.metrics)  # TensorBoard or W&B asked for but not installed: say so before anything starts
     configure_logging(cfg.run.log_level)
     if cfg.run.num_threads:
         import torch

@@ -20,6 +20,7 @@ ROUND_ENDS = ("swarm", "steps")
 COMPRESSIONS = ("none", "fp16", "int8", "lowrank", "adaptive")
 SCHEDULES = ("gpipe", "1f1b")
 MODEL_PRESETS = ("tiny", "small", "medium", "1b")
+WANDB_MODES = ("offline", "online")
 
 
 def _require(condition: bool, key: str, message: str) -> None:
@@ -412,13 +413,31 @@ class PipelineConfig:
 @dataclass
 class MetricsConfig:
     port: Optional[int] = None
-    """Serve GET /metrics (Prometheus text format) and GET /health (JSON) over HTTP on this port; default: off.
-    0: any free port (logged). Stage j of a pipelined peer serves on port + j; a bootstrap node on the port."""
+    """Serve GET /metrics (Prometheus text format, by prometheus_client) and GET /health (JSON) over HTTP on this
+    port; default: off. 0: any free port (logged). Stage j of a pipelined peer serves on port + j; a bootstrap node
+    on the port."""
     host: str = "127.0.0.1"
     """Address the metrics server listens on; '0.0.0.0' lets a Prometheus on another machine (or outside a
     container) scrape it."""
+    tensorboard_dir: str = ""
+    """Also write the training metrics (loss, eval loss, lr, tokens/s, bytes sent and received, round times, group
+    size, fallbacks) as TensorBoard event files in this folder, one subfolder per stage process
+    (stage<j>-<end of the peer id>); relative to run.output_dir; empty: off. Needs the tensorboard package
+    (the [tensorboard] extra)."""
+    wandb_project: str = ""
+    """Also log the same metrics to this Weights & Biases project, one W&B run per stage process, grouped by
+    run.run_id, its files in <run.output_dir>/wandb; empty: off. Needs the wandb package (the [wandb] extra)."""
+    wandb_mode: str = "offline"
+    """'offline': W&B runs stay on this machine (upload them later with `wandb sync <run.output_dir>/wandb/
+    offline-run-*`); 'online': streamed to the W&B server (needs `wandb login` or WANDB_API_KEY)."""
+    wandb_run_name: str = ""
+    """Name of this peer's W&B runs, to which -stage<j> is added; default: <run.run_id>-<end of the peer id>."""
 
     def validate(self) -> None:
         _require(self.port is None or 0 <= self.port <= 65535, "metrics.port",
                  f"must be a TCP port (0-65535, 0: any free port), got {self.port!r}")
         _require(bool(self.host.strip()), "metrics.host", "must not be empty (e.g. 127.0.0.1 or 0.0.0.0)")
+        _require(self.wandb_mode in WANDB_MODES, "metrics.wandb_mode",
+                 f"must be one of {', '.join(WANDB_MODES)}, got {self.wandb_mode!r}")
+        _require(not re.search(r"[/\\#?%:]", self.wandb_project), "metrics.wandb_project",
+                 f"must not contain / \\ # ? % or : (W&B project names), got {self.wandb_project!r}")

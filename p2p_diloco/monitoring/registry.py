@@ -1,42 +1,33 @@
-"""A small registry of metrics read at scrape time, rendered in the Prometheus text exposition format 0.0.4.
+"""The metrics of one process, read at scrape time, as a ``prometheus_client`` collector.
 
 Values are not pushed: each metric has a function that reads the live value (a counter of the trainer's
-summary, the stage's round) when ``/metrics`` is fetched, as Prometheus' own custom collectors do. Nothing
-runs in the training loop, and nothing needs a lock beyond reading one number. Called by
-:mod:`p2p_diloco.monitoring.nodes`.
+summary, the stage's round) when ``/metrics`` is fetched, as a custom collector of ``prometheus_client``.
+Nothing runs in the training loop, and nothing needs a lock beyond reading one number. Each registry has its
+own ``CollectorRegistry`` (not the library's global one), so that several in one process never collide.
+Called by :mod:`p2p_diloco.monitoring.nodes`; served by :mod:`p2p_diloco.monitoring.server`.
 """
 
 from __future__ import annotations
 
 import logging
-import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Optional
 
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
 logger = logging.getLogger(__name__)
-METRIC_KINDS = ("gauge", "counter")
+FAMILIES = {"gauge": GaugeMetricFamily, "counter": CounterMetricFamily}
 
 
 @dataclass(frozen=True)
-class Metric:
+class LiveMetric:
     name: str
     kind: str
     help: str
     read: Callable[[], Optional[float]]
     """Returns the current value; None (or an exception) leaves the sample out of this scrape."""
-
-
-def _escape_label(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def format_value(value: float) -> str:
-    if math.isnan(value):
-        return "NaN"
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    return repr(int(value)) if float(value).is_integer() and abs(value) < 2**53 else repr(float(value))
 
 
 class MetricsRegistry:
@@ -47,14 +38,17 @@ class MetricsRegistry:
     """
 
     def __init__(self, labels: Optional[dict[str, str]] = None):
-        self.labels = dict(labels or {})
-        self.metrics: dict[str, Metric] = {}
+        self.labels = {key: str(value) for key, value in (labels or {}).items()}
+        self.metrics: dict[str, LiveMetric] = {}
+        self.registry = CollectorRegistry(auto_describe=False)
+        """What ``/metrics`` serves: this registry's collector only."""
+        self.registry.register(self)
 
     def add(self, name: str, kind: str, help: str, read: Callable[[], Optional[float]]) -> None:
-        assert kind in METRIC_KINDS, kind
+        assert kind in FAMILIES, kind
         assert kind != "counter" or name.endswith("_total"), f"counter {name} must end in _total"
         assert name not in self.metrics, f"metric {name} registered twice"
-        self.metrics[name] = Metric(name, kind, help, read)
+        self.metrics[name] = LiveMetric(name, kind, help, read)
 
     def values(self) -> dict[str, float]:
         """Current values by name; metrics that cannot be read now are left out."""
@@ -69,16 +63,16 @@ class MetricsRegistry:
                 result[metric.name] = float(value)
         return result
 
-    def render(self) -> str:
-        """The text exposition format: HELP, TYPE and one sample per metric."""
-        labels = ",".join(f'{key}="{_escape_label(str(value))}"' for key, value in self.labels.items())
-        suffix = f"{{{labels}}}" if labels else ""
+    def collect(self) -> Iterator[Metric]:
+        """prometheus_client's collector protocol: one family with one sample per readable metric."""
         values = self.values()
-        lines = []
         for metric in self.metrics.values():
-            if metric.name not in values:
-                continue
-            lines.append(f"# HELP {metric.name} {metric.help}")
-            lines.append(f"# TYPE {metric.name} {metric.kind}")
-            lines.append(f"{metric.name}{suffix} {format_value(values[metric.name])}")
-        return "\n".join(lines) + "\n"
+            if metric.name in values:
+                # a counter family takes the name without _total and the exposition adds it back
+                family = FAMILIES[metric.kind](metric.name, metric.help, labels=list(self.labels))
+                family.add_metric(list(self.labels.values()), values[metric.name])
+                yield family
+
+    def render(self) -> str:
+        """What ``GET /metrics`` shows (the Prometheus text format 0.0.4)."""
+        return generate_latest(self.registry).decode()

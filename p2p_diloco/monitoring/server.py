@@ -1,19 +1,22 @@
-"""The HTTP side of monitoring: ``GET /metrics`` (Prometheus text format) and ``GET /health`` (JSON), from
-the standard library's ``http.server`` in a daemon thread. Called by :mod:`p2p_diloco.monitoring.nodes`."""
+"""The HTTP side of monitoring: ``GET /metrics`` (``prometheus_client``'s WSGI app on the process's own registry)
+and ``GET /health`` (JSON) on one port, from the standard library's ``wsgiref`` server in a daemon thread.
+Called by :mod:`p2p_diloco.monitoring.nodes`."""
 
 from __future__ import annotations
 
 import json
 import logging
 import threading
-from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Callable, Iterable
+from socketserver import ThreadingMixIn
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import make_wsgi_app
 
 from p2p_diloco.config import ConfigError, MetricsConfig
 from p2p_diloco.monitoring.registry import MetricsRegistry
 
 logger = logging.getLogger(__name__)
-PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 class MetricsServer:
@@ -33,13 +36,13 @@ class MetricsServer:
                  port_offset: int = 0):
         assert cfg.port is not None
         port = cfg.port + port_offset if cfg.port else 0
-        handler = type("Handler", (_Handler,), {"registry": registry, "health": staticmethod(health)})
+        app = _routes(make_wsgi_app(registry.registry), health)
         try:
-            self._server = ThreadingHTTPServer((cfg.host, port), handler)
+            self._server = make_server(cfg.host, port, app, server_class=_ThreadingWSGIServer,
+                                       handler_class=_QuietHandler)
         except OSError as e:
             raise ConfigError(f"metrics.port: cannot serve metrics on {cfg.host}:{port} ({e.strerror or e}); "
                               "choose another port (0: any free one)") from None
-        self._server.daemon_threads = True
         self.host, self.port = cfg.host, self._server.server_address[1]
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.5},
                                         name="metrics-http", daemon=True)
@@ -50,31 +53,43 @@ class MetricsServer:
         return f"http://{self.host}:{self.port}"
 
     def close(self) -> None:
+        """Stop serving and free the port (a scrape in progress finishes in its own daemon thread)."""
         self._server.shutdown()
         self._server.server_close()
+        self._thread.join(timeout=5)
 
 
-class _Handler(BaseHTTPRequestHandler):
-    registry: MetricsRegistry
-    health: Callable[[], dict]
+def _routes(metrics_app: Callable, health: Callable[[], dict]) -> Callable:
+    """The WSGI app of the port: /metrics to prometheus_client, /health to the report, anything else 404."""
 
-    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-        path = self.path.split("?", 1)[0]
+    def app(environ: dict, start_response: Callable) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO", "")
         if path == "/metrics":
-            self._send(200, PROMETHEUS_CONTENT_TYPE, self.registry.render())
-        elif path == "/health":
-            report = self.health()
-            self._send(200 if report.get("status") == "ok" else 503, "application/json", json.dumps(report) + "\n")
-        else:
-            self._send(404, "text/plain; charset=utf-8", "not found: try /metrics or /health\n")
+            return metrics_app(environ, start_response)
+        if path == "/health":
+            try:
+                report = health()
+            except Exception as e:  # a probe must get an answer: a report that cannot be made is "down"
+                logger.debug(f"Could not make the health report: {e!r}")
+                report = {"status": "down", "error": repr(e)}
+            status = "200 OK" if report.get("status") == "ok" else "503 Service Unavailable"
+            return _send(start_response, status, "application/json", json.dumps(report) + "\n")
+        return _send(start_response, "404 Not Found", "text/plain; charset=utf-8",
+                     "not found: try /metrics or /health\n")
 
-    def _send(self, code: int, content_type: str, text: str) -> None:
-        body = text.encode()
-        self.send_response(code)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+    return app
 
+
+def _send(start_response: Callable, status: str, content_type: str, text: str) -> list[bytes]:
+    body = text.encode()
+    start_response(status, [("Content-Type", content_type), ("Content-Length", str(len(body)))])
+    return [body]
+
+
+class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True  # a stalled scraper never holds the process at exit
+
+
+class _QuietHandler(WSGIRequestHandler):
     def log_message(self, format: str, *args) -> None:  # scrapes every few seconds: not worth an INFO line
         logger.debug(f"metrics http: {format % args}")

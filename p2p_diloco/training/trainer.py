@@ -3,9 +3,9 @@
 Reads like the algorithm: for each inner step, forward/backward through the executor, clip by the
 peer's global gradient norm, AdamW step; every H steps ``stage.end_round()`` (pseudo-gradient, averaging,
 outer step; with overlap, the previous round's average is applied while this round's averages in the
-background). At the end ``stage.flush()`` applies the round still in flight. Around it: metrics (JSONL),
-progress records in the DHT, checkpoints, a clean stop on request, and a summary for ``p2p-diloco
-swarm``. Called by :mod:`p2p_diloco.stage_process`.
+background). At the end ``stage.flush()`` applies the round still in flight. Around it: metrics (JSONL, and
+TensorBoard or W&B when asked), progress records in the DHT, checkpoints, a clean stop on request, and a
+summary for ``p2p-diloco swarm``. Called by :mod:`p2p_diloco.stage_process`.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from p2p_diloco.config import Config
+from p2p_diloco.monitoring.sinks import open_sinks
 from p2p_diloco.training.metrics import MetricsWriter
 from p2p_diloco.training.stage import RoundReport, Stage
 from p2p_diloco.training.state.persist import resume_stage, save_stage
@@ -60,7 +61,9 @@ class Trainer:
         # a round ends when another peer has ended it (peers of unequal speed meet at the round end)
         self.follow_swarm = swarm is not None and cfg.diloco.round_end == "swarm"
         tag = f"stage{stage.stage_index}"
-        self.metrics = MetricsWriter(self.output_dir / f"metrics-{tag}.jsonl")
+        sinks = open_sinks(cfg, output_dir=self.output_dir, peer_name=peer_name, stage_index=stage.stage_index,
+                           num_stages=stage.num_stages)  # TensorBoard, W&B: none unless [metrics] asks
+        self.metrics = MetricsWriter(self.output_dir / f"metrics-{tag}.jsonl", sinks)
         self.summary_path = self.output_dir / f"summary-{tag}.json"
         ckpt_root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.output_dir / "checkpoints"
         self.checkpoint_dir = ckpt_root / f"stage{stage.stage_index}of{stage.num_stages}"

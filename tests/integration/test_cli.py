@@ -3,6 +3,7 @@ identity and clean exit, prepare-data."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import stat
@@ -120,7 +121,13 @@ def test_bootstrap_refuses_bad_identity(tmp_path, damage):
     assert (identity.read_bytes() if identity.exists() else None) == before  # nothing overwritten
 
 
-def test_prepare_data_and_train_on_it(tmp_path):
+def test_prepare_data_and_train_on_it(tmp_path, monkeypatch):
+    """prepare-data, then a peer trains on the shards to the end, logging to TensorBoard and to an offline W&B run
+    as well (no network: W&B's folders are in tmp_path); the summary line is still alone on stdout."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from tests.unit.test_metrics_sinks import wandb_history
+
     docs = tmp_path / "docs"
     docs.mkdir()
     for i in range(30):
@@ -129,11 +136,28 @@ def test_prepare_data_and_train_on_it(tmp_path):
     result = run("prepare-data", str(docs), "--output", str(out), "--eval-fraction", "0.1")
     assert result.returncode == 0, result.stderr
     assert (out / "meta.json").exists()
+    for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(name, str(tmp_path / "wandb-home" / name.lower()))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
     result = run("peer", "--data.path", str(out), "--host-maddrs", LOOPBACK, "--output-dir", str(tmp_path / "p"),
                  "--train.num_rounds", "2", "--diloco.inner_steps", "5", "--data.batch_size", "4",
-                 "--data.seq_len", "32", "--train.progress", "false", "--run.num_threads", "1")
+                 "--data.seq_len", "32", "--train.progress", "false", "--run.num_threads", "1",
+                 "--metrics.tensorboard_dir", "tb", "--metrics.wandb_project", "p2p-diloco-test")
     assert result.returncode == 0, result.stderr[-3000:]
-    assert '"rounds_completed": 2' in result.stdout
+    (line,) = result.stdout.splitlines()
+    summary = json.loads(line)["summary"]
+    assert summary["rounds_completed"] == 2
+
+    (tb_folder,) = (tmp_path / "p" / "tb").glob("stage0-*")
+    scalars = EventAccumulator(str(tb_folder))
+    scalars.Reload()
+    assert scalars.Scalars("train/loss")[-1].step == 10 and scalars.Scalars("eval/loss")[-1].step == 10
+    assert scalars.Scalars("summary/fallback_rounds")[-1].value == summary["fallback_rounds"]
+    (log,) = (tmp_path / "p" / "wandb").glob("offline-run-*/run-*.wandb")
+    history = wandb_history(log)
+    assert [row["inner_step"] for row in history if "train/loss" in row][-1] == 10
+    assert [row["summary/tokens"] for row in history if "summary/tokens" in row] == [summary["tokens"]]
 
     empty = tmp_path / "empty"
     empty.mkdir()

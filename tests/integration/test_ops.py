@@ -1,6 +1,6 @@
 """Operating a swarm with real processes: bootstrap nodes that know each other and survive losing one, identity
-files and their lock, `p2p-diloco status`, the /health and /metrics endpoints, and interoperability with stock
-hivemind nodes (the `hivemind-dht` script, a plain `hivemind.DHT`)."""
+files and their lock, `p2p-diloco status`, the /health and /metrics endpoints (prometheus_client), and
+interoperability with stock hivemind nodes (the `hivemind-dht` script, a plain `hivemind.DHT`)."""
 
 from __future__ import annotations
 
@@ -187,6 +187,54 @@ def test_bootstrap_metrics_health_and_liveness(tmp_path, processes):
     assert proc.wait(timeout=30) == 0, processes.log("boot")[-2000:]
     with pytest.raises(urllib.error.URLError):
         urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
+
+
+def test_metrics_server_serves_prometheus_client_and_health_on_one_port():
+    """In-process, no node: /metrics is prometheus_client's exposition of this registry alone (text 0.0.4 by
+    default, OpenMetrics for a scraper that asks), /health is 200 while ok and 503 otherwise (also when the report
+    cannot be made), other paths 404, and close() frees the port."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from p2p_diloco.config import MetricsConfig
+    from p2p_diloco.monitoring import MetricsRegistry, MetricsServer
+
+    state = {"round": 2, "status": "ok"}
+    registry = MetricsRegistry({"run_id": "r1", "stage": "0"})
+    registry.add("p2p_diloco_round", "gauge", "Rounds finished", lambda: state["round"])
+    registry.add("p2p_diloco_bytes_sent_total", "counter", "Bytes sent", lambda: 12345678901)
+
+    def health() -> dict:
+        if state["status"] is None:
+            raise RuntimeError("the DHT process is gone")
+        return {"status": state["status"], "round": 2}
+
+    server = MetricsServer(MetricsConfig(port=0), registry, health)
+    url = server.url
+    try:
+        assert scrape(server.port) == {"p2p_diloco_round": 2.0, "p2p_diloco_bytes_sent_total": 12345678901.0}
+        families = {f.name: f for f in text_string_to_metric_families(http_get(f"{url}/metrics")[2])}
+        assert {name: f.type for name, f in families.items()} == {"p2p_diloco_round": "gauge",
+                                                                   "p2p_diloco_bytes_sent": "counter"}
+        assert families["p2p_diloco_round"].samples[0].labels == {"run_id": "r1", "stage": "0"}
+        state["round"] = 3  # read when scraped
+        assert scrape(server.port)["p2p_diloco_round"] == 3.0
+        openmetrics = urllib.request.Request(f"{url}/metrics",
+                                             headers={"Accept": "application/openmetrics-text; version=1.0.0"})
+        with urllib.request.urlopen(openmetrics, timeout=10) as response:
+            assert response.headers["Content-Type"].startswith("application/openmetrics-text")
+            assert response.read().decode().endswith("# EOF\n")
+
+        assert http_get(f"{url}/health") == (200, "application/json", '{"status": "ok", "round": 2}\n')
+        state["status"] = "stopping"
+        assert http_get(f"{url}/health")[0] == 503
+        state["status"] = None  # the report itself fails: still an answer, and not "ok"
+        code, content_type, body = http_get(f"{url}/health")
+        assert (code, content_type, json.loads(body)["status"]) == (503, "application/json", "down")
+        assert http_get(f"{url}/nothing")[0] == 404
+    finally:
+        server.close()
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(f"{url}/health", timeout=5)
 
 
 # ---------------------------------------------------------------------------------------------- see the swarm

@@ -1,5 +1,5 @@
-"""The metrics registry's Prometheus text, the [metrics] config section, and the status command's report. Pure:
-no sockets, no DHT."""
+"""The metrics registry's Prometheus text (prometheus_client's exposition of a per-process registry), the [metrics]
+config section, and the status command's report. Pure: no sockets, no DHT."""
 
 from __future__ import annotations
 
@@ -53,6 +53,19 @@ def test_registry_renders_every_readable_metric_with_its_labels():
         12345678901
     state["round"] = 4  # read at scrape time, not at registration
     assert parse_exposition(registry.render())["p2p_diloco_round"][2] == 4.0
+
+
+def test_each_registry_is_its_own_and_not_prometheus_clients_global_one():
+    """Two stage registries in one process (tests, in-process stages) with the same names never collide, and
+    nothing lands in prometheus_client's default registry (which would also show the library's process metrics)."""
+    import prometheus_client
+
+    first, second = MetricsRegistry({"stage": "0"}), MetricsRegistry({"stage": "1"})
+    first.add("p2p_diloco_round", "gauge", "Rounds", lambda: 1)
+    second.add("p2p_diloco_round", "gauge", "Rounds", lambda: 2)
+    assert parse_exposition(first.render())["p2p_diloco_round"] == ("gauge", {"stage": "0"}, 1.0)
+    assert parse_exposition(second.render())["p2p_diloco_round"] == ("gauge", {"stage": "1"}, 2.0)
+    assert "p2p_diloco_round" not in prometheus_client.generate_latest().decode()
 
 
 def test_counters_must_end_in_total():
