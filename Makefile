@@ -11,7 +11,7 @@ TORCH_INDEX_URL ?=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.p2p-diloco-installed
 
-.PHONY: demo test test-unit test-integration lint bench-overhead clean install
+.PHONY: demo test test-unit test-integration lint bench-overhead bench-quick clean install
 
 install: $(STAMP)
 
@@ -41,6 +41,18 @@ lint: $(STAMP)
 
 bench-overhead: $(STAMP)
 	$(PY) benchmarks/overhead.py
+
+# The cheap benchmarks, rerun and recorded in benchmarks/results/quick/<name>/report.txt with the commit and the
+# command (benchmarks/record.py): peer overhead, pipeline P=2 vs P=1, the plan of the paper's setting, compression
+# bytes, learning quality --quick. Under 15 minutes on 2 cores.
+RECORD := $(PY) benchmarks/record.py
+bench-quick: $(STAMP)
+	$(RECORD) quick/overhead -- $(PY) benchmarks/overhead.py --steps 200 --repeats 3
+	$(RECORD) quick/pipeline -- $(PY) benchmarks/pipeline.py --steps 20 --repeats 1
+	$(RECORD) quick/plan -- $(VENV)/bin/p2p-diloco plan --paper
+	$(RECORD) quick/compression-bytes -- $(PY) benchmarks/compression.py --only bytes --out runs/bench-quick/compression
+	$(RECORD) quick/quality -- $(PY) benchmarks/quality.py --quick --rows alone,none/none,delayed/adaptive \
+		--jobs 2 --eval-batches 32 --out benchmarks/results/quick/quality
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
