@@ -116,30 +116,31 @@ def test_killed_peer_restarted_on_its_checkpoint_is_back_in_sync(tmp_path, proce
 
 
 def test_newcomer_downloads_the_swarms_state(tmp_path, processes, bootstrap):
-    """2 honest peers and a hostile one train; a fourth with no checkpoint joins at round 3 or later: it downloads
+    """2 honest peers and a hostile one train; a fourth with no checkpoint joins at round 2 or later: it downloads
     its stage's state and after its first round holds the same anchor as the honest peers. The hostile peer
     (``false-state:1``) publishes records a round ahead of where it is (peers that believed one record reloaded) and
     serves a poisoned anchor: the honest peers never reload from it, and the newcomer, which asks it first (its
     records claim the most advanced anchor), refuses its state and takes an honest one. (Records far ahead are not
     even asked: ``tests/unit/test_sync_trust.py``.)"""
-    rounds = 14
+    rounds = 24  # 14 rounds of this tiny swarm took 25 s: a newcomer slow to start on a busy machine found the run
+    # over (its donors finishing, then gone): seen in the fresh-clone busy CI
     for name in ("p0", "p1"):
         processes.start(name, *peer_args(tmp_path, name, bootstrap, "join", rounds, 25, wait_for=2))
     processes.start("x", *peer_args(tmp_path, "x", bootstrap, "join", rounds, 25, "--test-hostility", "false-state:1"))
-    wait_until(lambda: len(applied(tmp_path, "p0")) >= 3, 240, processes.procs["p0"], lambda: processes.log("p0"))
+    wait_until(lambda: len(applied(tmp_path, "p0")) >= 2, 240, processes.procs["p0"], lambda: processes.log("p0"))
     processes.start("new", *peer_args(tmp_path, "new", bootstrap, "join", rounds, 25))
     for name in ("p0", "p1", "new", "x"):
         assert processes.wait(name, timeout=360) == 0, processes.log(name)[-3000:]
     for name in ("p0", "p1"):  # a reload or resync a busy machine may need, but never one from the false records
         assert all(e["donor_round"] < 100 for e in events(tmp_path, name, "sync")), events(tmp_path, name, "sync")
     syncs = events(tmp_path, "new", "sync")
-    assert syncs and syncs[0]["action"] == "reload" and syncs[0]["round"] >= 3, syncs
+    assert syncs and syncs[0]["action"] == "reload" and syncs[0]["round"] >= 2, syncs
     assert "refused the state of" in processes.log("new") and "is not the one the swarm agrees on" in \
         processes.log("new"), processes.log("new")[-3000:]
     first = events(tmp_path, "new", "round")[0]  # the newcomer's first round end
     others = survivor_digests(tmp_path, ("p0", "p1"))
     assert first["anchor_sha256"] in others[first["anchor_applied_round"]], (first, others)
-    assert summary(tmp_path, "new")["rounds_completed"] <= rounds - 3
+    assert summary(tmp_path, "new")["rounds_completed"] <= rounds - 2
 
 
 def test_crash_in_the_middle_of_a_checkpoint_write_keeps_the_previous_one(tmp_path, processes):
