@@ -111,12 +111,10 @@ def load_model_source(source: Path, step: Optional[int], spec: Optional[str]):
     """(model args, parameters, tokenizer, a description) of a checkpoint or an exported folder."""
     from p2p_diloco.data import ByteTokenizer, load_tokenizer
     from p2p_diloco.model.export import PROVENANCE_FILE, is_hf_folder, read_hf_folder
-    from p2p_diloco.training.state.anchor import load_peer_anchor
+    from p2p_diloco.training.state.anchor import check_whole_model, load_peer_anchor
 
     if is_hf_folder(source):
         args, tensors = read_hf_folder(source)
-        from p2p_diloco.training.state.anchor import check_whole_model
-
         check_whole_model(args, tensors, str(source))
         if spec is None:
             provenance = _read_json(source / PROVENANCE_FILE)

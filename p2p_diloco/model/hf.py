@@ -34,6 +34,8 @@ _TOP = {
     "norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
+_BLOCK_INVERSE = {theirs: ours for ours, theirs in _BLOCK.items()}
+_TOP_INVERSE = {theirs: ours for ours, theirs in _TOP.items()}
 _OURS_BLOCK = re.compile(r"layers\.(\d+)\.(.+)")
 _HF_BLOCK = re.compile(r"model\.layers\.(\d+)\.(.+)")
 BYTE_EOT = "<|endoftext|>"
@@ -51,14 +53,12 @@ def hf_name(name: str) -> str:
 
 def our_name(name: str) -> str:
     """Our name of one of transformers' Llama parameters (KeyError: not one our decoder has)."""
-    for ours, theirs in _TOP.items():
-        if name == theirs:
-            return ours
+    if name in _TOP_INVERSE:
+        return _TOP_INVERSE[name]
     match = _HF_BLOCK.fullmatch(name)
-    inverse = {theirs: ours for ours, theirs in _BLOCK.items()}
-    if match is None or match.group(2) not in inverse:
+    if match is None or match.group(2) not in _BLOCK_INVERSE:
         raise KeyError(name)
-    return f"layers.{match.group(1)}.{inverse[match.group(2)]}"
+    return f"layers.{match.group(1)}.{_BLOCK_INVERSE[match.group(2)]}"
 
 
 def hf_config(args: ModelArgs, eos_token_id: int | None) -> dict:
