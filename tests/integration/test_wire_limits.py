@@ -109,13 +109,16 @@ def test_hivemind_alone_waits_to_buffer_what_the_header_declares(monkeypatch):
 
 
 class _Provider:
-    """A donor's state provider (runs in a thread of this process): slow, and counting the copies it makes."""
+    """A donor's state provider (runs in a thread of this process, one call at a time): its first call waits until
+    the test lets it go; it counts the calls it started and the copies it made."""
 
-    def __init__(self, delay_s: float):
-        self.delay_s, self.copies, self.lock = delay_s, 0, threading.Lock()
+    def __init__(self):
+        self.started, self.copies, self.lock, self.go = 0, 0, threading.Lock(), threading.Event()
 
     def __call__(self):
-        time.sleep(self.delay_s)
+        with self.lock:
+            self.started += 1
+        assert self.go.wait(timeout=60)
         with self.lock:
             self.copies += 1
         return {"served": True}, [torch.full(t.shape, 0.5) for t in TEMPLATES * 2]
@@ -135,21 +138,40 @@ async def download(client: P2P, donor: PseudoGradientAverager) -> tuple[int, flo
 def test_a_donor_serves_one_stream_per_peer_and_a_bounded_number_in_all(network, monkeypatch):  # noqa: F811
     monkeypatch.setattr(limits, "MAX_STATE_STREAMS", 2)  # read when the donor's background process makes its gate
     donor = network.averager()
-    provider = donor.state_provider = _Provider(delay_s=1.5)
+    provider = donor.state_provider = _Provider()
     maddrs = [str(m) for m in donor.dht.get_visible_maddrs()]
+
+    async def until(condition: typing.Callable[[], bool], what: str) -> None:
+        for _ in range(600):
+            if condition():
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"not within 30 s: {what}")
 
     async def main():
         clients = [await P2P.create(host_maddrs=LOOPBACK, initial_peers=maddrs) for _ in range(3)]
         try:
             a, b, c = clients
-            results = await asyncio.gather(download(a, donor), download(a, donor), download(b, donor),
-                                           download(c, donor))
+            # Step by step, whatever order a busy machine delivers concurrent requests in. a asks twice at once: one
+            # stream is admitted (its copy starts and is held until `go`), the other refused with a slot still free
+            # (one per peer). Then b and c ask at once: one takes the last slot, the other is refused (two in all).
+            # The refused ones end at once, and nothing is copied for them.
+            async def refused_one_of(tasks: list[asyncio.Future], what: str) -> None:
+                await until(lambda: any(task.done() for task in tasks), f"one of {what} refused")
+                done = [task.result() for task in tasks if task.done()]
+                assert [count for count, _ in done] == [0], done
+
+            from_a = [asyncio.ensure_future(download(a, donor)) for _ in range(2)]
+            await refused_one_of(from_a, "a's two streams")
+            await until(lambda: provider.started == 1, "a's other stream admitted")
+            from_b_c = [asyncio.ensure_future(download(peer, donor)) for peer in (b, c)]
+            await refused_one_of(from_b_c, "b's and c's streams")
+            assert provider.copies == 0
+            provider.go.set()
+            results = [await task for task in from_a + from_b_c]
             served = [count > 0 for count, _ in results]
-            assert served[:2].count(True) == 1, results  # one stream to a at a time
-            assert served.count(True) == 2, results  # two in all
-            refused_s = max(s for (count, s) in results if count == 0)
-            assert refused_s < 1.5, results  # refused at once, without waiting for a copy of the state
-            assert provider.copies == 2  # and without making one
+            assert served[:2].count(True) == 1 and served[2:].count(True) == 1, results
+            assert provider.started == provider.copies == 2, results  # none made for a refused request
             count, _ = await download(c, donor)  # the streams are over: their slots are free again
             assert count > 0 and provider.copies == 3
         finally:
