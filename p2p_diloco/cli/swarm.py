@@ -51,6 +51,8 @@ def register(subparsers) -> None:
                         help="swarm folder (default runs/swarm-<time>)")
     parser.add_argument("--peer-timeout", type=float, default=3600.0, metavar="SECONDS",
                         help="stop peers still running after this long (default 3600)")
+    parser.add_argument("--sample-tokens", type=int, default=160, metavar="N",
+                        help="end with N tokens that peer0's final anchor writes (default 160; 0: no sample)")
     parser.set_defaults(run=run, accepts_overrides=True)
 
 
@@ -60,6 +62,8 @@ def run(args: argparse.Namespace, overrides: list[tuple[str, str]]) -> int:
 
     if args.peers < 1:
         raise ConfigError(f"--peers: must be at least 1, got {args.peers}")
+    if args.sample_tokens < 0:
+        raise ConfigError(f"--sample-tokens: must be at least 0, got {args.sample_tokens}")
     root = args.output_dir or Path("runs") / time.strftime("swarm-%Y%m%d-%H%M%S")
     cfg = _swarm_config(args, overrides)
     check_sinks(cfg.metrics)  # every peer would stop on it: say so once, before anything starts
@@ -85,8 +89,8 @@ def run(args: argparse.Namespace, overrides: list[tuple[str, str]]) -> int:
     finally:
         _stop_all(processes)
     summary = summarize_swarm(root, args.peers, cfg, exit_codes)
-    if exit_codes:
-        print_sample(root / "peer0")
+    if exit_codes and args.sample_tokens:
+        print_sample(root / "peer0", max_new_tokens=args.sample_tokens)
     return 0 if summary["ok"] else 1
 
 

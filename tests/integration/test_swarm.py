@@ -195,10 +195,12 @@ def test_swarm_command_summary_and_plot(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "p2p_diloco", "swarm", "--peers", "2", "--output-dir", str(out),
          "--train.num_rounds", "2", "--diloco.inner_steps", "6", "--data.batch_size", "8", "--data.seq_len", "64",
-         "--data.eval_batches", "2", *FAST_AVERAGING],
+         "--data.eval_batches", "2", "--sample-tokens", "16", *FAST_AVERAGING],
         capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "anchors identical across peers: yes" in result.stdout
+    sample = result.stdout.split("What peer0's final anchor writes (p2p-diloco generate ")[1].split("-" * 60)[1]
+    assert sample.startswith("\ndef "), sample  # the prompt, then what the model wrote (up to 16 tokens)
     swarm = json.loads((out / "swarm-summary.json").read_text())
     assert swarm["ok"] and swarm["anchors_identical"] and len(swarm["peers"]) == 2
     for row in swarm["peers"]:
