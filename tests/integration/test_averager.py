@@ -116,3 +116,60 @@ def test_compressed_rounds_agree_and_feed_back(swarm, scheme):
             assert results[0].compression["warm"] == (round_index > 0)
         fp32_bytes = 4 * sum(t.numel() for t in TEMPLATES)
         assert results[0].compression["payload_bytes"] < fp32_bytes / 3
+
+
+def test_a_stream_of_averages_cut_short_is_fetched_again_and_the_round_holds(swarm, monkeypatch):
+    """Seen on busy machines: a reducer's stream of averages to one member ends a few parts short while the reducer
+    believes it sent them all (and the others finish). Here every reducer's stream to the first sender carries one
+    average and ends: that member asks the reducers for the rest (rpc_fetch_averages) and the round holds, the
+    average bit-identical on all three and exact."""
+    from p2p_diloco.swarm.averaging import allreduce
+
+    original = allreduce.ExactAllReduceRunner._accumulate_parts_streaming
+
+    async def cut_short(self, stream, sender_index):  # runs in the averagers' background processes (forked)
+        sent = 0
+        async for reply in original(self, stream, sender_index):
+            sent += 1
+            if sender_index != 0 or sent <= 1:
+                yield reply  # the others get every average; the first sender only the first
+
+    monkeypatch.setattr(allreduce.ExactAllReduceRunner, "_accumulate_parts_streaming", cut_short)
+    dhts, averagers = swarm
+    group = make(dhts, averagers)
+    contributions = [[torch.randn_like(t) * (k + 1) for t in TEMPLATES] for k in range(3)]
+    for averager in group:
+        averager.set_expected_group_size(3)
+    for averager, contribution in zip(group, contributions):
+        averager.start_round(contribution, 0, 1.0)
+    results = [averager.finish_round() for averager in group]
+    for result in results:
+        assert result.fallback_reason == "" and result.group_size == 3, result.fallback_reason
+        assert all(torch.equal(a, b) for a, b in zip(result.average, results[0].average))
+    for i in range(len(TEMPLATES)):
+        exact = sum(c[i].double() for c in contributions) / 3
+        torch.testing.assert_close(results[0].average[i].double(), exact, rtol=0, atol=1e-6)
+
+
+def test_averages_are_served_again_to_the_all_reduces_senders_only(swarm):
+    """rpc_fetch_averages of an all-reduce this peer does not hold (or holds for other senders): BAD_GROUP_ID."""
+    import asyncio
+
+    from hivemind.p2p import P2P
+
+    from p2p_diloco.swarm.averaging.hivemind_api import averaging_pb2
+
+    dhts, averagers = swarm
+    averager = make(dhts[:1], averagers)[0]
+    maddrs = [str(m) for m in dhts[0].get_visible_maddrs()]
+
+    async def ask() -> list[int]:
+        client = await P2P.create(host_maddrs=LOOPBACK, initial_peers=maddrs)
+        try:
+            stub = PseudoGradientAverager.get_stub(client, averager.peer_id, namespace=averager.prefix)
+            replies = await stub.rpc_fetch_averages(averaging_pb2.AveragingData(group_id=b"no such all-reduce"))
+            return [reply.code async for reply in replies]
+        finally:
+            await client.shutdown()
+
+    assert asyncio.run(ask()) == [averaging_pb2.BAD_GROUP_ID]

@@ -38,6 +38,23 @@ def run_cli(*args: str, timeout: float = 90) -> subprocess.CompletedProcess:
     return subprocess.run(cli(*args), capture_output=True, text=True, timeout=timeout)
 
 
+def run_clis(*commands: list[str], timeout: float = 90) -> list[subprocess.CompletedProcess]:
+    """Several CLI commands run at once (each joins the DHT: a few seconds of waiting apiece), in order."""
+    procs = [subprocess.Popen(cli(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for args in commands]
+    results = []
+    try:
+        for args, proc in zip(commands, procs):
+            stdout, stderr = proc.communicate(timeout=timeout)
+            results.append(subprocess.CompletedProcess(args, proc.returncode, stdout, stderr))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return results
+
+
 def free_ports(count: int) -> int:
     """A port P such that P .. P + count - 1 are free now (stage j of a peer serves metrics on P + j)."""
     for _ in range(100):
@@ -249,15 +266,18 @@ def test_status_and_metrics_of_a_running_swarm(tmp_path, processes, bootstrap):
     exactly A's two stage processes, with their stages and rounds, as a table and as JSON; run B shows B's peer;
     an unknown run exits 1 with the message. Each stage of A serves /health and /metrics on port + stage."""
     port = free_ports(2)
+    alone = ["--averaging.round_timeout_s", "5"]  # lone peers: each round waits this long for a group
     processes.start("a", *peer_args(tmp_path, "a", bootstrap, "status-a", 200, 5, "--stages", "2",
-                                    "--metrics.port", str(port)))
-    processes.start("b", *peer_args(tmp_path, "b", bootstrap, "status-b", 200, 5))
+                                    "--metrics.port", str(port), *alone))
+    processes.start("b", *peer_args(tmp_path, "b", bootstrap, "status-b", 200, 5, *alone))
     wait_until(lambda: last_round(tmp_path, "a", 1) >= 1 and last_round(tmp_path, "b", 0) >= 1, 150,
                proc=processes.procs["a"], log=lambda: processes.log("a") + processes.log("b"))
     peer_a, peer_b = node_id(processes.log("a"), 0), node_id(processes.log("b"), 0)
 
     low = last_round(tmp_path, "a", 0)
-    result = run_cli("status", "--initial-peers", *bootstrap, "--run-id", "status-a", "--json")
+    result, of_b, of_none = run_clis(["status", "--initial-peers", *bootstrap, "--run-id", "status-a", "--json"],
+                                     ["status", "--initial-peers", *bootstrap, "--run-id", "status-b"],
+                                     ["status", "--initial-peers", *bootstrap, "--run-id", "no-such-run"])
     high = last_round(tmp_path, "a", 0) + 1  # a record can run one round ahead of the last logged step
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
@@ -270,7 +290,7 @@ def test_status_and_metrics_of_a_running_swarm(tmp_path, processes, bootstrap):
     assert report["tokens_per_s_total"] == report["peers"][0]["tokens_per_s"]  # stage 0 only
     assert report["peers"][0]["loss"] is None and report["peers"][1]["loss"] > 0  # the loss lives on the last stage
 
-    result = run_cli("status", "--initial-peers", *bootstrap, "--run-id", "status-b")
+    result = of_b
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[0] == "run status-b: 1 peer(s), 1 stage process(es)"
@@ -279,7 +299,7 @@ def test_status_and_metrics_of_a_running_swarm(tmp_path, processes, bootstrap):
     assert re.search(r"^current round: [1-9]\d*$", result.stdout, re.M)
     assert re.search(r"^total throughput: [\d,]+ tokens/s \(sum over the peers' stage 0\)$", result.stdout, re.M)
 
-    result = run_cli("status", "--initial-peers", *bootstrap, "--run-id", "no-such-run")
+    result = of_none
     assert result.returncode == 1 and result.stdout == ""
     assert_one_line_error(result.stderr, f"no peers of run no-such-run found through {bootstrap[0]}: {NOT_FOUND}")
 

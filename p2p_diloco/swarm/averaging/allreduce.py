@@ -18,6 +18,12 @@ reducer answers once every sender's part is in, or a sender timeout after) stall
 broken connections are not stalls: a reducer that read the group differently, or left it, refuses at once. Every
 such finding lands in ``runner.flags`` as (peer id, reason).
 
+A reducer's stream of averages can break half-way through while the reducer and the others finish the all-reduce
+(seen on busy machines: the stream to one member ends a few parts short, as if closed, and only that member falls
+back). So each reducer keeps the averages of its slice for a while (:class:`ServedAverages`, the exact bytes every
+groupmate got), and a member whose stream ended short or broke asks the reducer for them again
+(``rpc_fetch_averages``, served by the averager) and takes the parts it is missing, with the same checks.
+
 Built on hivemind internals (``AllReduceRunner``, ``TensorPartContainer``), through
 :mod:`p2p_diloco.swarm.averaging.hivemind_api`.
 Called only by :class:`p2p_diloco.swarm.averaging.averager.PseudoGradientAverager`.
@@ -42,6 +48,7 @@ from p2p_diloco.swarm.averaging.hivemind_api import (
     AllReduceRunner,
     BannedException,
     P2PContext,
+    P2PDaemonError,
     PeerID,
     TensorPartReducer,
     aiter_with_timeout,
@@ -56,6 +63,54 @@ logger = get_logger(__name__)
 
 # indices into the shared int64 traffic counter tensor
 BYTES_SENT, BYTES_RECEIVED = 0, 1
+
+
+class ServedAverages:
+    """The averages a peer computed as the reducer of its slice in one all-reduce, as the bytes it sent, kept after
+    the all-reduce for the groupmates whose stream of them broke (the averager serves them to its senders only).
+
+    Args:
+        senders: the peers the all-reduce averaged (those that may ask).
+        num_parts: how many parts the slice has.
+    """
+
+    def __init__(self, senders, num_parts: int):
+        self.senders = frozenset(senders)
+        self.parts: list = [None] * num_parts  # CompressedTensor of each averaged part, once computed
+        self.done = False  # no more parts will come (all computed, or the reduction failed)
+        self._changed: Optional[asyncio.Condition] = None
+
+    @property
+    def changed(self) -> asyncio.Condition:
+        if self._changed is None:  # made in the averager's event loop, on first use
+            self._changed = asyncio.Condition()
+        return self._changed
+
+    async def add(self, part_index: int, serialized) -> None:
+        async with self.changed:
+            self.parts[part_index] = serialized
+            self.changed.notify_all()
+
+    async def finish(self) -> None:
+        async with self.changed:
+            self.done = True
+            self.changed.notify_all()
+
+    async def iterate(self, timeout_s: float) -> AsyncIterator:
+        """The parts in order, each as soon as it is computed; ends at the first part not computed within
+        ``timeout_s`` of the start, or never computed."""
+        deadline = asyncio.get_event_loop().time() + timeout_s
+        for part_index in range(len(self.parts)):
+            async with self.changed:
+                try:
+                    await asyncio.wait_for(
+                        self.changed.wait_for(lambda i=part_index: self.parts[i] is not None or self.done),
+                        timeout=max(0.0, deadline - asyncio.get_event_loop().time()))
+                except TimeoutError:
+                    return
+            if self.parts[part_index] is None:
+                return
+            yield self.parts[part_index]
 
 
 class ExactAllReduceRunner(AllReduceRunner):
@@ -87,6 +142,7 @@ class ExactAllReduceRunner(AllReduceRunner):
             self.tensor_part_reducer.part_shapes, [weights.get(peer_id, 0.0) for peer_id in self.sender_peer_ids],
             rule, on_flag=lambda sender, reason: self.flags.append((self.sender_peer_ids[sender], reason)),
             claims=None if claims is None else [claims.get(peer_id, 0.0) for peer_id in self.sender_peer_ids])
+        self.served = ServedAverages(self.sender_peer_ids, self.tensor_part_reducer.num_parts)
 
     def _encode_result(self, averaged_part: torch.Tensor, part_index: int):
         """The reducer encodes each averaged part once; every groupmate decodes the same bytes."""
@@ -99,36 +155,27 @@ class ExactAllReduceRunner(AllReduceRunner):
         if peer_id == self.peer_id:
             return await self._reduce_own_parts(peer_index)
         stream = None
+        expected = len(self.tensor_part_container._input_parts_by_peer[peer_index])
         try:
             done_sending = asyncio.Event()
             inputs = attach_event_on_finished(self._generate_input_for_peer(peer_index), done_sending)
             stream = await self._get_peer_stub(peer_id).rpc_aggregate_part(inputs)
             if self.should_delay_results(self.peer_id):
                 await done_sending.wait()
-            parts = self.tensor_part_container._input_parts_by_peer[peer_index]
-            expected_shapes = [part.shape for part, _info in parts]
-            largest = max((part.numel() for part, _info in parts), default=0)
-
-            def decode(message):
-                if message.code != averaging_pb2.AVERAGED_PART:
-                    raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(message.code)}")
-                return _decode_part(message, largest)
-
-            part_index = 0
-            async for averaged_part in amap_in_executor(decode, aiter_with_timeout(stream, self.reducer_timeout),
-                                                        max_prefetch=self.tensor_part_container.prefetch):
-                if isinstance(averaged_part, Exception) or part_index >= len(expected_shapes) or \
-                        averaged_part.shape != expected_shapes[part_index]:
-                    self.flags.append((peer_id, MALFORMED))
-                    raise AllreduceException(f"{peer_id} sent a malformed average: {averaged_part!r:.200}")
-                problem = self._implausible(averaged_part, parts[part_index][0])
-                if problem:
-                    self.flags.append((peer_id, BAD_AVERAGE))
-                    raise AllreduceException(f"{peer_id} returned {problem}")
-                self.tensor_part_container.register_processed_part(peer_index, part_index, averaged_part)
-                part_index += 1
-            if part_index != len(expected_shapes):
-                raise AllreduceException(f"{peer_id} sent {part_index} parts, {len(expected_shapes)} expected")
+            received, broken = 0, None
+            try:
+                received = await self._take_averages(peer_id, peer_index, stream, start=0)
+            except (ConnectionError, P2PDaemonError, asyncio.IncompleteReadError) as e:  # the stream broke
+                received, broken = self.tensor_part_container._outputs_registered_by_peer[peer_index], e
+            if received < expected:
+                logger.info(f"The stream of reducer {peer_id}'s averages {f'broke ({broken!r})' if broken else 'ended'}"
+                            f" after {received} of {expected} parts: asking it for them again")
+                again = await super()._get_peer_stub(peer_id).rpc_fetch_averages(
+                    averaging_pb2.AveragingData(group_id=self.group_id))
+                received = await self._take_averages(peer_id, peer_index, _count_received(again, self._traffic),
+                                                     start=received)
+            if received != expected:
+                raise AllreduceException(f"{peer_id} sent {received} parts, {expected} expected")
         except BaseException as e:
             if stream is not None and isinstance(e, asyncio.TimeoutError):  # the stream is open, and silent
                 self.flags.append((peer_id, STALL))
@@ -138,18 +185,55 @@ class ExactAllReduceRunner(AllReduceRunner):
             self.tensor_part_container.register_failed_reducer(peer_index)
             raise
 
+    async def _take_averages(self, peer_id: PeerID, peer_index: int, messages: AsyncIterator, start: int) -> int:
+        """Check and register the averages ``peer_id`` sends for its slice, from part ``start`` on (the messages
+        before it are skipped unread); returns how many parts of the slice are registered after."""
+        parts = self.tensor_part_container._input_parts_by_peer[peer_index]
+        expected_shapes = [part.shape for part, _info in parts]
+        largest = max((part.numel() for part, _info in parts), default=0)
+
+        def decode(message):
+            if message.code != averaging_pb2.AVERAGED_PART:
+                raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(message.code)}")
+            return _decode_part(message, largest)
+
+        part_index = start
+        async for averaged_part in amap_in_executor(decode, aiter_with_timeout(_skip(messages, start),
+                                                                               self.reducer_timeout),
+                                                    max_prefetch=self.tensor_part_container.prefetch):
+            if isinstance(averaged_part, Exception) or part_index >= len(expected_shapes) or \
+                    averaged_part.shape != expected_shapes[part_index]:
+                self.flags.append((peer_id, MALFORMED))
+                raise AllreduceException(f"{peer_id} sent a malformed average: {averaged_part!r:.200}")
+            problem = self._implausible(averaged_part, parts[part_index][0])
+            if problem:
+                self.flags.append((peer_id, BAD_AVERAGE))
+                raise AllreduceException(f"{peer_id} returned {problem}")
+            self.tensor_part_container.register_processed_part(peer_index, part_index, averaged_part)
+            part_index += 1
+        return part_index
+
     async def _reduce_own_parts(self, peer_index: int) -> None:
-        """Reduce the parts this peer is responsible for; its own contribution is what the codec would send."""
+        """Reduce the parts this peer is responsible for; its own contribution is what the codec would send. Each
+        average is kept as the bytes sent (:attr:`served`) and used here decoded from them."""
         sender_index = self.sender_peer_ids.index(self.peer_id)
         loop = asyncio.get_event_loop()
-        for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
-            sent = await loop.run_in_executor(None, lambda i=part_index, p=tensor_part: self._roundtrip(p, i))
-            averaged_part = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, sent,
-                                                                           weight=self.weight)
-            local_copy = await loop.run_in_executor(
-                None, lambda i=part_index, avg=averaged_part: decode_tensor(self._encode_result(avg, i))
-            )
-            self.tensor_part_container.register_processed_part(peer_index, part_index, local_copy)
+
+        def encode_and_decode(average: torch.Tensor, part_index: int):
+            serialized = self._encode_result(average, part_index)
+            return serialized, decode_tensor(serialized)
+
+        try:
+            for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
+                sent = await loop.run_in_executor(None, lambda i=part_index, p=tensor_part: self._roundtrip(p, i))
+                averaged_part = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, sent,
+                                                                               weight=self.weight)
+                serialized, local_copy = await loop.run_in_executor(None, encode_and_decode, averaged_part,
+                                                                    part_index)
+                await self.served.add(part_index, serialized)
+                self.tensor_part_container.register_processed_part(peer_index, part_index, local_copy)
+        finally:
+            await self.served.finish()
 
     def _implausible(self, average: torch.Tensor, own_part: torch.Tensor) -> str:
         """Why an average returned by a reducer cannot be the robust combination of the group's parts, or ""."""
@@ -311,6 +395,15 @@ class _CountingStub:
 
     async def rpc_aggregate_part(self, inputs):
         return _count_received(await self._stub.rpc_aggregate_part(inputs), self._traffic)
+
+
+async def _skip(messages: AsyncIterator, count: int) -> AsyncIterator:
+    """``messages`` after the first ``count``."""
+    async for message in messages:
+        if count > 0:
+            count -= 1
+            continue
+        yield message
 
 
 async def _count_received(stream: AsyncIterator, traffic: torch.Tensor) -> AsyncIterator:

@@ -31,6 +31,8 @@ import logging
 import math
 import signal
 import time
+import typing
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Optional
@@ -42,7 +44,7 @@ from p2p_diloco.compression.policy import CompressionPolicy
 from p2p_diloco.config import AveragingConfig
 from p2p_diloco.faults import HONEST, Honest, fault_point
 from p2p_diloco.process import die_with_parent, leave_signals_to_parent, lower_priority
-from p2p_diloco.swarm.averaging.allreduce import BYTES_RECEIVED, BYTES_SENT, ExactAllReduceRunner
+from p2p_diloco.swarm.averaging.allreduce import BYTES_RECEIVED, BYTES_SENT, ExactAllReduceRunner, ServedAverages
 from p2p_diloco.swarm.averaging.guard import GroupView, GuardedAverager, PeerGuard, read_group
 from p2p_diloco.swarm.averaging.hivemind_api import (
     AllreduceException,
@@ -51,6 +53,7 @@ from p2p_diloco.swarm.averaging.hivemind_api import (
     DecentralizedAverager,
     MatchmakingException,
     MPFuture,
+    P2PContext,
     PeerID,
     PerTensorCompression,
     averaging_pb2,
@@ -65,6 +68,7 @@ logger = logging.getLogger(__name__)
 MAX_STATE_METADATA_BYTES = 1 << 16  # an honest donor's metadata is a few hundred bytes
 ROUND_BITS = 16  # rounds are told apart modulo 2**16 by the group key, exactly by the gathered metadata
 PHASES = (b"", b".P", b".Q")  # group id suffixes of a round's all-reduces (whole tensors; low-rank P; low-rank Q)
+SERVED_ALLREDUCES = 8  # the last all-reduces whose averages (this peer's slice) are kept for groupmates to ask again
 
 
 def decode_state_tensor(header, buffer: bytes, shape: tuple) -> torch.Tensor:
@@ -149,6 +153,11 @@ class PseudoGradientAverager(GuardedAverager, DecentralizedAverager):
         behaviour: :data:`~p2p_diloco.faults.HONEST`, or a :class:`~p2p_diloco.faults.Hostility` that tests and
             benchmarks give a hostile peer.
     """
+
+    # hivemind caches a servicer's handlers and stub type on the class, and a subclass inherits the cache when its
+    # base was collected first: ours are collected on their own (rpc_fetch_averages is ours alone)
+    _rpc_handlers = None
+    _stub_type = None
 
     def __init__(self, templates: Sequence[torch.Tensor], dht, *, run_id: str, stage_index: int, num_stages: int,
                  cfg: AveragingConfig, behaviour: Honest = HONEST):
@@ -272,6 +281,7 @@ class PseudoGradientAverager(GuardedAverager, DecentralizedAverager):
             tensor_infos=[CompressionInfo.from_tensor(t, key=i) for i, t in enumerate(tensors)], **kwargs,
         )
         assert group_id in self._running_groups, f"group {group_id} was not registered"
+        self._keep_served(group_id, runner.served)
         self._running_groups[group_id].set_result(runner)
         try:
             averaged = [average async for average in runner]
@@ -283,6 +293,28 @@ class PseudoGradientAverager(GuardedAverager, DecentralizedAverager):
             # some reducer vanished: part of the result is our own values, so the round is not an average
             raise AllreduceException(f"{failed} of {runner.tensor_part_container.total_size} values were not averaged")
         return averaged
+
+    def _keep_served(self, allreduce_id: bytes, served: ServedAverages) -> None:
+        """Keep the averages of an all-reduce this peer reduces a slice of, for its last :data:`SERVED_ALLREDUCES`
+        all-reduces (a round runs one to two; each holds one slice of the round's compressed averages)."""
+        kept = vars(self).setdefault("_served", OrderedDict())
+        kept[allreduce_id] = served
+        while len(kept) > SERVED_ALLREDUCES:
+            kept.popitem(last=False)
+
+    async def rpc_fetch_averages(self, request: averaging_pb2.AveragingData,
+                                 context: P2PContext) -> typing.AsyncIterator[averaging_pb2.AveragingData]:
+        """The averages of this peer's slice in the all-reduce ``request.group_id``, again: for a groupmate whose
+        stream of them broke. The same bytes every groupmate got, each as soon as it is computed, to the peers that
+        all-reduce averaged only (anyone else gets BAD_GROUP_ID)."""
+        served = vars(self).get("_served", {}).get(request.group_id)
+        if served is None or context.remote_id not in served.senders:
+            yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
+            return
+        async for serialized in served.iterate(timeout_s=2 * self.cfg.next_chunk_timeout_s):
+            reply = averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
+            self.traffic[BYTES_SENT] += reply.ByteSize()
+            yield reply
 
     async def _set_target_group_size(self, size: Optional[int], future) -> None:
         self._matchmaking.target_group_size = size
