@@ -98,10 +98,10 @@ def test_killing_one_stage_stops_its_peer_cleanly(tmp_path, processes, bootstrap
     """Kill stage 1 of peer b (SIGKILL): b's other stage stops, its launcher exits with a message naming the
     stage, no process of b is left; peer a keeps training to the end."""
     rounds = 6
-    processes.start("a", *pipeline_peer(tmp_path, "a", "--stages", "2", "--train.wait_for_peers", "2",
-                                        maddrs=bootstrap, rounds=rounds))
-    b = processes.start("b", *pipeline_peer(tmp_path, "b", "--stages", "2", "--train.wait_for_peers", "2",
-                                            maddrs=bootstrap, rounds=rounds))
+    # after the kill, a waits out round_timeout_s for b while b's records live (two rounds)
+    common = ["--stages", "2", "--train.wait_for_peers", "2", "--averaging.round_timeout_s", "8"]
+    processes.start("a", *pipeline_peer(tmp_path, "a", *common, maddrs=bootstrap, rounds=rounds))
+    b = processes.start("b", *pipeline_peer(tmp_path, "b", *common, maddrs=bootstrap, rounds=rounds))
     deadline = time.monotonic() + 240
     while not applied(tmp_path, "b", 1):
         assert time.monotonic() < deadline and b.poll() is None, processes.log("b")[-3000:]

@@ -170,8 +170,9 @@ class ExactAllReduceRunner(AllReduceRunner):
             if received < expected:
                 logger.info(f"The stream of reducer {peer_id}'s averages {f'broke ({broken!r})' if broken else 'ended'}"
                             f" after {received} of {expected} parts: asking it for them again")
-                again = await super()._get_peer_stub(peer_id).rpc_fetch_averages(
-                    averaging_pb2.AveragingData(group_id=self.group_id))
+                again = await asyncio.wait_for(  # a reducer that is gone may take a dial timeout to say so
+                    super()._get_peer_stub(peer_id).rpc_fetch_averages(
+                        averaging_pb2.AveragingData(group_id=self.group_id)), timeout=self.sender_timeout)
                 received = await self._take_averages(peer_id, peer_index, _count_received(again, self._traffic),
                                                      start=received)
             if received != expected:
