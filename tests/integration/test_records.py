@@ -4,6 +4,7 @@ progress record, a forged or malformed record never reaches a reader, honest rec
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 from functools import partial
 
@@ -22,7 +23,6 @@ from p2p_diloco.swarm.discovery.progress import ProgressRecord, progress_key
 from p2p_diloco.swarm.discovery.records import MAX_RECORD_TTL_S, peer_id_of_owner, record_owner, run_record_validators
 
 pytestmark = pytest.mark.timeout(120)
-RUN = "records-test"
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 FINGERPRINT = {"version": 1, "model.dim": 32, "model.n_layers": 2, "model.n_heads": 4, "model.n_kv_heads": 2,
                "model.ffn_dim": 64, "model.vocab_size": 61, "model.max_seq_len": 16, "model.tie_embeddings": False,
@@ -68,19 +68,47 @@ def wait_for(predicate, timeout_s: float = 20.0):
         time.sleep(0.3)
 
 
-@pytest.fixture
-def swarm():
-    """Three honest nodes started as the peers start theirs (signatures and the run's schemas)."""
-    nodes = [start_dht(DHTConfig(host_maddrs=LOOPBACK), record_validators=run_record_validators(RUN))]
+def run_of(test: pytest.Item) -> str:
+    """The run id of ``test``'s records: one of its own, so that its records are under keys no other test reads
+    or writes (the three nodes of :func:`swarm` serve every test of the module)."""
+    return "records-" + re.sub(r"[^A-Za-z0-9]+", "-", test.name).strip("-")
+
+
+@pytest.fixture(scope="module")
+def module_swarm(request):
+    """Three honest nodes started as the peers start theirs (signatures and the run's schemas), shared by the tests
+    of this module: each node has the schemas of every test's run (:func:`run_of`) from its start, as a peer has
+    its run's. Returns the nodes and those runs."""
+    runs = sorted({run_of(test) for test in request.session.items if test.module is request.module})
+
+    def validators() -> list:
+        return [validator for run in runs for validator in run_record_validators(run)]
+
+    nodes = [start_dht(DHTConfig(host_maddrs=LOOPBACK), record_validators=validators())]
     try:
         initial = visible_maddrs(nodes[0])
         for _ in range(2):
             nodes.append(start_dht(DHTConfig(host_maddrs=LOOPBACK, initial_peers=initial),
-                                   record_validators=run_record_validators(RUN)))
-        yield nodes
+                                   record_validators=validators()))
+        yield nodes, frozenset(runs)
     finally:
         for node in nodes:
             node.shutdown()
+
+
+@pytest.fixture
+def run(request) -> str:
+    """This test's run id (see :func:`run_of`)."""
+    return run_of(request.node)
+
+
+@pytest.fixture
+def swarm(module_swarm, run):
+    """The three shared honest nodes, started with this test's run's schemas; no test shuts one down."""
+    nodes, runs = module_swarm
+    assert run in runs, f"the shared nodes were started without the schemas of run {run}"
+    assert all(node.is_alive() for node in nodes)
+    return list(nodes)
 
 
 @pytest.fixture
@@ -107,12 +135,12 @@ def progress_value(round_index: int, node: str, **changes) -> dict:
     return dict(value, node=node, **changes)
 
 
-def store(node, subkey, value, key: str = progress_key(RUN), ttl_s: float = 120) -> bool:
+def store(node, subkey, value, key: str, ttl_s: float = 120) -> bool:
     """Store and wait; True if the first node that answered kept it."""
     return node.store(key, subkey=subkey, value=value, expiration_time=get_dht_time() + ttl_s)
 
 
-def held(node, subkey, key: str = progress_key(RUN)) -> bool:
+def held(node, subkey, key: str) -> bool:
     """Whether ``node`` keeps an entry under ``subkey`` in its own storage (it will hand it to whoever asks)."""
     return subkey in node.run_coroutine(partial(_local_subkeys, key=key))
 
@@ -126,12 +154,12 @@ def by_node(records: list[ProgressRecord]) -> dict[str, ProgressRecord]:
     return {r.node: r for r in records}
 
 
-def test_honest_records_round_trip_and_refresh(swarm):
+def test_honest_records_round_trip_and_refresh(swarm, run):
     a, b, reader = swarm
-    publish_progress(a, RUN, record(1, loss=float("nan")), ttl_s=60)  # NaN: no loss yet, sent as None
-    publish_progress(b, RUN, record(1, peer="QmPeerB", stage=0, applied_round=0, anchor="00ff",
+    publish_progress(a, run, record(1, loss=float("nan")), ttl_s=60)  # NaN: no loss yet, sent as None
+    publish_progress(b, run, record(1, peer="QmPeerB", stage=0, applied_round=0, anchor="00ff",
                                      prior_anchor="0a"), ttl_s=60)
-    seen = wait_for(lambda: len(fetch_progress(reader, RUN)) == 2 and fetch_progress(reader, RUN))
+    seen = wait_for(lambda: len(fetch_progress(reader, run)) == 2 and fetch_progress(reader, run))
     got = by_node(seen)
     a_id, b_id = a.peer_id.to_base58(), b.peer_id.to_base58()
     assert set(got) == {a_id, b_id}
@@ -139,32 +167,32 @@ def test_honest_records_round_trip_and_refresh(swarm):
     assert (got[b_id].peer, got[b_id].applied_round, got[b_id].anchor, got[b_id].prior_anchor, got[b_id].loss) == \
         ("QmPeerB", 0, "00ff", "0a", 2.5)
     assert got[b_id].expiration > get_dht_time()
-    publish_progress(a, RUN, record(2), ttl_s=60)  # the owner refreshes its own record
-    assert wait_for(lambda: by_node(fetch_progress(reader, RUN)).get(a_id, record(0)).round == 2)
-    assert len(fetch_progress(reader, RUN)) == 2
+    publish_progress(a, run, record(2), ttl_s=60)  # the owner refreshes its own record
+    assert wait_for(lambda: by_node(fetch_progress(reader, run)).get(a_id, record(0)).round == 2)
+    assert len(fetch_progress(reader, run)) == 2
 
 
-def test_nobody_overwrites_another_peers_record(swarm, attacker):
+def test_nobody_overwrites_another_peers_record(swarm, attacker, run):
     a, b, reader = swarm
-    publish_progress(a, RUN, record(1), ttl_s=60)
-    a_id, a_subkey = a.peer_id.to_base58(), record_owner(a, RUN)
-    assert wait_for(lambda: a_id in by_node(fetch_progress(reader, RUN)))
+    publish_progress(a, run, record(1), ttl_s=60)
+    a_id, a_subkey = a.peer_id.to_base58(), record_owner(a, run)
+    assert wait_for(lambda: a_id in by_node(fetch_progress(reader, run)))
     forged = progress_value(99, a_id, loss=0.1)
     # an honest node's DHT cannot sign for A: the write goes out unsigned and every node refuses it
-    assert not store(b, a_subkey, forged)
+    assert not store(b, a_subkey, forged, key=progress_key(run))
     # an attacker signs it with its own key, as if it were A's, and keeps it in its own storage
     mallory, _ = attacker(a_subkey)
-    store(mallory, a_subkey, forged)
-    assert held(mallory, a_subkey)  # the attacker's node keeps it and hands it out
+    store(mallory, a_subkey, forged, key=progress_key(run))
+    assert held(mallory, a_subkey, key=progress_key(run))  # the attacker's node keeps it and hands it out
     for node in (a, b, reader):
-        records = fetch_progress(node, RUN)
+        records = fetch_progress(node, run)
         assert [(r.node, r.round, r.loss) for r in records] == [(a_id, 1, 2.5)]
 
 
 @pytest.mark.parametrize("damage", ["another writer's node id", "far-future expiration", "unsigned",
                                     "wrong signature", "missing field", "wrong type", "negative round",
                                     "nan loss", "unknown field", "stage out of range", "plain subkey"])
-def test_forged_or_malformed_records_are_never_read(swarm, attacker, damage):
+def test_forged_or_malformed_records_are_never_read(swarm, attacker, run, damage):
     a, _, honest_reader = swarm
     victim = RSASignatureValidator(RSAPrivateKey()).local_public_key
     mallory, forger = attacker(victim)
@@ -194,80 +222,81 @@ def test_forged_or_malformed_records_are_never_read(swarm, attacker, damage):
         value["stage"] = 1
     elif damage == "plain subkey":
         subkey = "QmNotAKey"
-    store(mallory, subkey, value, ttl_s=ttl_s)
-    assert held(mallory, subkey)  # the attacker's node keeps it: it is in the DHT for others to find
-    assert store(mallory, forger.other.local_public_key, progress_value(4, other_id))  # this one is fine
+    key = progress_key(run)
+    store(mallory, subkey, value, key, ttl_s=ttl_s)
+    assert held(mallory, subkey, key)  # the attacker's node keeps it: it is in the DHT for others to find
+    assert store(mallory, forger.other.local_public_key, progress_value(4, other_id), key)  # this one is fine
     status_reader = start_dht(DHTConfig(host_maddrs=LOOPBACK, initial_peers=visible_maddrs(a)))  # as `status` does
     try:
         for reader in (honest_reader, status_reader):  # status_reader gets the run's schemas on its first read
-            records = wait_for(lambda r=reader: fetch_progress(r, RUN))
+            records = wait_for(lambda r=reader: fetch_progress(r, run))
             assert [(r.node, r.round) for r in records] == [(other_id, 4)], damage
-        found = honest_reader.get(progress_key(RUN), latest=True)  # its validators dropped it, not only our parse
+        found = honest_reader.get(progress_key(run), latest=True)  # its validators dropped it, not only our parse
         assert subkey not in found.value and forger.other.local_public_key in found.value
     finally:
         status_reader.shutdown()
 
 
-def test_a_dht_node_that_does_not_check_signatures_is_refused(swarm):
+def test_a_dht_node_that_does_not_check_signatures_is_refused(swarm, run):
     plain = hivemind.DHT(start=True, initial_peers=visible_maddrs(swarm[0]), host_maddrs=LOOPBACK)
     try:
         with pytest.raises(SwarmError, match="not started by p2p_diloco.swarm.start_dht"):
-            fetch_progress(plain, RUN)
+            fetch_progress(plain, run)
     finally:
         plain.shutdown()
 
 
-def test_fingerprint_mismatch_is_refused_but_a_forged_one_is_ignored(swarm, attacker):
+def test_fingerprint_mismatch_is_refused_but_a_forged_one_is_ignored(swarm, attacker, run):
     a, b, newcomer = swarm
-    mallory, forger = attacker(victim=record_owner(a, RUN))
+    mallory, forger = attacker(victim=record_owner(a, run))
     other_dim = dict(FINGERPRINT, **{"model.dim": 64})
     # forged: a wrong type under the attacker's own key, and a well-formed one under A's key, wrongly signed
-    store(mallory, forger.own.local_public_key, dict(other_dim, **{"model.dim": "64"}), key=config_key(RUN))
-    store(mallory, record_owner(a, RUN), other_dim, key=config_key(RUN))
-    assert held(mallory, record_owner(a, RUN), key=config_key(RUN))
-    publish_fingerprint(a, RUN, FINGERPRINT, ttl_s=60)
-    assert wait_for(lambda: newcomer.get(config_key(RUN), latest=True))
-    check_fingerprint(newcomer, RUN, FINGERPRINT)  # the forged ones are not read: no refusal
-    publish_fingerprint(b, RUN, other_dim, ttl_s=60)  # one peer of two differs: no veto
-    assert wait_for(lambda: len(newcomer.get(config_key(RUN), latest=True).value) >= 2)
-    check_fingerprint(newcomer, RUN, FINGERPRINT)
-    publish_fingerprint(a, RUN, other_dim, ttl_s=60)  # now the swarm's majority differs: refused
+    store(mallory, forger.own.local_public_key, dict(other_dim, **{"model.dim": "64"}), key=config_key(run))
+    store(mallory, record_owner(a, run), other_dim, key=config_key(run))
+    assert held(mallory, record_owner(a, run), key=config_key(run))
+    publish_fingerprint(a, run, FINGERPRINT, ttl_s=60)
+    assert wait_for(lambda: newcomer.get(config_key(run), latest=True))
+    check_fingerprint(newcomer, run, FINGERPRINT)  # the forged ones are not read: no refusal
+    publish_fingerprint(b, run, other_dim, ttl_s=60)  # one peer of two differs: no veto
+    assert wait_for(lambda: len(newcomer.get(config_key(run), latest=True).value) >= 2)
+    check_fingerprint(newcomer, run, FINGERPRINT)
+    publish_fingerprint(a, run, other_dim, ttl_s=60)  # now the swarm's majority differs: refused
     with pytest.raises(SwarmError, match=r"model.dim is 32 here but 64 in the swarm \(2 of 2 live peers\)"):
-        wait_for(lambda: check_fingerprint(newcomer, RUN, FINGERPRINT))
+        wait_for(lambda: check_fingerprint(newcomer, run, FINGERPRINT))
 
 
-def test_records_are_signed_by_the_nodes_libp2p_identity(swarm, tmp_path):
+def test_records_are_signed_by_the_nodes_libp2p_identity(swarm, run, tmp_path):
     """The signing key is the node's identity key, so averaging.allowlist (peer ids) applies to records, and a
     node with a fixed identity signs with the same key after a restart."""
     a, _, _ = swarm
-    assert peer_id_of_owner(record_owner(a, RUN)) == a.peer_id.to_base58()
+    assert peer_id_of_owner(record_owner(a, run)) == a.peer_id.to_base58()
     path = tmp_path / "identity.key"
     keys = []
     for _ in range(2):
-        node = start_dht(DHTConfig(host_maddrs=LOOPBACK, identity_path=str(path)), run_record_validators(RUN))
+        node = start_dht(DHTConfig(host_maddrs=LOOPBACK, identity_path=str(path)), run_record_validators(run))
         try:
-            keys.append(record_owner(node, RUN))
+            keys.append(record_owner(node, run))
             assert peer_id_of_owner(keys[-1]) == node.peer_id.to_base58()
         finally:
             node.shutdown()
     assert keys[0] == keys[1]
 
 
-def test_a_peer_leaving_at_the_end_waits_for_its_last_groupmates(swarm):
+def test_a_peer_leaving_at_the_end_waits_for_its_last_groupmates(swarm, run):
     """``SwarmLink.wait_for_groupmates`` (a peer at the end of the run): it waits while a groupmate's record says it
     has not applied the last round, returns as soon as it has, and does not wait for a node without a record (gone)
     nor past its bound."""
     from p2p_diloco.swarm import SwarmLink
 
     a, b, _ = swarm
-    link = SwarmLink(a, RUN, "QmPeerA")
+    link = SwarmLink(a, run, "QmPeerA")
     b_id = b.peer_id.to_base58()
-    publish_progress(b, RUN, record(4, peer="QmPeerB", applied_round=2), ttl_s=60)
-    assert wait_for(lambda: b_id in by_node(fetch_progress(a, RUN)))
+    publish_progress(b, run, record(4, peer="QmPeerB", applied_round=2), ttl_s=60)
+    assert wait_for(lambda: b_id in by_node(fetch_progress(a, run)))
     started = time.monotonic()
     assert link.wait_for_groupmates([b_id, link.node, "QmGone"], 3, timeout_s=1.5) == {b_id}
     assert time.monotonic() - started >= 1.5
-    publish_progress(b, RUN, record(4, peer="QmPeerB", applied_round=3), ttl_s=60)
+    publish_progress(b, run, record(4, peer="QmPeerB", applied_round=3), ttl_s=60)
     started = time.monotonic()
     assert link.wait_for_groupmates([b_id, "QmGone"], 3, timeout_s=30) == set()
     assert time.monotonic() - started < 20
