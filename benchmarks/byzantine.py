@@ -58,10 +58,11 @@ FAST = ["--averaging.matchmaking_time_s", "5", "--averaging.request_timeout_s", 
         "--train.progress", "false", "--checkpoint.every_rounds", "0"]
 
 
-def run_swarm(workdir: Path, name: str, hostile: list[str], args: list[str], outsider: str = "") -> list[Path]:
+def run_swarm(workdir: Path, name: str, hostile: list[str], args: list[str], outsider: str = "",
+              hostile_args: tuple[str, ...] = ()) -> list[Path]:
     """A bootstrap node and one peer per entry of ``hostile`` ("" for an honest one) on loopback; peer i samples
-    its data with seed i; with ``outsider`` (``sybil:K``), the outsider's nodes start first, beside them; returns the
-    peers' folders once all have finished."""
+    its data with seed i; the hostile ones get ``hostile_args`` too; with ``outsider`` (``sybil:K``), the outsider's
+    nodes start first, beside them; returns the peers' folders once all have finished."""
     root = workdir / name
     root.mkdir(parents=True)
     boot, maddrs = start_bootstrap(root, start_new_session=True)
@@ -85,7 +86,7 @@ def run_swarm(workdir: Path, name: str, hostile: list[str], args: list[str], out
                 [sys.executable, "-m", "p2p_diloco", "peer", "--initial-peers", *maddrs, "--host-maddrs",
                  "/ip4/127.0.0.1/tcp/0", "--run-id", name, "--output-dir", str(folders[-1]), "--data.seed", str(i),
                  "--averaging.target_group_size", str(len(hostile)), "--train.wait_for_peers", str(len(hostile)),
-                 *FAST, *args, *(["--test-hostility", kind] if kind else [])],
+                 *FAST, *args, *(["--test-hostility", kind, *hostile_args] if kind else [])],
                 stdout=subprocess.DEVNULL, stderr=open(root / f"peer{i}.log", "w")))
         for i, proc in enumerate(procs[outside:]):
             if proc.wait() != 0:
@@ -231,6 +232,9 @@ def main() -> None:
     parser.add_argument("--h", type=int, default=25, help="inner steps per round")
     parser.add_argument("--undefended", action="store_true", help="also run scale:1000 with the defence off")
     parser.add_argument("--peer-args", default="", help="extra peer arguments, e.g. '--averaging.compression none'")
+    parser.add_argument("--hostile-args", default="",
+                        help="extra arguments of the hostile peer only, e.g. '--averaging.matchmaking_time_s 2' (a "
+                             "leader that declares the earliest expiration, so that the others join its groups)")
     parser.add_argument("--out", type=Path, default=Path("runs") / time.strftime("byzantine-%Y%m%d-%H%M%S"))
     parser.add_argument("--outsider", help=argparse.SUPPRESS)  # the outsider's own process (see run_swarm)
     parser.add_argument("--run-id", help=argparse.SUPPRESS)
@@ -258,7 +262,8 @@ def main() -> None:
     for i, (name, hostile) in enumerate(runs.items()):
         extra = ["--averaging.outlier_norm_ratio", "0", "--averaging.clip_ratio", "0"] \
             if name.startswith("undefended") else []
-        folders = run_swarm(workdir, f"run{i}", hostile, common + extra, outsiders.get(name, ""))
+        folders = run_swarm(workdir, f"run{i}", hostile, common + extra, outsiders.get(name, ""),
+                            tuple(args.hostile_args.split()))
         results[name] = measure(folders, hostile)
         print(f"{name} ({folders[0].parent}): eval loss {results[name]['eval_loss']:.4f}, named by "
               f"{results[name]['named_by']}, {time.monotonic() - started:.0f} s", flush=True)

@@ -118,6 +118,24 @@ def test_a_groupmate_that_stalls_the_all_reduce_is_named_and_banned(network):
     assert results[0].averaging_s < 5  # no stall any more: matchmaking and an all-reduce of two
 
 
+def test_a_groupmate_that_leaves_every_all_reduce_it_joins_is_left_out_of_the_rounds_retry(network):
+    """A peer joins the round's group, takes the others' parts and leaves after 2 s, before anyone's reducer timeout
+    (10 s) could call it a stall, and looks for the round's group again at once. The honest peers leave it out of
+    that round's retry and average among themselves in the same round (it used to join every retry and fail it, so
+    that every honest round fell back: benchmarks/byzantine.py's stall:20 run)."""
+    cfg = dataclasses.replace(CFG, next_chunk_timeout_s=5, round_timeout_s=20, allreduce_timeout_s=15)
+    honest = [network.averager(cfg=cfg) for _ in range(2)]
+    staller = network.averager("stall:2", cfg=cfg)
+    honest_ids, group = {peer_id(h) for h in honest}, [*honest, staller]
+    contributions, results = average_round(group, round_index=0)
+    assert_honest_agree(results[:2], contributions[:2])
+    assert all(set(result.group_peers) == honest_ids for result in results[:2])
+    assert all(result.averaging_s < cfg.round_timeout_s for result in results[:2])
+    named = named_by(results[:2])
+    assert not {p for p, reasons in named.items() if reasons & UNAMBIGUOUS} & honest_ids, named
+    assert not results[2].averaged and not results[0].banned  # left out of the round, not banned
+
+
 def test_a_hostile_member_of_a_pair_cannot_scale_the_average_far(network):
     """Two peers, one sending its contribution times 1000: no majority to tell which is honest, so the larger part
     is scaled to pair_ratio (3) times the smaller, never dropped, and named as clipped, not as an offence. The

@@ -16,7 +16,9 @@ by a reducer is refused when it is non-finite or far larger than this peer's own
 peer's parts and returned no average within the reducer timeout (2 x ``averaging.next_chunk_timeout_s``: an honest
 reducer answers once every sender's part is in, or a sender timeout after) stalled the group. Explicit refusals and
 broken connections are not stalls: a reducer that read the group differently, or left it, refuses at once. Every
-such finding lands in ``runner.flags`` as (peer id, reason).
+such finding lands in ``runner.flags`` as (peer id, reason). A reducer that is gone, or whose handler failed,
+before returning any average of this peer's parts lands in ``runner.silent``: the averager leaves it out of the
+round's retry (a staller that joined every retry of a round failed them all).
 
 A reducer's stream of averages can break half-way through while the reducer and the others finish the all-reduce
 (seen on busy machines: the stream to one member ends a few parts short, as if closed, and only that member falls
@@ -49,6 +51,7 @@ from p2p_diloco.swarm.averaging.hivemind_api import (
     BannedException,
     P2PContext,
     P2PDaemonError,
+    P2PHandlerError,
     PeerID,
     TensorPartReducer,
     aiter_with_timeout,
@@ -63,6 +66,10 @@ logger = get_logger(__name__)
 
 # indices into the shared int64 traffic counter tensor
 BYTES_SENT, BYTES_RECEIVED = 0, 1
+# how a reducer that is gone, or that failed its handler (a staller leaving the group), ends a sender's stream; an
+# explicit refusal or failure is a message code instead (a reducer that read the group differently, or whose own
+# all-reduce failed)
+GONE = (ConnectionError, P2PDaemonError, P2PHandlerError, asyncio.IncompleteReadError, asyncio.TimeoutError)
 
 
 class ServedAverages:
@@ -133,6 +140,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         super().__init__(**kwargs)
         self._traffic, self._average_bound, self._behaviour = traffic, average_bound, behaviour
         self.flags: list[tuple[PeerID, str]] = []
+        self.silent: list[PeerID] = []  # reducers that took this peer's parts and returned no average
         container = self.tensor_part_container
         container.return_deltas = False  # a failed reducer's parts fall back to our own values, not zeros
         my_index = self.ordered_peer_ids.index(self.peer_id)
@@ -180,6 +188,9 @@ class ExactAllReduceRunner(AllReduceRunner):
         except BaseException as e:
             if stream is not None and isinstance(e, asyncio.TimeoutError):  # the stream is open, and silent
                 self.flags.append((peer_id, STALL))
+            if isinstance(e, GONE) and expected and not self.tensor_part_container._outputs_registered_by_peer[
+                    peer_index]:  # gone or silent with this peer's parts (not an explicit refusal: a message code)
+                self.silent.append(peer_id)
             if isinstance(e, Exception):  # the round then fails here and is retried (the averager logs it too)
                 logger.warning(f"The averages of reducer {peer_id} did not all arrive: {e!r}")
                 logger.debug("The reducer's failure", exc_info=True)

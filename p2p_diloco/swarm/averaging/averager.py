@@ -288,11 +288,17 @@ class PseudoGradientAverager(GuardedAverager, DecentralizedAverager):
         finally:
             for peer_id, reason in runner.flags:
                 self.guard.record(view.round_index, peer_id, reason)
+            for peer_id in runner.silent:
+                self.guard.leave_out(view.round_index, peer_id)
         failed = runner.tensor_part_container.failed_size
         if failed:
             # some reducer vanished: part of the result is our own values, so the round is not an average
             raise AllreduceException(f"{failed} of {runner.tensor_part_container.total_size} values were not averaged")
         return averaged
+
+    def _round_averaged(self) -> Optional[int]:
+        round_index = int(self._buffered_round[0])
+        return None if round_index < 0 else round_index
 
     def _keep_served(self, allreduce_id: bytes, served: ServedAverages) -> None:
         """Keep the averages of an all-reduce this peer reduces a slice of, for its last :data:`SERVED_ALLREDUCES`

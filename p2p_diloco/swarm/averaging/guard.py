@@ -84,15 +84,29 @@ class PeerGuard:
         self.stall_rounds: dict[str, set[int]] = {}
         self.banned: set[str] = set()
         self.flags: dict[int, dict[str, set[str]]] = {}  # round -> peer -> reasons
+        self.left_out: dict[str, int] = {}  # peer -> the round whose all-reduce it broke (see leave_out)
 
     def outsider(self, peer_id) -> bool:
         return bool(self.allowlist) and str(peer_id) not in self.allowlist
 
-    def refuses(self, peer_id) -> Optional[str]:
-        """Why this peer does not group with ``peer_id``, or None."""
+    def refuses(self, peer_id, round_index: Optional[int] = None) -> Optional[str]:
+        """Why this peer does not group with ``peer_id`` (in ``round_index``, the round it is averaging), or None."""
         if self.outsider(peer_id):
             return "not on averaging.allowlist"
-        return "banned for repeated offences" if str(peer_id) in self.banned else None
+        if str(peer_id) in self.banned:
+            return "banned for repeated offences"
+        if round_index is not None and self.left_out.get(str(peer_id)) == round_index:
+            return f"it returned no average in an all-reduce of round {round_index}"
+        return None
+
+    def leave_out(self, round_index: int, peer_id) -> None:
+        """Group no more with ``peer_id`` in ``round_index``: it took this peer's parts in one of that round's
+        all-reduces and returned no average (it died, left or stalled), which failed the all-reduce. The round's
+        retry then forms without it; a staller that joined every retry failed every round of its groups."""
+        if self.left_out.get(str(peer_id)) != round_index:
+            logger.info(f"Round {round_index}: groupmate {peer_id} returned no average; the round's retry goes on "
+                        "without it")
+        self.left_out[str(peer_id)] = round_index
 
     def record(self, round_index: int, peer_id, reason: str, counted: bool = True) -> None:
         """Note that ``peer_id`` was flagged for ``reason`` in a round; ban it if that makes one offence (or stall)
@@ -341,7 +355,7 @@ class GuardedAverager:
     async def rpc_join_group(self, request: averaging_pb2.JoinRequest,
                              context: P2PContext) -> typing.AsyncIterator[averaging_pb2.MessageFromLeader]:
         """As a leader: refuse banned peers and outsiders, before hivemind's matchmaking sees the request."""
-        reason = self.guard.refuses(context.remote_id)
+        reason = self.guard.refuses(context.remote_id, self._round_averaged())
         if reason is not None:
             logger.info(f"Refused the join request of {context.remote_id}: {reason}")
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
@@ -383,6 +397,10 @@ class GuardedAverager:
         async for message in serve:
             yield message
 
+    def _round_averaged(self) -> Optional[int]:
+        """The round this peer is averaging, if any (None here; the averager knows)."""
+        return None
+
     async def _step(self, **kwargs):
         self._guard_matchmaking()
         keep_round_key(self._matchmaking.group_key_manager)
@@ -401,7 +419,7 @@ class GuardedAverager:
         views = self.group_views
 
         async def join_unless_refused(leader):
-            reason = self.guard.refuses(leader)
+            reason = self.guard.refuses(leader, self._round_averaged())
             if reason is None and not self.behaviour.follows_others:
                 reason = "this hostile test peer follows nobody"
             if reason is not None:

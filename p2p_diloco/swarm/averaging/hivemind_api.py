@@ -41,7 +41,7 @@ from hivemind.averaging.load_balancing import load_balance_peers
 from hivemind.averaging.matchmaking import Matchmaking, MatchmakingException
 from hivemind.averaging.partition import BannedException, TensorPartReducer
 from hivemind.compression import CompressionInfo, PerTensorCompression
-from hivemind.p2p import P2P, P2PContext, P2PDaemonError, PeerID
+from hivemind.p2p import P2P, P2PContext, P2PDaemonError, P2PHandlerError, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture, get_logger
 from hivemind.utils.asyncio import (
@@ -87,7 +87,8 @@ __all__ = [
     "CALLED", "P2P",
     "AllReduceRunner", "AllreduceException", "AveragingMode", "AveragingStage", "BannedException", "CompressionInfo",
     "DecentralizedAverager", "GroupKeyManager", "HIVEMIND_BASES", "MPFuture", "Matchmaking", "MatchmakingException",
-    "P2PContext", "P2PDaemonError", "PeerID", "PerTensorCompression", "REPLACED", "SUPPORTED_VERSION",
+    "P2PContext", "P2PDaemonError", "P2PHandlerError", "PeerID", "PerTensorCompression", "REPLACED",
+    "SUPPORTED_VERSION",
     "TensorPartReducer", "achain", "aiter_with_timeout", "amap_in_executor", "as_aiter", "attach_event_on_finished",
     "averaging_pb2", "check_version", "enter_asynchronously", "get_logger", "load_balance_peers",
 ]
