@@ -115,6 +115,10 @@ class SwarmSync:
         if peers:
             self.met.append(frozenset(peers) - {self.swarm.node})
 
+    def recently_met(self) -> frozenset:
+        """The nodes of this stage's groups of the last :data:`TRUSTED_ROUNDS` rounds."""
+        return frozenset().union(*self.met)
+
     def counted(self, records) -> list:
         """The records whose word counts (see the module docstring)."""
         if self.allowlist:

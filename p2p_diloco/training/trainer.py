@@ -204,7 +204,8 @@ class Trainer:
         if self.follow_swarm:  # the others end this round now too (they wait for this peer's contribution)
             self.swarm.announce(self.stage.position(), self.stage.round_index + 1,
                                 self.summary.last_loss or float("nan"), self.tokens_per_s)
-        expected = self.swarm.expected_group_size(self.stage.round_index) if self.swarm else 1
+        met = self.sync.recently_met() if self.sync is not None else frozenset()
+        expected = self.swarm.expected_group_size(self.stage.round_index, met) if self.swarm else 1
         round_started = time.monotonic()
         report = self.stage.end_round(tokens, expected, compute_s=self._round_compute_s)
         self.summary.train_s += time.monotonic() - round_started

@@ -182,7 +182,7 @@ class _FixedSwarm:
         self.published: list[tuple[int, str, str]] = []  # (applied round, fingerprint published, actual one)
         self.rounds, self.index = rounds, index
 
-    def expected_group_size(self, round_index: int) -> int:
+    def expected_group_size(self, round_index: int, met: frozenset = frozenset()) -> int:
         return K
 
     def publish(self, position: Position, *args, **kwargs) -> None:

@@ -33,3 +33,13 @@ def test_a_peer_that_never_saw_another_is_alone_after_its_first_round(monkeypatc
     assert link().expected_group_size(0) is None  # the first round of a joiner: records may not be in yet
     assert link().expected_group_size(2) == 1
     assert link(joined=False).expected_group_size(0) == 1
+
+
+def test_a_groupmate_whose_records_run_far_ahead_is_still_expected(monkeypatch):
+    """A peer met in this stage's recent groups whose records claim a round far ahead (false-state:1000 in
+    benchmarks/byzantine.py) still joins the groups: counted, or the group forms one peer short every round; a
+    record far ahead of a peer never met (a Sybil's) is not."""
+    records = [record("honest", 3), record("liar", 1003), record("sybil", 1003), record("behind", 1)]
+    monkeypatch.setattr(progress, "fetch_progress", lambda dht, run_id: records)
+    assert link().expected_group_size(3) == 2
+    assert link().expected_group_size(3, met=frozenset({"honest", "liar", "behind"})) == 3

@@ -18,7 +18,8 @@ reducer answers once every sender's part is in, or a sender timeout after) stall
 broken connections are not stalls: a reducer that read the group differently, or left it, refuses at once. Every
 such finding lands in ``runner.flags`` as (peer id, reason). A reducer that is gone, or whose handler failed,
 before returning any average of this peer's parts lands in ``runner.silent``: the averager leaves it out of the
-round's retry (a staller that joined every retry of a round failed them all).
+round's retry (a staller that joined every retry of a round failed them all). A reducer that refuses the parts as
+sent under another view of the group lands in ``runner.refused_by``: the averager leaves out the group's leader.
 
 A reducer's stream of averages can break half-way through while the reducer and the others finish the all-reduce
 (seen on busy machines: the stream to one member ends a few parts short, as if closed, and only that member falls
@@ -141,6 +142,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         self._traffic, self._average_bound, self._behaviour = traffic, average_bound, behaviour
         self.flags: list[tuple[PeerID, str]] = []
         self.silent: list[PeerID] = []  # reducers that took this peer's parts and returned no average
+        self.refused_by: list[PeerID] = []  # reducers that refused this peer's parts as of another view of the group
         container = self.tensor_part_container
         container.return_deltas = False  # a failed reducer's parts fall back to our own values, not zeros
         my_index = self.ordered_peer_ids.index(self.peer_id)
@@ -205,6 +207,8 @@ class ExactAllReduceRunner(AllReduceRunner):
         largest = max((part.numel() for part, _info in parts), default=0)
 
         def decode(message):
+            if message.code == averaging_pb2.BAD_GROUP_ID:  # it read the group differently, or has left it
+                self.refused_by.append(peer_id)
             if message.code != averaging_pb2.AVERAGED_PART:
                 raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(message.code)}")
             return _decode_part(message, largest)

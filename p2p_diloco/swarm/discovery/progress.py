@@ -205,13 +205,18 @@ class SwarmLink:
         ahead = Position(round_index, round_index * self.inner_steps, position.applied_round)
         self.publish(ahead, loss, tokens_per_s, force=True)
 
-    def expected_group_size(self, round_index: int) -> int | None:
+    def expected_group_size(self, round_index: int, met: frozenset = frozenset()) -> int | None:
         """Live peers of this stage (this one included); None when unknown: nobody is visible yet, but this is
         the first round of a peer that joined a swarm, whose peers started at the same time may not have
-        published their records yet (then a lone peer pays one matchmaking timeout, once)."""
+        published their records yet (then a lone peer pays one matchmaking timeout, once).
+
+        A peer more than a round ahead is not expected, unless it is one of ``met`` (the nodes of this stage's
+        recent groups): a groupmate whose records claim rounds it is not on still joins the groups, and left
+        uncounted it made the group form one peer short, without the last honest peer to arrive, every round."""
         records = fetch_progress(self.dht, self.run_id)
         size = live_group_size(records, self.stage_index, self.num_stages, self.node,
                                max_round_lag=1, my_round=round_index)
+        size += len({r.node for r in self._of_stage(records) if r.node in met and r.round > round_index + 1})
         now = time.monotonic()
         if size > 1:
             self._others_seen_at = now
