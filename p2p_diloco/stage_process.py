@@ -148,7 +148,7 @@ def run_stage(cfg: Config, *, pipeline=None, reporter: Optional[Reporter] = None
     stage, trainer, metrics_server = None, None, None
     try:
         logger.info(f"Stage {stage_index}: DHT node up; others can join through: {' '.join(visible_maddrs(dht))}")
-        check_fingerprint(dht, cfg.run.run_id, fingerprint)
+        check_fingerprint(dht, cfg.run.run_id, fingerprint, allowlist=frozenset(cfg.averaging.allowlist))
         own_name = dht.peer_id.to_base58()
         peer_name = pipeline.broadcast_object(own_name) if pipeline is not None else own_name
         averager = PseudoGradientAverager(

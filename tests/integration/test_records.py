@@ -263,6 +263,14 @@ def test_fingerprint_mismatch_is_refused_but_a_forged_one_is_ignored(swarm, atta
     publish_fingerprint(a, run, other_dim, ttl_s=60)  # now the swarm's majority differs: refused
     with pytest.raises(SwarmError, match=r"model.dim is 32 here but 64 in the swarm \(2 of 2 live peers\)"):
         wait_for(lambda: check_fingerprint(newcomer, run, FINGERPRINT))
+    # a private swarm counts its members only: two outsiders' records of another config are no majority there
+    publish_fingerprint(a, run, FINGERPRINT, ttl_s=60)
+    member = frozenset({a.peer_id.to_base58()})
+    assert wait_for(lambda: newcomer.get(config_key(run), latest=True).value[record_owner(a, run)].value["model.dim"]
+                    == 32)
+    check_fingerprint(newcomer, run, FINGERPRINT, allowlist=member)
+    with pytest.raises(SwarmError, match=r"\(1 of 1 live peers\)"):
+        check_fingerprint(newcomer, run, other_dim, allowlist=member)
 
 
 def test_records_are_signed_by_the_nodes_libp2p_identity(swarm, run, tmp_path):

@@ -13,7 +13,13 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from p2p_diloco.swarm.discovery.records import FingerprintValue, bound_to_writer, is_owner_subkey, record_owner
+from p2p_diloco.swarm.discovery.records import (
+    FingerprintValue,
+    bound_to_writer,
+    is_owner_subkey,
+    peer_id_of_owner,
+    record_owner,
+)
 from p2p_diloco.swarm.errors import SwarmError
 
 logger = logging.getLogger(__name__)
@@ -45,13 +51,15 @@ def differences(mine: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
             for key in keys if mine.get(key) != theirs.get(key)]
 
 
-def check_fingerprint(dht, run_id: str, fingerprint: dict[str, Any], timeout_s: float = 15.0) -> None:
+def check_fingerprint(dht, run_id: str, fingerprint: dict[str, Any], timeout_s: float = 15.0,
+                      allowlist: frozenset[str] = frozenset()) -> None:
     """Refuse to join if most live peers of ``run_id`` published another fingerprint than this peer's.
 
     A majority, not a veto: each record is signed by its writer's libp2p identity and expires within minutes (see
     ``swarm.discovery.records``), but anyone can start a node, and one record of another config used to block every
     newcomer. Peers whose fingerprint differs from the majority's are refused; a tie lets the newcomer in (the
-    averager's group key and tensor schema keep mismatched peers apart anyway).
+    averager's group key and tensor schema keep mismatched peers apart anyway). With an ``allowlist`` (a private
+    swarm: peer ids), only its members' records count: an outsider's identities cannot outvote them.
 
     Raises:
         SwarmError: naming every key that differs from the swarm's.
@@ -67,7 +75,8 @@ def check_fingerprint(dht, run_id: str, fingerprint: dict[str, Any], timeout_s: 
     same, others = 0, []
     for subkey, entry in found.value.items():
         if subkey == me or not is_owner_subkey(subkey) or not _well_formed(entry.value) \
-                or not bound_to_writer(subkey, None, float(entry.expiration_time)):
+                or not bound_to_writer(subkey, None, float(entry.expiration_time)) \
+                or (allowlist and peer_id_of_owner(subkey) not in allowlist):
             continue
         if differences(fingerprint, entry.value):
             others.append(entry.value)
