@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import signal
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -80,6 +81,14 @@ def run(args: argparse.Namespace, overrides: list[tuple[str, str]]) -> int:
 
 
 def _write_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    """Write ``text`` to ``path`` through a fresh file of an unpredictable name in its folder (created exclusively,
+    never through a link someone planted at a fixed temporary name), renamed over it."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            os.fchmod(f.fileno(), 0o644)
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

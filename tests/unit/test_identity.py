@@ -74,3 +74,24 @@ def test_lock_of_a_dead_process_is_free(tmp_path):
     assert ready.is_set() and holder.exitcode == 0
     assert (tmp_path / "node.id.lock").exists()  # the stale file does not matter
     IdentityLock(path).release()
+
+
+def test_a_link_planted_at_the_lock_name_is_refused_and_its_target_untouched(tmp_path):
+    victim = tmp_path / "precious.txt"
+    victim.write_text("keep me\n")
+    (tmp_path / "id.key.lock").symlink_to(victim)
+    with pytest.raises(SwarmError, match="is a symbolic link"):
+        IdentityLock(tmp_path / "id.key")
+    assert victim.read_text() == "keep me\n"
+
+
+def test_the_bootstrap_maddrs_file_is_written_through_an_unpredictable_name(tmp_path):
+    from p2p_diloco.cli.bootstrap import _write_atomically
+
+    victim = tmp_path / "precious.txt"
+    victim.write_text("keep me\n")
+    (tmp_path / ".bootstrap.maddrs.tmp").symlink_to(victim)  # the name the old code wrote through
+    _write_atomically(tmp_path / "bootstrap.maddrs", "/ip4/127.0.0.1/tcp/1/p2p/QmX\n")
+    assert (tmp_path / "bootstrap.maddrs").read_text() == "/ip4/127.0.0.1/tcp/1/p2p/QmX\n"
+    assert victim.read_text() == "keep me\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".bootstrap.maddrs.tmp", "bootstrap.maddrs", "precious.txt"]

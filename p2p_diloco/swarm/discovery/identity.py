@@ -10,6 +10,7 @@ Called by :mod:`p2p_diloco.swarm.discovery.dht`.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import stat
@@ -110,7 +111,13 @@ class IdentityLock:
 
     def __init__(self, identity_path: str | Path):
         self.path = Path(f"{Path(identity_path).expanduser()}.lock")
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:  # never through a link: one planted at the lock's name would have this node truncate its target
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        except OSError as e:
+            if e.errno != errno.ELOOP:
+                raise
+            raise SwarmError(f"identity lock {self.path} is a symbolic link; remove it (a node makes its own)") \
+                from None
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
