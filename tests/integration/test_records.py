@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import tempfile
 import time
 from functools import partial
+from pathlib import Path
 
 import hivemind
 import pytest
@@ -308,3 +310,20 @@ def test_a_peer_leaving_at_the_end_waits_for_its_last_groupmates(swarm, run):
     started = time.monotonic()
     assert link.wait_for_groupmates([b_id, "QmGone"], 3, timeout_s=30) == set()
     assert time.monotonic() - started < 20
+
+
+def test_a_node_without_an_identity_path_leaves_no_key_behind(swarm, run, monkeypatch):
+    """The identity made for a node alone is in a private temporary folder only until its daemon has read it: a
+    peer killed with SIGKILL used to leave the folder, key inside, in /tmp. The node signs all the same."""
+    from p2p_diloco.swarm.discovery import dht as dht_module
+
+    made, mkdtemp = [], tempfile.mkdtemp
+    monkeypatch.setattr(dht_module.tempfile, "mkdtemp", lambda **kw: made.append(mkdtemp(**kw)) or made[-1])
+    node = start_dht(DHTConfig(host_maddrs=LOOPBACK, initial_peers=visible_maddrs(swarm[0])),
+                     record_validators=run_record_validators(run))
+    try:
+        assert len(made) == 1 and not Path(made[0]).exists()
+        publish_progress(node, run, record(3), ttl_s=60)
+        assert wait_for(lambda: by_node(fetch_progress(swarm[1], run)).get(node.peer_id.to_base58()))
+    finally:
+        node.shutdown()

@@ -29,7 +29,6 @@ class _DHT(hivemind.DHT):
     it is shut down."""
 
     identity_lock = None
-    ephemeral_dir = None  # the private folder of an identity made for this node alone (no identity_path given)
 
     def run(self) -> None:
         die_with_parent(signal.SIGKILL)
@@ -44,8 +43,6 @@ class _DHT(hivemind.DHT):
         finally:
             if self.identity_lock is not None:
                 self.identity_lock.release()
-            if self.ephemeral_dir is not None:
-                shutil.rmtree(self.ephemeral_dir, ignore_errors=True)
 
 
 def _not_a_vanished_sender(record: logging.LogRecord) -> bool:
@@ -112,7 +109,9 @@ def start_dht(cfg: DHTConfig, record_validators: Iterable = (), check_identity_f
         if ephemeral_dir is not None:
             shutil.rmtree(ephemeral_dir, ignore_errors=True)
         raise SwarmError(_explain_start_failure(e, cfg.initial_peers)) from None
-    dht.identity_lock, dht.ephemeral_dir = lock, ephemeral_dir
+    if ephemeral_dir is not None:  # the daemon has read the key, and the signer holds it: nothing to leave behind
+        shutil.rmtree(ephemeral_dir, ignore_errors=True)  # (a SIGKILLed peer used to leave the folder in /tmp)
+    dht.identity_lock = lock
     bind_signer(dht, record_validators)
     return dht
 
