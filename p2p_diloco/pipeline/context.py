@@ -55,6 +55,7 @@ class PipelineContext:
             raise ConfigError(f"pipeline.stages: is {num_stages} but {world} stage processes were launched "
                               "(torchrun --nproc-per-node x --nnodes must equal the number of stages)")
         device = _stage_device(device_spec, local_rank)
+        check_one_gpu_per_stage(device, device_spec, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":
             torch.cuda.set_device(device)
@@ -132,6 +133,25 @@ def _private_store(world: int, timeout: timedelta):
     store = dist.FileStore(path, world)
     store.set_timeout(timeout)
     return store
+
+
+def check_one_gpu_per_stage(device: torch.device, spec: str, local_stages: int) -> None:
+    """NCCL joins one process per GPU: two stages of a peer on one GPU fail at their first collective with
+    ``NCCL error ... invalid usage`` (seen on a one-GPU machine with --stages 2). Refuse that up front.
+
+    Raises:
+        ConfigError: naming the stages, the GPUs and what to change.
+    """
+    from p2p_diloco.config import ConfigError
+
+    if device.type != "cuda" or local_stages <= 1:
+        return
+    gpus = torch.cuda.device_count()
+    if spec.startswith("cuda:") or gpus < local_stages:
+        raise ConfigError(
+            f"run.device: {local_stages} stages of this peer on this machine need one GPU each (NCCL), but "
+            + (f"run.device = {spec!r} puts them all on one" if spec.startswith("cuda:") else f"{gpus} visible")
+            + "; use run.device 'cuda' on a machine with a GPU per stage, fewer stages, or run.device 'cpu'")
 
 
 def _stage_device(spec: str, local_rank: int) -> torch.device:
