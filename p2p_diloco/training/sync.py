@@ -123,7 +123,7 @@ class SwarmSync:
         """The records whose word counts (see the module docstring)."""
         if self.allowlist:
             return [r for r in records if r.node in self.allowlist]
-        trusted = frozenset().union(*self.met)
+        trusted = self.recently_met()
         chosen = [r for r in records if r.node in trusted]
         return chosen or records  # none of them live (or none met yet): every signed record
 

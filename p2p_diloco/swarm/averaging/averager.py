@@ -290,12 +290,13 @@ class PseudoGradientAverager(GuardedAverager, DecentralizedAverager):
                 self.guard.record(view.round_index, peer_id, reason)
             for peer_id in runner.silent:
                 self.guard.leave_out(view.round_index, peer_id)
-            leader = self.group_views.origin(group_info.group_id).leader if runner.refused_by else self.peer_id
-            if leader != self.peer_id:
+            if runner.refused_by:
                 # groupmates read the group's records differently: what the leader relayed differed between them
                 # (or one of them has left the group). Not proof (see guard.py), but the round's retry does
                 # without this leader: one that forged other members' records failed every retry of the round
-                self.guard.leave_out(view.round_index, leader)
+                leader = self.group_views.origin(group_info.group_id).leader
+                if leader != self.peer_id:
+                    self.guard.leave_out(view.round_index, leader)
         failed = runner.tensor_part_container.failed_size
         if failed:
             # some reducer vanished: part of the result is our own values, so the round is not an average
