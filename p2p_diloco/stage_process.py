@@ -167,7 +167,8 @@ def run_stage(cfg: Config, *, pipeline=None, reporter: Optional[Reporter] = None
         executor = _make_executor(cfg, pipeline, model, device)
         swarm = SwarmLink(dht, cfg.run.run_id, peer_name, stage_index=stage_index, num_stages=len(split),
                           inner_steps=cfg.diloco.inner_steps, fingerprint=fingerprint,
-                          joined_swarm=bool(cfg.dht.initial_peers), behaviour=behaviour or HONEST)
+                          joined_swarm=bool(cfg.dht.initial_peers), num_rounds=cfg.train.num_rounds,
+                          behaviour=behaviour or HONEST)
         sync = SwarmSync(stage, swarm, executor, cfg.run.run_id, download_timeout_s=cfg.train.state_timeout_s,
                          num_rounds=cfg.train.num_rounds, allowlist=cfg.averaging.allowlist)
         trainer = Trainer(cfg, stage, executor, sampler, eval_data, swarm=swarm, output_dir=output_dir,

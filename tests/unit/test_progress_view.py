@@ -6,14 +6,15 @@ from p2p_diloco.swarm.discovery import progress
 from p2p_diloco.swarm.discovery.progress import ProgressRecord, SwarmLink
 
 
-def record(node: str, round_index: int) -> ProgressRecord:
+def record(node: str, round_index: int, applied_round: int = -1) -> ProgressRecord:
     return ProgressRecord(peer=node, stage=0, num_stages=1, round=round_index, inner_step=10 * round_index,
-                          tokens_per_s=1.0, loss=1.0, time=0.0, node=node)
+                          tokens_per_s=1.0, loss=1.0, time=0.0, node=node, applied_round=applied_round)
 
 
-def link(joined: bool = True) -> SwarmLink:
+def link(joined: bool = True, num_rounds: int | None = None) -> SwarmLink:
     swarm = SwarmLink.__new__(SwarmLink)  # no DHT: the read is replaced below
     swarm.dht, swarm.run_id, swarm.node, swarm.stage_index, swarm.num_stages = None, "run", "me", 0, 1
+    swarm.num_rounds = num_rounds
     swarm.joined_swarm, swarm.ttl_s, swarm._others_seen_at = joined, 120.0, float("-inf")
     return swarm
 
@@ -43,3 +44,17 @@ def test_a_groupmate_whose_records_run_far_ahead_is_still_expected(monkeypatch):
     monkeypatch.setattr(progress, "fetch_progress", lambda dht, run_id: records)
     assert link().expected_group_size(3) == 2
     assert link().expected_group_size(3, met=frozenset({"honest", "liar", "behind"})) == 3
+
+
+def test_groupmates_that_finished_the_run_are_not_expected(monkeypatch):
+    """Peers met in recent groups that have applied the run's last round (24 rounds here) never average again:
+    a peer rounds behind them is alone, not waiting out each round's timeouts for them. One on the last round
+    that has not applied it yet (delayed mode, its last average in flight) is still expected."""
+    done = [record("a", 24, applied_round=23), record("b", 24, applied_round=23)]
+    monkeypatch.setattr(progress, "fetch_progress", lambda dht, run_id: done)
+    met = frozenset({"a", "b"})
+    assert link(num_rounds=24).expected_group_size(15, met=met) == 1
+    assert link().expected_group_size(15, met=met) == 3  # the run's end unknown: counted, as before
+    flushing = [record("a", 24, applied_round=22), record("b", 24, applied_round=23)]
+    monkeypatch.setattr(progress, "fetch_progress", lambda dht, run_id: flushing)
+    assert link(num_rounds=24).expected_group_size(23, met=met) == 2

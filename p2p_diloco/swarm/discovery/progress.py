@@ -149,13 +149,16 @@ class SwarmLink:
         publish_every_s: refresh the record at most this often (rounds always refresh it).
         ttl_s: a record expires this long after it was written unless refreshed.
         joined_swarm: this node was started with initial peers (it did not start a new swarm).
+        num_rounds: the run's end (``train.num_rounds``), or None: a peer whose record says it applied the last
+            round has finished and is never expected in a group again.
         behaviour: what the records tell (``faults.HONEST``: the truth; a test's ``Hostility`` may lie).
     """
 
     def __init__(self, dht, run_id: str, peer_name: str, *, stage_index: int = 0, num_stages: int = 1,
                  inner_steps: int = 1, fingerprint: Optional[dict] = None, publish_every_s: float = 10.0,
-                 ttl_s: float = 120.0, joined_swarm: bool = True, behaviour=None):
+                 ttl_s: float = 120.0, joined_swarm: bool = True, num_rounds: Optional[int] = None, behaviour=None):
         self.dht, self.run_id, self.peer_name, self.fingerprint = dht, run_id, peer_name, fingerprint
+        self.num_rounds = num_rounds
         self.stage_index, self.num_stages, self.inner_steps = stage_index, num_stages, inner_steps
         self.joined_swarm = joined_swarm
         self.behaviour = behaviour
@@ -213,7 +216,7 @@ class SwarmLink:
         A peer more than a round ahead is not expected, unless it is one of ``met`` (the nodes of this stage's
         recent groups): a groupmate whose records claim rounds it is not on still joins the groups, and left
         uncounted it made the group form one peer short, without the last honest peer to arrive, every round."""
-        records = fetch_progress(self.dht, self.run_id)
+        records = [r for r in fetch_progress(self.dht, self.run_id) if not self.finished(r)]
         size = live_group_size(records, self.stage_index, self.num_stages, self.node,
                                max_round_lag=1, my_round=round_index)
         size += len({r.node for r in self._of_stage(records) if r.node in met and r.round > round_index + 1})
@@ -228,6 +231,13 @@ class SwarmLink:
             # others their group too (seen under two busy loops); unknown tries it, bounded by matchmaking
             return None
         return size
+
+    def finished(self, record: ProgressRecord) -> bool:
+        """Whether ``record``'s peer has applied the run's last round: it averages no round again. (Counted as a
+        groupmate met in recent groups, a peer that had finished made one that was rounds behind it wait out every
+        round's timeouts alone to the end of the run: 267 s of one test in the fresh-clone busy CI.)"""
+        return self.num_rounds is not None and record.round >= self.num_rounds and \
+            record.applied_round >= self.num_rounds - 1
 
     def wait_for_peers(self, position: Position, count: int, timeout_s: float, poll_s: float = 1.0) -> int:
         """Wait until ``count`` peers (this one included) train this stage, at most ``timeout_s``, publishing
