@@ -25,6 +25,7 @@ go to ``quality.png``; raw results to ``quality.json`` and the table to ``qualit
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing
 import statistics
@@ -40,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from p2p_diloco.config import load_config  # noqa: E402
 from p2p_diloco.data import WindowSampler, eval_batches  # noqa: E402
 from p2p_diloco.model import build_stage_model, model_args_from_config  # noqa: E402
+from p2p_diloco.model.fragments import FragmentView, fragment_parts, round_shifts, split_parameters  # noqa: E402
 from p2p_diloco.stage_process import load_data  # noqa: E402
 from p2p_diloco.training import LocalExecutor, Stage  # noqa: E402
 from p2p_diloco.training.simulate import ExactGroup  # noqa: E402
@@ -50,7 +52,8 @@ WAN_MODEL = [("model.preset", "small"), ("model.dim", "256"), ("model.n_layers",
 ALL_ROWS = ("alone", "alone-diloco", "none/none", "none/adaptive", "delayed/none", "delayed/adaptive",
             "delayed/adaptive@2", "delayed-H/adaptive", "eager/none", "eager/adaptive", "data-parallel")
 """``mode/compression@N``: the round's average arrives N inner steps into the next round (default: --arrival-steps,
-H); delayed applies it then or at diloco.overlap_steps, whichever comes first. ``delayed-H``: overlap_steps = H."""
+H); delayed applies it then or at diloco.overlap_steps, whichever comes first. ``delayed-H``: overlap_steps = H.
+``mode/compression~F``: streaming sync of F fragments (model/fragments.py), one fragment averaged at a time."""
 
 
 @dataclass
@@ -60,6 +63,8 @@ class RowResult:
     curve: list = field(default_factory=list)  # (tokens per worker, eval loss)
     final: float = float("nan")
     bytes_per_round: float = 0.0
+    peak_bytes: float = 0.0
+    """The largest payload of one averaging (all-at-once: a round's; streaming: one fragment's)."""
     fallbacks: int = 0
     wall_s: float = 0.0
 
@@ -104,20 +109,26 @@ class Setting:
         return WindowSampler(self.data.train, self.args.seq, batch or self.args.batch, base + worker)
 
 
-def evaluate(executor: LocalExecutor, stage: Stage | None, eval_data) -> float:
-    if stage is None:
-        return executor.evaluate(eval_data)
-    with stage.anchor_weights():
+def evaluate(executor: LocalExecutor, stages: list[Stage] | Stage | None, eval_data) -> float:
+    """Eval loss of the anchor (of every fragment's stage), or of the working params with ``stages`` None."""
+    stages = [] if stages is None else stages if isinstance(stages, list) else [stages]
+    with contextlib.ExitStack() as anchors:
+        for stage in stages:
+            anchors.enter_context(stage.anchor_weights())
         return executor.evaluate(eval_data)
 
 
-def inner_step(stage: Stage, executor: LocalExecutor, sampler) -> float:
-    """One inner step as the trainer takes it: forward/backward, the peer's total norm, clipped AdamW."""
+def inner_step(stages: list[Stage] | Stage, executor: LocalExecutor, sampler) -> float:
+    """One inner step as the trainer takes it: forward/backward, the peer's total norm (over all its fragments'
+    stages), clipped AdamW."""
+    stages = stages if isinstance(stages, list) else [stages]
     inputs, targets = sampler.next_batch()
     loss = executor.forward_backward(inputs.to(executor.device), targets.to(executor.device))
-    stage.inner_update(torch.linalg.vector_norm(stage.grad_norms(), 2))
-    if stage.merge_due:  # delayed mode: the previous round's average is applied overlap_steps into this round
-        stage.merge()
+    norm = torch.linalg.vector_norm(torch.cat([stage.grad_norms() for stage in stages]), 2)
+    for stage in stages:
+        stage.inner_update(norm)
+        if stage.merge_due:  # delayed mode: the previous round's average is applied overlap_steps into this round
+            stage.merge()
     return loss
 
 
@@ -149,29 +160,47 @@ def run_plain(setting: Setting, seed: int, workers: int, name: str) -> RowResult
 
 
 def run_diloco(setting: Setting, seed: int, workers: int, mode: str, compression: str, name: str,
-               arrival_steps: int | None = None) -> RowResult:
-    """K workers of p2p-diloco's round code, averaging through an exact in-process group."""
+               arrival_steps: int | None = None, fragments: int = 1) -> RowResult:
+    """K workers of p2p-diloco's round code, averaging through an exact in-process group.
+
+    ``fragments`` F > 1: streaming sync (model/fragments.py): each worker's model is F fragments, each its own
+    :class:`Stage` with its own group, fragment f's rounds ending ``(F - 1 - f) H / F`` steps before every H-th
+    step, so that one fragment is averaged at a time; at the end, the fragments whose last round ended early
+    average the steps since in one last short round. Each fragment's bandwidth budget is 1/F of the round's
+    compute (it must be sent before the next fragment's turn). F = 1 is the all-at-once round."""
     args, started = setting.args, time.monotonic()
     cfg = setting.config(mode, compression)
     models = [setting.model(seed) for _ in range(workers)]
-    shapes = [tuple(p.shape) for p in models[0].parameters() if p.requires_grad]
-    group = ExactGroup(workers, shapes, cfg.averaging, seed=f"quality{seed}",
-                       arrival_steps=arrival_steps or args.arrival_steps or args.h) if workers > 1 else None
-    stages = [Stage(m, stage_index=0, num_stages=1, inner_cfg=cfg.inner, diloco_cfg=cfg.diloco,
-                    total_steps=args.rounds * args.h, averager=group.view(k) if group else None)
-              for k, m in enumerate(models)]
+    layers = fragment_parts(setting.model_args, fragments)
+    shifts = round_shifts(fragments, args.h) if fragments > 1 else [0]
+    parts = [split_parameters([(n, p) for n, p in m.named_parameters() if p.requires_grad], layers)
+             for m in models]
+    groups = []
+    for f in range(fragments):
+        shapes = [tuple(p.shape) for _, p in parts[0][f]]
+        groups.append(ExactGroup(workers, shapes, cfg.averaging, seed=f"quality{seed}" + (f"f{f}" if f else ""),
+                                 arrival_steps=arrival_steps or args.arrival_steps or args.h) if workers > 1 else None)
+    units = []  # units[k][f]: worker k's Stage of fragment f
+    for k, m in enumerate(models):
+        units.append([])
+        for f in range(fragments):
+            module = m if fragments == 1 else FragmentView(parts[k][f])
+            unit = Stage(module, stage_index=0, num_stages=1, inner_cfg=cfg.inner, diloco_cfg=cfg.diloco,
+                         total_steps=args.rounds * args.h, averager=groups[f].view(k) if groups[f] else None)
+            unit.round_shift = shifts[f]
+            units[k].append(unit)
     executors = [LocalExecutor(m, setting.device) for m in models]
     samplers = [setting.sampler(seed, k) for k in range(workers)]
     result, payload = RowResult(name, seed), []
-    result.curve.append((0, evaluate(executors[0], stages[0], setting.eval_data)))
+    result.curve.append((0, evaluate(executors[0], units[0], setting.eval_data)))
 
-    def end_all(end) -> list:
+    def end_all(f: int, end) -> list:
         reports = [None] * workers
         errors = []
 
         def one(k):
             try:
-                reports[k] = end(stages[k], k)
+                reports[k] = end(units[k][f], k)
             except BaseException as e:  # re-raised below
                 errors.append(e)
         threads = [threading.Thread(target=one, args=(k,)) for k in range(workers)]
@@ -183,26 +212,39 @@ def run_diloco(setting: Setting, seed: int, workers: int, mode: str, compression
             raise errors[0]
         return reports
 
-    for r in range(args.rounds):
-        compute = []
+    last_end = [0] * fragments  # the step each fragment's last round ended at
+    compute = [[0.0] * fragments for _ in range(workers)]  # each worker's compute since each fragment's round end
+    total = args.rounds * args.h
+    for step in range(1, total + 1):
         for k in range(workers):
             t0 = time.monotonic()
-            for _ in range(args.h):
-                inner_step(stages[k], executors[k], samplers[k])
-            compute.append(time.monotonic() - t0)
-        tokens = args.h * setting.tokens_per_step
-        reports = end_all(lambda stage, k, tokens=tokens, compute=compute:
-                          stage.end_round(tokens, workers, compute_s=compute[k]))
-        _account(result, reports, payload)
-        _check_identical(stages, name, r)
-        if (r + 1) % args.eval_every == 0 or r + 1 == args.rounds:
-            if r + 1 == args.rounds and mode != "none":
-                _account(result, end_all(lambda stage, k: stage.flush()), payload)
-                _check_identical(stages, name, r)
-            result.curve.append(((r + 1) * args.h * setting.tokens_per_step,
-                                 evaluate(executors[0], stages[0], setting.eval_data)))
+            inner_step(units[k], executors[k], samplers[k])
+            spent = time.monotonic() - t0
+            compute[k] = [c + spent for c in compute[k]]
+        for f, shift in enumerate(shifts):
+            if (step + shift) % args.h and step < total:
+                continue
+            tokens = (step - last_end[f]) * setting.tokens_per_step
+            reports = end_all(f, lambda unit, k, f=f, tokens=tokens:
+                              unit.end_round(tokens, workers, compute_s=compute[k][f] / fragments))
+            for k in range(workers):
+                compute[k][f] = 0.0
+            last_end[f] = step
+            _account(result, reports, payload)
+            _check_identical([u[f] for u in units], name, step)
+        if step % args.h == 0:
+            r = step // args.h - 1
+            if (r + 1) % args.eval_every == 0 or r + 1 == args.rounds:
+                if r + 1 == args.rounds and mode != "none":
+                    for f in range(fragments):
+                        _account(result, end_all(f, lambda unit, k: unit.flush()), payload)
+                        _check_identical([u[f] for u in units], name, step)
+                result.curve.append(((r + 1) * args.h * setting.tokens_per_step,
+                                     evaluate(executors[0], units[0], setting.eval_data)))
     result.final, result.wall_s = result.curve[-1][1], time.monotonic() - started
-    result.bytes_per_round = statistics.mean(payload) if payload else 0.0
+    events_per_round = len(payload) / args.rounds if payload else 0
+    result.bytes_per_round = statistics.mean(payload) * events_per_round if payload else 0.0
+    result.peak_bytes = max(payload, default=0.0)
     return result
 
 
@@ -240,9 +282,19 @@ def run_row(setting: Setting, row: str, seed: int) -> RowResult:
         return run_plain(setting, seed, K, row)
     if row == "alone-diloco":
         return run_diloco(setting, seed, 1, "none", "none", row)
-    scheme, _, arrival = row.partition("@")
+    scheme, arrival, fragments = parse_row(row)
     mode, compression = scheme.split("/")
-    return run_diloco(setting, seed, K, mode, compression, row, int(arrival) if arrival else None)
+    return run_diloco(setting, seed, K, mode, compression, row, arrival, fragments)
+
+
+def parse_row(row: str) -> tuple[str, int | None, int]:
+    """``mode/compression[~F][@N]`` -> (mode/compression, N or None, F); ValueError if malformed."""
+    rest, at, arrival = row.partition("@")
+    scheme, tilde, fragments = rest.partition("~")
+    if (at and not (arrival.isdigit() and int(arrival) >= 1)) or (tilde and not (fragments.isdigit() and
+                                                                               int(fragments) >= 1)):
+        raise ValueError(row)
+    return scheme, int(arrival) if at else None, int(fragments) if tilde else 1
 
 
 def fidelity(setting: Setting, modes: list[str], out: Path) -> str:
@@ -291,6 +343,7 @@ def summarize(results: dict[str, list[RowResult]]) -> list[dict]:
         entry = dict(row=row, mean=mean[row], spread=(max(values) - min(values)) if len(values) > 1 else 0.0,
                      seeds=len(values), finals=values,
                      bytes_per_round=statistics.mean(r.bytes_per_round for r in results[row]),
+                     peak_bytes=statistics.mean(r.peak_bytes for r in results[row]),
                      fallbacks=sum(r.fallbacks for r in results[row]),
                      wall_s=statistics.mean(r.wall_s for r in results[row]))
         if alone is not None:
@@ -309,15 +362,18 @@ def report_text(table: list[dict], args, command: str) -> str:
              f"overrides {args.set or 'none'}",
              f"# tokens per worker: {args.rounds * args.h * args.batch * args.seq:,}",
              "row                 eval loss (mean +- spread)   vs alone   gap closed   vs none/fp32   bytes/round  "
-             "fallbacks  wall s"]
+             "peak/averaging  fallbacks  wall s"]
     for e in table:
         gap = f"{e['gap_closed']:10.0%}" if "gap_closed" in e else f"{'-':>10}"
         vs_alone = f"{e['vs_alone']:+8.2%}" if "vs_alone" in e else f"{'-':>8}"
         vs_none = f"{e['vs_none_fp32']:+11.2%}" if "vs_none_fp32" in e else f"{'-':>11}"
         lines.append(f"{e['row']:<19} {e['mean']:.4f} +- {e['spread']:.4f}           "
                      f"{vs_alone}   {gap}   {vs_none}"
-                     f"   {e['bytes_per_round'] / 1e6:9.3f} MB  {e['fallbacks']:9d}  {e['wall_s']:6.0f}")
+                     f"   {e['bytes_per_round'] / 1e6:9.3f} MB  {e['peak_bytes'] / 1e6:11.3f} MB  {e['fallbacks']:9d}"
+                     f"  {e['wall_s']:6.0f}")
     lines.append("gap closed: (alone - row) / (alone - data-parallel), alone = the better of the two alone rows")
+    lines.append("peak/averaging: the largest payload one peer sends in one averaging (all at once: a whole round's; "
+                 "~F: one fragment's)")
     return "\n".join(lines) + "\n"
 
 
@@ -370,7 +426,9 @@ def previous_results(folder: Path, args, parser) -> dict[tuple[int, str], RowRes
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False,
-                                     epilog="Rows: " + ", ".join(ALL_ROWS))
+                                     epilog="Rows: " + ", ".join(ALL_ROWS) + "; any mode/compression row with ~F "
+                                     "(streaming sync of F fragments) and/or @N (its average arriving N steps into "
+                                     "the next round)")
     parser.add_argument("--quick", action="store_true",
                         help="a few-minute version: K = 4, H = 20, 8 rounds, small batches")
     parser.add_argument("--preset", default="tiny", help="tiny, small, medium or wan (the WAN benchmark's 3.35M model)")
@@ -403,10 +461,12 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     rows = args.rows.split(",")
-    def known(row: str) -> bool:  # a row of ALL_ROWS, or mode/compression@N with N >= 1
-        scheme, at, arrival = row.partition("@")
-        return row in ALL_ROWS if not at else "/" in scheme and scheme in ALL_ROWS and arrival.isdigit() \
-            and int(arrival) >= 1
+    def known(row: str) -> bool:  # a row of ALL_ROWS, or mode/compression with ~F (F >= 1) and/or @N (N >= 1)
+        try:
+            scheme, _, _ = parse_row(row)
+        except ValueError:
+            return False
+        return row in ALL_ROWS or "/" in scheme and scheme in ALL_ROWS
     unknown = [r for r in rows if not known(r)]
     if unknown:
         parser.error(f"unknown rows {unknown}; known: {', '.join(ALL_ROWS)}")

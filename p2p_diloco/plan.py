@@ -15,8 +15,14 @@ The model, in steady state (the first round and stragglers are not modelled):
 - P pipeline stages average their slices in parallel over the peer's one link: the per-peer total and
   the transfer time do not depend on P.
 - Mode ``none`` waits for the transfer at each round end: utilization ``compute / (compute + transfer)``.
-  Modes ``delayed`` and ``eager`` average round r while round r+1 trains, so a round costs
-  ``max(compute, transfer)``: utilization ``compute / max(compute, transfer)``.
+- Mode ``delayed`` averages round r while round r+1 trains and applies it ``diloco.overlap_steps`` M steps into
+  round r+1 (default H/10), waiting there for what is left: ``wait = max(0, transfer - M * step)``, utilization
+  ``compute / (compute + wait)``. Mode ``eager`` applies it at the end of round r+1: a round costs
+  ``max(compute, transfer)``, utilization ``compute / max(compute, transfer)``.
+- Streaming sync of F fragments (:mod:`p2p_diloco.model.fragments`): each fragment is averaged on its own,
+  staggered H/F steps apart; what one averaging sends is the largest fragment's share s of the round's bytes
+  (1/F for even fragments), so the peak bytes fall by 1/s, and in ``delayed`` each of the F averagings has
+  ``min(M, H/F)`` steps to arrive: ``wait = F * max(0, s * bytes * 8 / bandwidth + latency - min(M, H/F) * step)``.
 - Vanilla AllReduce: a ring all-reduce of the gradients at every inner step, ``2 (N-1)/N * num_params *
   allreduce_bits / 8`` bytes per peer per step, not overlapped with the backward pass.
 """
@@ -54,6 +60,7 @@ OPTIONS = {
     "num_params": "--params", "num_peers": "--peers", "bandwidth_mbit": "--bandwidth-mbit",
     "step_time_s": "--step-time", "inner_steps": "--h", "bits_per_param": "--bits-per-param",
     "allreduce_bits": "--allreduce-bits", "latency_s": "--latency-s", "num_stages": "--stages",
+    "overlap_steps": "--overlap-steps", "num_fragments": "--fragments", "fragment_share": "--fragments",
 }
 
 
@@ -79,6 +86,13 @@ class PlanInputs:
     """Fixed overhead per round (matchmaking, group assembly), added to the transfer."""
     num_stages: int = 1
     """Pipeline stages per peer (P); they share the peer's link."""
+    overlap_steps: Optional[int] = None
+    """delayed mode: the inner step of round r+1 at which round r's average is applied (None: H/10, the config's
+    default ``diloco.overlap_steps``)."""
+    num_fragments: int = 1
+    """Streaming sync: fragments averaged one at a time (1: the whole model at once)."""
+    fragment_share: Optional[float] = None
+    """The largest fragment's share of the model's parameters (None: 1/F, even fragments)."""
     compare_to_paper: bool = False
     """Show the DiLoCoX paper's reported speedup next to ours."""
     notes: tuple[str, ...] = ()
@@ -102,6 +116,16 @@ class Plan:
     utilization_eager: float
     wait_per_round_s_none: float
     wait_per_round_s_delayed: float
+    wait_per_round_s_eager: float
+    overlap_steps: int
+    """delayed mode's M, resolved."""
+    mbit_to_hide_delayed: Optional[float]
+    """The link rate at which delayed mode never waits (None: the latency alone is longer than its window)."""
+    peak_bytes: float
+    """What one peer sends in one averaging: a round's bytes, or with streaming sync the largest fragment's."""
+    wait_per_round_s_streaming: float
+    utilization_streaming: float
+    mbit_to_hide_streaming: Optional[float]
     allreduce_bytes_per_step: float
     allreduce_comm_s_per_step: float
     utilization_allreduce: float
@@ -129,13 +153,23 @@ def validate_inputs(inputs: PlanInputs) -> None:
     Raises:
         ConfigError: naming the CLI option of the first bad input.
     """
-    for name in ("num_peers", "inner_steps", "num_stages"):
+    for name in ("num_peers", "inner_steps", "num_stages", "num_fragments"):
         value = getattr(inputs, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"{OPTIONS[name]}: must be an integer >= 1, got {_show(value)}")
     for name in ("num_params", "bandwidth_mbit", "step_time_s", "bits_per_param", "allreduce_bits"):
         _require_number(inputs, name, 0, inclusive=False)
     _require_number(inputs, "latency_s", 0, inclusive=True)
+    if inputs.overlap_steps is not None and (isinstance(inputs.overlap_steps, bool) or not isinstance(
+            inputs.overlap_steps, int) or not 1 <= inputs.overlap_steps <= inputs.inner_steps):
+        raise ConfigError(f"--overlap-steps: must be an integer between 1 and --h ({inputs.inner_steps}), got "
+                          f"{_show(inputs.overlap_steps)}")
+    if inputs.num_fragments > inputs.inner_steps:
+        raise ConfigError(f"--fragments: streaming {inputs.num_fragments} fragments needs --h >= "
+                          f"{inputs.num_fragments} (one fragment per step at most), got {inputs.inner_steps}")
+    share = inputs.fragment_share
+    if share is not None and not (isinstance(share, float) and 1 / inputs.num_fragments - 1e-12 <= share <= 1):
+        raise ConfigError(f"--fragments: the largest fragment's share must lie in [1/F, 1], got {_show(share)}")
     if inputs.num_params < 1:
         raise ConfigError(f"--params: must be at least 1 parameter, got {_show(inputs.num_params)}")
 
@@ -180,7 +214,14 @@ def make_plan(inputs: PlanInputs) -> Plan:
     transfer_s = 0.0 if alone else sent * 8 / bits_per_s + inputs.latency_s
     compute_s = inputs.inner_steps * inputs.step_time_s
     utilization_none = compute_s / (compute_s + transfer_s)
-    utilization_delayed = compute_s / max(compute_s, transfer_s)
+    overlap = inputs.overlap_steps or max(1, inputs.inner_steps // 10)
+    wait_delayed = max(0.0, transfer_s - overlap * inputs.step_time_s)
+    utilization_eager = compute_s / max(compute_s, transfer_s)
+    F = inputs.num_fragments
+    share = inputs.fragment_share if inputs.fragment_share is not None else 1 / F
+    window_s = min(overlap, inputs.inner_steps // F) * inputs.step_time_s  # streaming: each fragment's window
+    fragment_s = 0.0 if alone else share * sent * 8 / bits_per_s + inputs.latency_s
+    wait_streaming = F * max(0.0, fragment_s - window_s)
     ar_sent = allreduce_bytes(inputs.num_params, inputs.num_peers, inputs.allreduce_bits)
     ar_comm_s = ar_sent * 8 / bits_per_s
     utilization_allreduce = inputs.step_time_s / (inputs.step_time_s + ar_comm_s)
@@ -194,18 +235,34 @@ def make_plan(inputs: PlanInputs) -> Plan:
         min_inner_steps_to_hide=min_inner_steps_to_hide(transfer_s, inputs.step_time_s),
         hiding_bits_per_param=hiding_bits_per_param(inputs),
         utilization_none=utilization_none,
-        utilization_delayed=utilization_delayed,
-        utilization_eager=utilization_delayed,
+        utilization_delayed=compute_s / (compute_s + wait_delayed),
+        utilization_eager=utilization_eager,
         wait_per_round_s_none=transfer_s,
-        wait_per_round_s_delayed=max(0.0, transfer_s - compute_s),
+        wait_per_round_s_delayed=wait_delayed,
+        wait_per_round_s_eager=max(0.0, transfer_s - compute_s),
+        overlap_steps=overlap,
+        mbit_to_hide_delayed=_mbit_to_hide(sent, overlap * inputs.step_time_s, inputs.latency_s, alone),
+        peak_bytes=share * sent,
+        wait_per_round_s_streaming=wait_streaming,
+        utilization_streaming=compute_s / (compute_s + wait_streaming),
+        mbit_to_hide_streaming=_mbit_to_hide(share * sent, window_s, inputs.latency_s, alone),
         allreduce_bytes_per_step=ar_sent,
         allreduce_comm_s_per_step=ar_comm_s,
         utilization_allreduce=utilization_allreduce,
-        speedup_delayed=utilization_delayed / utilization_allreduce,
+        speedup_delayed=compute_s / (compute_s + wait_delayed) / utilization_allreduce,
         speedup_none=utilization_none / utilization_allreduce,
         bytes_ratio=None if alone else ar_sent * inputs.inner_steps / sent,
         paper_speedup=PAPER_SPEEDUP if inputs.compare_to_paper else None,
     )
+
+
+def _mbit_to_hide(num_bytes: float, window_s: float, latency_s: float, alone: bool) -> Optional[float]:
+    """The link rate (Mbit/s) that sends ``num_bytes`` within ``window_s`` after the latency; None if none can."""
+    if alone:
+        return 0.0
+    if window_s <= latency_s:
+        return None
+    return num_bytes * 8 / (window_s - latency_s) / 1e6
 
 
 def paper_inputs(given: Mapping[str, Any]) -> PlanInputs:
@@ -246,6 +303,28 @@ def preset_num_params(preset: str, vocab_size: int) -> int:
     if vocab_size < 1:
         raise ConfigError(f"--vocab-size: must be an integer >= 1, got {vocab_size}")
     return estimate_num_params(ModelArgs(**PRESETS[preset], vocab_size=vocab_size))
+
+
+def preset_fragment_share(preset: str, vocab_size: int, num_fragments: int) -> float:
+    """The largest of ``num_fragments`` fragments of a preset's model (model/fragments.py), as a share of it.
+
+    Raises:
+        ConfigError: unknown preset, or more fragments than the model has parts.
+    """
+    import itertools
+
+    from p2p_diloco.model.fragments import fragment_parts, part_sizes
+    from p2p_diloco.model.llama import ModelArgs
+    from p2p_diloco.model.presets import PRESETS
+
+    preset_num_params(preset, vocab_size)  # the same checks
+    args = ModelArgs(**PRESETS[preset], vocab_size=vocab_size)
+    try:
+        parts = fragment_parts(args, num_fragments)
+    except ConfigError as e:
+        raise ConfigError(f"--fragments: {str(e).split(': ', 1)[1]}") from None
+    sizes, ends = part_sizes(args), list(itertools.accumulate([0] + parts))
+    return max(sum(sizes[ends[i]:ends[i + 1]]) for i in range(len(parts))) / sum(sizes)
 
 
 def plan_as_dict(plan: Plan) -> dict[str, Any]:
@@ -315,14 +394,34 @@ def _round_rows(plan: Plan) -> list[tuple[str, str, str]]:
 
 def _utilization_rows(plan: Plan) -> list[tuple[str, str, str]]:
     p = plan.inputs
+    hide = "the latency alone is longer" if plan.mbit_to_hide_delayed is None else \
+        f"hidden from {plan.mbit_to_hide_delayed:,.0f} Mbit/s"
     return [
         ("none (blocking)", _percent(plan.utilization_none),
          f"waits {format_seconds(plan.wait_per_round_s_none)} per round"),
-        ("delayed / eager (overlap)", _percent(plan.utilization_delayed),
-         f"waits {format_seconds(plan.wait_per_round_s_delayed)} per round"),
+        ("delayed (overlap)", _percent(plan.utilization_delayed),
+         f"waits {format_seconds(plan.wait_per_round_s_delayed)} per round: the average is applied "
+         f"{plan.overlap_steps} steps into the next round ({hide})"),
+        ("eager (overlap)", _percent(plan.utilization_eager),
+         f"waits {format_seconds(plan.wait_per_round_s_eager)} per round: applied a whole round later"),
         ("vanilla AllReduce per step", _percent(plan.utilization_allreduce),
          f"{format_bytes(plan.allreduce_bytes_per_step)} per step at {p.allreduce_bits:g} bits = "
          f"{format_seconds(plan.allreduce_comm_s_per_step)}, not overlapped"),
+    ]
+
+
+def _streaming_rows(plan: Plan) -> list[tuple[str, str, str]]:
+    p = plan.inputs
+    share = p.fragment_share if p.fragment_share is not None else 1 / p.num_fragments
+    hide = "the latency alone is longer than its window" if plan.mbit_to_hide_streaming is None else \
+        f"hidden from {plan.mbit_to_hide_streaming:,.0f} Mbit/s"
+    return [
+        ("peak sent per averaging", format_bytes(plan.peak_bytes),
+         f"the largest fragment, {share:.1%} of the model ({1 / share:.2f}x below all at once: "
+         f"{format_bytes(plan.bytes_per_round)})"),
+        ("delayed, streaming", _percent(plan.utilization_streaming),
+         f"waits {format_seconds(plan.wait_per_round_s_streaming)} per round over {p.num_fragments} averagings, "
+         f"each with {min(plan.overlap_steps, p.inner_steps // p.num_fragments)} steps to arrive ({hide})"),
     ]
 
 
@@ -340,6 +439,8 @@ def format_plan(plan: Plan) -> str:
     """The plan as a readable table with units, for the console."""
     sections = [("DiLoCo round", _round_rows(plan)), ("Compute utilization", _utilization_rows(plan)),
                 ("Speedup", _comparison_rows(plan))]
+    if plan.inputs.num_fragments > 1:
+        sections.insert(2, (f"Streaming sync, {plan.inputs.num_fragments} fragments", _streaming_rows(plan)))
     if plan.nothing_to_average:
         sections = [("DiLoCo round", _round_rows(plan)[2:3]),
                     ("Compute utilization", [("every mode", _percent(1.0), "no communication")])]

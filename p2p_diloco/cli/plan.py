@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 # option dest -> PlanInputs field, for the options whose default depends on --paper
 _GIVEN = {"peers": "num_peers", "bandwidth_mbit": "bandwidth_mbit", "step_time": "step_time_s", "h": "inner_steps",
           "bits_per_param": "bits_per_param", "allreduce_bits": "allreduce_bits", "latency_s": "latency_s",
-          "stages": "num_stages"}
+          "stages": "num_stages", "overlap_steps": "overlap_steps", "fragments": "num_fragments"}
 
 
 def register(subparsers) -> None:
@@ -51,6 +51,13 @@ def register(subparsers) -> None:
                        help="bits per parameter of the per-step AllReduce baseline (default 32)")
     swarm.add_argument("--latency-s", type=float, metavar="S",
                        help="fixed overhead per round for matchmaking etc., in seconds (default 0.5)")
+    swarm.add_argument("--overlap-steps", type=int, metavar="M",
+                       help="delayed mode: the step of the next round at which a round's average is applied "
+                       "(diloco.overlap_steps; default H/10)")
+    swarm.add_argument("--fragments", type=int, metavar="F",
+                       help="streaming sync: average the model in F fragments, one at a time, staggered over the "
+                       "round (default 1: all at once); with --preset the largest fragment's share is the model's, "
+                       "else 1/F")
     parser.add_argument("--json", action="store_true", help="print one JSON object with every number")
     parser.set_defaults(run=run, accepts_overrides=False)
 
@@ -76,6 +83,10 @@ def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
     if args.params is None and args.preset is None:
         raise ConfigError("--params: give the model size with --params N, --preset NAME or --paper")
     num_params = args.params if args.params is not None else preset_num_params(args.preset, args.vocab_size)
+    if args.preset is not None and given.get("num_fragments", 1) > 1:
+        from p2p_diloco.plan import preset_fragment_share
+
+        given["fragment_share"] = preset_fragment_share(args.preset, args.vocab_size, given["num_fragments"])
     return replace(PlanInputs(num_params=num_params), **given)
 
 

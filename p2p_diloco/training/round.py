@@ -63,7 +63,7 @@ class Delayed(Blocking):
     def merge_due(self, stage: Stage) -> bool:
         if stage.pending is None:
             return False
-        steps_in = stage.inner_step - stage.round_index * stage.diloco_cfg.inner_steps
+        steps_in = stage.inner_step - stage.round_index * stage.diloco_cfg.inner_steps + stage.round_shift
         return steps_in >= stage.overlap_steps or stage.average_arrived()
 
 

@@ -121,6 +121,8 @@ class Stage(StageCheckpoint, StateSharing):
         self.eager_optimizer = self._make_outer(self.eager_anchor) if self.rule.keeps_eager_state else None
         # delayed mode: the latest inner step of round r+1 at which round r's average is applied
         self.overlap_steps = min(diloco_cfg.merge_step, diloco_cfg.inner_steps)
+        # streaming sync (model/fragments.py): this stage's rounds end this many steps before every H-th step
+        self.round_shift = 0
         self._merged: RoundReport | None = None  # a merge done mid-round, reported with the round end
         self.inner_step = 0
         self.round_first_step: int | None = None  # set when this round's work began mid-round (after a reload)

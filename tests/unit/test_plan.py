@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -32,10 +33,16 @@ def test_two_peers_send_one_contribution_per_round():
     assert plan.transfer_s == pytest.approx(32.5)
     assert plan.compute_s == pytest.approx(50.0)
     assert plan.utilization_none == pytest.approx(50 / 82.5)
-    assert plan.utilization_delayed == pytest.approx(1.0)
-    assert plan.utilization_eager == plan.utilization_delayed
-    assert plan.wait_per_round_s_delayed == 0.0
+    # delayed applies the average H/10 = 5 steps into the next round: 27.5 s of the 32.5 s are waited for there
+    assert plan.overlap_steps == 5
+    assert plan.wait_per_round_s_delayed == pytest.approx(27.5)
+    assert plan.utilization_delayed == pytest.approx(50 / 77.5)
+    assert plan.mbit_to_hide_delayed == pytest.approx(32e3 / 4.5)  # 32 Gbit in the 5 s window after the latency
+    assert plan.utilization_eager == pytest.approx(1.0)  # eager applies it a whole round later
+    assert plan.wait_per_round_s_eager == 0.0
     assert plan.min_inner_steps_to_hide == 33  # 32.5 s of transfer, 1 s steps
+    whole = make_plan(replace(plan.inputs, overlap_steps=50))  # delayed with overlap_steps = H hides as eager does
+    assert whole.utilization_delayed == pytest.approx(1.0) and whole.wait_per_round_s_delayed == 0.0
 
 
 def test_four_peers_send_one_and_a_half_contributions():
@@ -46,8 +53,10 @@ def test_four_peers_send_one_and_a_half_contributions():
     assert plan.transfer_s == pytest.approx(241.0)
     assert plan.compute_s == pytest.approx(200.0)
     assert plan.utilization_none == pytest.approx(200 / 441)
-    assert plan.utilization_delayed == pytest.approx(200 / 241)
-    assert plan.wait_per_round_s_delayed == pytest.approx(41.0)
+    assert plan.wait_per_round_s_delayed == pytest.approx(241.0 - 10 * 2.0)  # applied H/10 = 10 steps in
+    assert plan.utilization_delayed == pytest.approx(200 / 421)
+    assert plan.utilization_eager == pytest.approx(200 / 241)
+    assert plan.wait_per_round_s_eager == pytest.approx(41.0)
     assert plan.min_inner_steps_to_hide == 121  # 120 * 2 s = 240 < 241 <= 242
 
 
@@ -59,7 +68,7 @@ def test_allreduce_baseline_speedup_and_bytes_ratio():
     assert plan.allreduce_bytes_per_step == pytest.approx(6 * GB)
     assert plan.allreduce_comm_s_per_step == pytest.approx(480.0)
     assert plan.utilization_allreduce == pytest.approx(2 / 482)
-    assert plan.speedup_delayed == pytest.approx((200 / 241) / (2 / 482))
+    assert plan.speedup_delayed == pytest.approx((200 / 421) / (2 / 482))
     assert plan.speedup_none == pytest.approx((200 / 441) / (2 / 482))
     assert plan.bytes_ratio == pytest.approx(6 * GB * 100 / (3 * GB))
 
@@ -72,12 +81,12 @@ def test_stages_share_the_link_so_the_total_is_unchanged():
 
 
 @pytest.mark.parametrize("step_time_s, inner_steps", [(1.0, 50), (0.3, 7), (10.0, 400), (0.01, 1000)])
-def test_delayed_is_fully_utilized_exactly_when_compute_covers_the_transfer(step_time_s, inner_steps):
+def test_eager_is_fully_utilized_exactly_when_compute_covers_the_transfer(step_time_s, inner_steps):
     plan = make_plan(PlanInputs(num_params=2e9, num_peers=3, bandwidth_mbit=500, step_time_s=step_time_s,
                                 inner_steps=inner_steps))
     hides = plan.compute_s >= plan.transfer_s
-    assert (plan.utilization_delayed == 1.0) == hides
-    assert plan.utilization_none < plan.utilization_delayed  # transfer > 0: blocking always loses
+    assert (plan.utilization_eager == 1.0) == hides
+    assert plan.utilization_none < plan.utilization_delayed <= plan.utilization_eager  # overlap never loses
     assert (inner_steps >= plan.min_inner_steps_to_hide) == hides
 
 
@@ -95,7 +104,7 @@ def test_the_hiding_h_and_bits_of_a_plan_do_hide():
     plan = make_plan(inputs)
     hidden = make_plan(replace(inputs, inner_steps=plan.min_inner_steps_to_hide))
     not_hidden = make_plan(replace(inputs, inner_steps=plan.min_inner_steps_to_hide - 1))
-    assert hidden.utilization_delayed == 1.0 and not_hidden.utilization_delayed < 1.0
+    assert hidden.utilization_eager == 1.0 and not_hidden.utilization_eager < 1.0
     at_budget = make_plan(replace(inputs, bits_per_param=plan.hiding_bits_per_param))
     assert at_budget.transfer_s == pytest.approx(at_budget.compute_s)
 
@@ -198,3 +207,43 @@ def test_cli_bad_value_is_one_line_error(args, option):
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: {option}:")
+
+
+def test_streaming_sync_sends_a_fragment_at_a_time():
+    """F fragments: the peak per averaging is the largest fragment's share; in delayed mode each of the F averagings
+    has min(M, H/F) steps to arrive. Hand-computed: 1e9 fp32 params over 2 peers = 4 GB = 32 Gbit per round."""
+    base = PlanInputs(num_params=1e9, num_peers=2, bandwidth_mbit=1000, step_time_s=1.0, inner_steps=50, latency_s=0.5)
+    one, four = make_plan(base), make_plan(replace(base, num_fragments=4))
+    assert one.peak_bytes == one.bytes_per_round and one.wait_per_round_s_streaming == one.wait_per_round_s_delayed
+    assert four.peak_bytes == pytest.approx(1 * GB)  # 1/4 of 4 GB
+    # each fragment: 8 Gbit = 8 s + 0.5 s latency, 5 steps (M = 5 < H/F = 12) to arrive: 3.5 s waited, 4 times
+    assert four.wait_per_round_s_streaming == pytest.approx(4 * 3.5)
+    assert four.utilization_streaming == pytest.approx(50 / 64)
+    assert four.mbit_to_hide_streaming == pytest.approx(8e3 / 4.5)
+    uneven = make_plan(replace(base, num_fragments=4, fragment_share=0.4))
+    assert uneven.peak_bytes == pytest.approx(1.6 * GB)
+    wide = make_plan(replace(base, num_fragments=4, overlap_steps=40))  # the window is H/F = 12 steps at most
+    assert wide.wait_per_round_s_streaming == 0.0 and wide.mbit_to_hide_streaming == pytest.approx(8e3 / 11.5)
+    text = format_plan(four)
+    assert "Streaming sync, 4 fragments" in text and "peak sent per averaging" in text
+    for bad, message in ((dict(num_fragments=51), "--fragments: streaming 51 fragments needs --h >= 51"),
+                         (dict(num_fragments=0), "--fragments: must be an integer >= 1"),
+                         (dict(overlap_steps=51), "--overlap-steps: must be an integer between 1 and --h (50)"),
+                         (dict(num_fragments=4, fragment_share=0.1), "--fragments: the largest fragment's share")):
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            make_plan(replace(base, **bad))
+
+
+def test_plan_with_a_preset_takes_the_largest_fragment_of_its_model():
+    """The tiny preset with a 4096-token vocabulary: embedding and head are the largest parts, 4 fragments cut
+    [embedding | blocks 0-1 | blocks 2-3 | head]; the share matches the quality benchmark's measured peak payload
+    (benchmarks/results/quality-streaming: 0.933 MB at once, 0.250 MB per fragment, a 3.7x cut)."""
+    out = subprocess.run([sys.executable, "-m", "p2p_diloco", "plan", "--preset", "tiny", "--vocab-size", "4096",
+                          "--fragments", "4", "--json"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    plan = json.loads(out.stdout)
+    assert plan["inputs"]["fragment_share"] == pytest.approx(524416 / (524288 + 4 * 213248 + 524416))
+    assert plan["peak_bytes"] == pytest.approx(plan["bytes_per_round"] * plan["inputs"]["fragment_share"])
+    bad = subprocess.run([sys.executable, "-m", "p2p_diloco", "plan", "--preset", "tiny", "--fragments", "9"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--fragments: must lie in [1, 6]" in bad.stderr, bad.stderr

@@ -1,0 +1,116 @@
+"""Fragments of the model (model/fragments.py): the cut, which parameters each holds, splits that fit, the
+staggered round ends, and a stage of one fragment training exactly as the whole model does."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from p2p_diloco.config import ConfigError, load_config
+from p2p_diloco.model import ModelArgs, build_stage_model
+from p2p_diloco.model.fragments import (
+    FragmentView,
+    check_split_fits,
+    describe,
+    fragment_of,
+    fragment_parts,
+    part_sizes,
+    round_shifts,
+    split_parameters,
+    stage_fragments,
+)
+from p2p_diloco.training import Stage
+
+
+def args(n_layers: int = 4, dim: int = 32, vocab: int = 512, tie: bool = False) -> ModelArgs:
+    return ModelArgs(dim=dim, n_layers=n_layers, n_heads=4, n_kv_heads=4, ffn_dim=64, vocab_size=vocab,
+                     max_seq_len=16, tie_embeddings=tie)
+
+
+def largest(a: ModelArgs, parts: list[int]) -> int:
+    sizes, ends = part_sizes(a), list(itertools.accumulate([0] + parts))
+    return max(sum(sizes[ends[i]:ends[i + 1]]) for i in range(len(parts)))
+
+
+@pytest.mark.parametrize("n_layers,vocab", [(4, 512), (4, 4096), (8, 4096), (6, 64)])
+def test_the_cut_is_the_contiguous_one_with_the_smallest_largest_fragment(n_layers, vocab):
+    a = args(n_layers, vocab=vocab)
+    n = n_layers + 2
+    for F in range(1, n + 1):
+        parts = fragment_parts(a, F)
+        assert len(parts) == F and sum(parts) == n and min(parts) >= 1
+        brute = min(largest(a, [e - s for s, e in zip((0,) + cuts, cuts + (n,))])
+                    for cuts in itertools.combinations(range(1, n), F - 1))
+        assert largest(a, parts) == brute
+
+
+def test_bad_fragment_counts_name_the_key():
+    for F in (0, 7):
+        with pytest.raises(ConfigError, match=r"diloco.fragments: must lie in \[1, 6\]"):
+            fragment_parts(args(4), F)
+
+
+def test_every_parameter_has_the_fragment_of_its_part():
+    a = args(4, vocab=4096)
+    parts = fragment_parts(a, 4)
+    assert parts == [1, 2, 2, 1], describe(parts)
+    assert describe(parts) == "0: embedding, 1: block 0 to block 1, 2: block 2 to block 3, 3: head"
+    model = build_stage_model(a, [4], 0)
+    by_fragment = split_parameters(model.named_parameters(), parts)
+    assert [n for n, _ in by_fragment[0]] == ["tok_embeddings.weight"]
+    assert {n.split(".")[1] for n, _ in by_fragment[1]} == {"0", "1"}
+    assert {n.split(".")[1] for n, _ in by_fragment[2]} == {"2", "3"}
+    assert sorted(n for n, _ in by_fragment[3]) == ["norm.weight", "output.weight"]
+    assert sum(len(v) for v in by_fragment.values()) == len(list(model.parameters()))
+    with pytest.raises(ValueError, match="in no part"):
+        fragment_of("layers.9.attention.wq.weight", parts)
+
+
+def test_a_split_must_hold_whole_fragments():
+    parts = [2, 2, 2]  # embedding + block 0 | blocks 1-2 | block 3 + head
+    check_split_fits([1, 3], parts)
+    check_split_fits([3, 1], parts)
+    check_split_fits([1, 2, 1], parts)
+    check_split_fits([4], parts)
+    with pytest.raises(ConfigError, match=r"stage 1 starts at block 2, inside a fragment \(fragments 0: embedding "
+                                          r"to block 0, 1: block 1 to block 2, 2: block 3 to head\)"):
+        check_split_fits([2, 2], parts)
+    assert stage_fragments([1, 3], parts, 0) == [0]
+    assert stage_fragments([1, 3], parts, 1) == [1, 2]
+    assert stage_fragments([4], parts, 0) == [0, 1, 2]
+
+
+def test_round_shifts_stagger_the_fragments_over_the_round():
+    assert round_shifts(1, 50) == [0]
+    assert round_shifts(4, 20) == [15, 10, 5, 0]
+    assert round_shifts(3, 50) == [33, 16, 0]
+    with pytest.raises(ConfigError, match="needs diloco.inner_steps >= 4"):
+        round_shifts(4, 3)
+
+
+def test_stages_of_fragments_train_exactly_as_one_stage_of_the_whole_model():
+    """Inner AdamW is per tensor and the clip uses the peer's total norm: F stages over FragmentViews of one model
+    take bit-identical inner steps to one stage over the model (streaming changes only when each averages)."""
+    a = args(4, vocab=256)
+    cfg = load_config(None, [("diloco.inner_steps", "4")])
+    whole, split = build_stage_model(a, [4], 0), build_stage_model(a, [4], 0)
+    one = Stage(whole, stage_index=0, num_stages=1, inner_cfg=cfg.inner, diloco_cfg=cfg.diloco, total_steps=8)
+    parts = fragment_parts(a, 3)
+    views = split_parameters(split.named_parameters(), parts)
+    many = [Stage(FragmentView(named), stage_index=0, num_stages=1, inner_cfg=cfg.inner, diloco_cfg=cfg.diloco,
+                  total_steps=8) for named in views.values()]
+    assert [n for s in many for n in s.param_names] == one.param_names  # the model's order: the same total norm
+    torch.manual_seed(0)
+    for _ in range(3):
+        tokens = torch.randint(0, 256, (2, 9))
+        for model in (whole, split):
+            logits = model(tokens[:, :-1])
+            torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+        one.inner_update(torch.linalg.vector_norm(one.grad_norms(), 2))
+        norm = torch.linalg.vector_norm(torch.cat([s.grad_norms() for s in many]), 2)
+        for s in many:
+            s.inner_update(norm)
+    for (name, p), (name2, q) in zip(whole.named_parameters(), split.named_parameters()):
+        assert name == name2 and torch.equal(p, q), name
