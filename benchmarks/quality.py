@@ -470,9 +470,14 @@ def main() -> None:
     unknown = [r for r in rows if not known(r)]
     if unknown:
         parser.error(f"unknown rows {unknown}; known: {', '.join(ALL_ROWS)}")
+    too_fine = [r for r in rows if parse_row(r)[2] > args.h]
+    if too_fine:
+        parser.error(f"rows {too_fine}: streaming F fragments needs --h >= F (one fragment per step at most)")
     args.seeds = [int(s) for s in args.seeds.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
     command = "python benchmarks/quality.py " + " ".join(sys.argv[1:])
+    # an unreadable or mismatched --resume-from fails before the data and models are loaded
+    done = previous_results(args.resume_from, args, parser) if args.resume_from and not args.fidelity else {}
     setting = Setting(args)
     if args.fidelity:
         text = f"# {command}\n" + fidelity(setting, args.fidelity.split(","), args.out)
@@ -480,7 +485,6 @@ def main() -> None:
         print(text)
         return
     tasks = [(seed, row) for seed in args.seeds for row in rows]
-    done = previous_results(args.resume_from, args, parser) if args.resume_from else {}
     tasks = [(seed, row) for seed, row in tasks if (seed, row) not in done]
     if args.jobs > 1:  # rows in forked worker processes, one torch thread each unless --threads says more
         global _SETTING

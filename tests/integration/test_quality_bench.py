@@ -22,14 +22,23 @@ def quality(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_a_second_seed_is_added_to_an_earlier_table_without_running_the_first_again(tmp_path):
-    first = quality("--rows", "alone,none/none", "--seeds", "0", "--out", str(tmp_path / "a"))
+    first = quality("--rows", "alone,none/none,delayed/none~2", "--seeds", "0", "--out", str(tmp_path / "a"))
     assert first.returncode == 0, first.stderr[-3000:]
     finals = {r: e[0]["final"] for r, e in json.loads((tmp_path / "a" / "quality.json").read_text())["results"].items()}
+    # streaming sync of 2 fragments (every worker's fragment anchors checked identical after each averaging): one
+    # fragment at a time on the wire, the largest of the tiny model's 2 about half of the model
+    streamed = json.loads((tmp_path / "a" / "quality.json").read_text())["results"]["delayed/none~2"][0]
+    whole = json.loads((tmp_path / "a" / "quality.json").read_text())["results"]["none/none"][0]
+    assert whole["peak_bytes"] == whole["bytes_per_round"] > 0
+    assert 0 < streamed["peak_bytes"] < 0.6 * whole["peak_bytes"]
+    assert "delayed/none~2" in first.stdout and "peak/averaging" in first.stdout
+    for bad in ("none/none~0", "none/none~3"):  # F >= 1, and F <= H (2 here)
+        assert quality("--rows", bad, "--out", str(tmp_path / "z")).returncode == 2
 
     more = quality("--rows", "alone,none/none", "--seeds", "0,1", "--resume-from", str(tmp_path / "a"),
                    "--out", str(tmp_path / "b"))
     assert more.returncode == 0, more.stderr[-3000:]
-    assert "taken from" in more.stdout and "2 results" in more.stdout
+    assert "taken from" in more.stdout and "3 results" in more.stdout  # all of the first run's
     ran = [line for line in more.stdout.splitlines() if line.startswith("seed ")]
     assert sorted(line.split()[1] for line in ran) == ["1", "1"]  # only seed 1 ran
     results = json.loads((tmp_path / "b" / "quality.json").read_text())["results"]
