@@ -69,6 +69,7 @@ def test_allreduce_baseline_speedup_and_bytes_ratio():
     assert plan.allreduce_comm_s_per_step == pytest.approx(480.0)
     assert plan.utilization_allreduce == pytest.approx(2 / 482)
     assert plan.speedup_delayed == pytest.approx((200 / 421) / (2 / 482))
+    assert plan.speedup_eager == pytest.approx((200 / 241) / (2 / 482))
     assert plan.speedup_none == pytest.approx((200 / 441) / (2 / 482))
     assert plan.bytes_ratio == pytest.approx(6 * GB * 100 / (3 * GB))
 
