@@ -173,3 +173,35 @@ def test_averages_are_served_again_to_the_all_reduces_senders_only(swarm):
             await client.shutdown()
 
     assert asyncio.run(ask()) == [averaging_pb2.BAD_GROUP_ID]
+
+
+def test_fragment_averagers_share_a_dht_and_meet_whatever_the_split(swarm):
+    """Averaging by fragment (issue 18): a P = 1 peer holds fragments 0, 1, 2 (three averagers on one DHT, each in
+    its own RPC namespace), a P = 2 peer holds fragment 0 on its stage 0 and fragments 1, 2 on its stage 1. Each
+    fragment's group is the fragment's holders: every round, all three fragments average exactly and bit-identically
+    on both peers, though the peers split the model differently."""
+    dhts, averagers = swarm
+    shapes = {0: [torch.zeros(300, 70)], 1: [torch.zeros(513)], 2: [torch.zeros(3, 3, 3), torch.zeros(7)]}
+    holders = {0: [0, 1], 1: [0, 2], 2: [0, 2]}  # fragment -> the DHTs (stage processes) that hold it
+
+    def fragment_averager(dht_index: int, fragment: int) -> PseudoGradientAverager:
+        averager = PseudoGradientAverager(shapes[fragment], dhts[dht_index], run_id="run", stage_index=0,
+                                          num_stages=1, cfg=CFG, fragment=(fragment, 3))
+        averagers.append(averager)
+        return averager
+
+    units = {(f, d): fragment_averager(d, f) for f, ds in holders.items() for d in ds}
+    for round_index in range(2):
+        sent = {key: [torch.randn_like(t) for t in shapes[key[0]]] for key in units}
+        for (f, d), averager in units.items():
+            averager.set_expected_group_size(2)
+            averager.start_round(sent[f, d], round_index, weight=1.0 + 0.25 * d)  # within max_weight_ratio
+        results = {key: averager.finish_round() for key, averager in units.items()}
+        for (f, d), result in results.items():
+            assert result.fallback_reason == "" and result.group_size == 2, (f, d, result.fallback_reason)
+            first = results[f, holders[f][0]]
+            assert all(torch.equal(a, b) for a, b in zip(result.average, first.average))
+            weights = {h: 1.0 + 0.25 * h for h in holders[f]}
+            for i in range(len(shapes[f])):
+                exact = sum(sent[f, h][i].double() * w for h, w in weights.items()) / sum(weights.values())
+                torch.testing.assert_close(result.average[i].double(), exact, rtol=0, atol=1e-6)

@@ -86,6 +86,11 @@ def group_prefix(run_id: str, stage_index: int, num_stages: int) -> str:
     return f"{run_id}_s{stage_index}of{num_stages}"
 
 
+def fragment_prefix(run_id: str, fragment: int, num_fragments: int) -> str:
+    """DHT prefix shared by fragment ``fragment`` of F (model/fragments.py) on every peer, whatever its split."""
+    return f"{run_id}_f{fragment}of{num_fragments}"
+
+
 def round_bits(round_index: int) -> str:
     return format(round_index % (1 << ROUND_BITS), f"0{ROUND_BITS}b")
 
@@ -150,6 +155,9 @@ class PseudoGradientAverager(GuardedAverager, DecentralizedAverager):
         stage_index: this stage's index.
         num_stages: P, stages per peer.
         cfg: the ``[averaging]`` section.
+        fragment: (f, F): average fragment f of F instead (its group key is the fragment's, the same on peers of
+            any pipeline split; one averager per fragment a stage holds, several on one DHT, each with its own
+            RPC namespace).
         behaviour: :data:`~p2p_diloco.faults.HONEST`, or a :class:`~p2p_diloco.faults.Hostility` that tests and
             benchmarks give a hostile peer.
     """
@@ -160,8 +168,10 @@ class PseudoGradientAverager(GuardedAverager, DecentralizedAverager):
     _stub_type = None
 
     def __init__(self, templates: Sequence[torch.Tensor], dht, *, run_id: str, stage_index: int, num_stages: int,
-                 cfg: AveragingConfig, behaviour: Honest = HONEST):
+                 cfg: AveragingConfig, behaviour: Honest = HONEST, fragment: Optional[tuple[int, int]] = None):
         self.cfg = cfg
+        prefix = fragment_prefix(run_id, *fragment) if fragment is not None else \
+            group_prefix(run_id, stage_index, num_stages)
         self.traffic = torch.zeros(2, dtype=torch.int64).share_memory_()
         self._pending: Optional[_PendingRound] = None
         self._abandoned: Optional[_PendingRound] = None  # left to finish in the background, its result unread
@@ -171,7 +181,7 @@ class PseudoGradientAverager(GuardedAverager, DecentralizedAverager):
         buffers = [torch.zeros(t.shape, dtype=torch.float32) for t in templates]
         self._residuals = [torch.zeros_like(b).share_memory_() for b in buffers]
         self.policy = CompressionPolicy([tuple(t.shape) for t in templates], cfg)
-        self._reducer = RoundReducer(self.policy, seed=group_prefix(run_id, stage_index, num_stages))
+        self._reducer = RoundReducer(self.policy, seed=prefix)
         self.proposal = self.policy.initial_proposal()
         self.bandwidth_mbit = cfg.assumed_bandwidth_mbit
         self.last_error: Optional[float] = None
@@ -185,7 +195,7 @@ class PseudoGradientAverager(GuardedAverager, DecentralizedAverager):
             buffers,
             dht,
             start=True,
-            prefix=group_prefix(run_id, stage_index, num_stages),
+            prefix=prefix,
             initial_group_bits=round_bits(0),
             target_group_size=cfg.target_group_size,
             min_group_size=cfg.min_group_size,
