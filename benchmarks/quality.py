@@ -41,10 +41,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from p2p_diloco.config import load_config  # noqa: E402
 from p2p_diloco.data import WindowSampler, eval_batches  # noqa: E402
 from p2p_diloco.model import build_stage_model, model_args_from_config  # noqa: E402
-from p2p_diloco.model.fragments import FragmentView, fragment_parts, round_shifts, split_parameters  # noqa: E402
+from p2p_diloco.model.fragments import fragment_parts, split_parameters  # noqa: E402
 from p2p_diloco.stage_process import load_data  # noqa: E402
 from p2p_diloco.training import LocalExecutor, Stage  # noqa: E402
 from p2p_diloco.training.simulate import ExactGroup  # noqa: E402
+from p2p_diloco.training.streaming import FragmentStages  # noqa: E402
 
 # the 3.35M-parameter model of benchmarks/wan.py: matrices large enough for low rank to engage
 WAN_MODEL = [("model.preset", "small"), ("model.dim", "256"), ("model.n_layers", "4"), ("model.n_heads", "8"),
@@ -109,26 +110,18 @@ class Setting:
         return WindowSampler(self.data.train, self.args.seq, batch or self.args.batch, base + worker)
 
 
-def evaluate(executor: LocalExecutor, stages: list[Stage] | Stage | None, eval_data) -> float:
-    """Eval loss of the anchor (of every fragment's stage), or of the working params with ``stages`` None."""
-    stages = [] if stages is None else stages if isinstance(stages, list) else [stages]
-    with contextlib.ExitStack() as anchors:
-        for stage in stages:
-            anchors.enter_context(stage.anchor_weights())
+def evaluate(executor: LocalExecutor, stages: FragmentStages | None, eval_data) -> float:
+    """Eval loss of the anchor (every fragment's), or of the working params with ``stages`` None."""
+    with stages.anchor_weights() if stages is not None else contextlib.nullcontext():
         return executor.evaluate(eval_data)
 
 
-def inner_step(stages: list[Stage] | Stage, executor: LocalExecutor, sampler) -> float:
-    """One inner step as the trainer takes it: forward/backward, the peer's total norm (over all its fragments'
-    stages), clipped AdamW."""
-    stages = stages if isinstance(stages, list) else [stages]
+def inner_step(stages: FragmentStages, executor: LocalExecutor, sampler) -> float:
+    """One inner step as the trainer takes it: forward/backward, the peer's total norm, clipped AdamW (and in
+    delayed mode the merge of the previous round's average when it is due)."""
     inputs, targets = sampler.next_batch()
     loss = executor.forward_backward(inputs.to(executor.device), targets.to(executor.device))
-    norm = torch.linalg.vector_norm(torch.cat([stage.grad_norms() for stage in stages]), 2)
-    for stage in stages:
-        stage.inner_update(norm)
-        if stage.merge_due:  # delayed mode: the previous round's average is applied overlap_steps into this round
-            stage.merge()
+    stages.inner_update()
     return loss
 
 
@@ -137,8 +130,8 @@ def run_plain(setting: Setting, seed: int, workers: int, name: str) -> RowResult
     args, started = setting.args, time.monotonic()
     cfg = setting.config("none", "none")
     model = setting.model(seed)
-    stage = Stage(model, stage_index=0, num_stages=1, inner_cfg=cfg.inner, diloco_cfg=cfg.diloco,
-                  total_steps=args.rounds * args.h)
+    stage = FragmentStages(model, fragment_parts(setting.model_args, 1), inner_cfg=cfg.inner, diloco_cfg=cfg.diloco,
+                           total_steps=args.rounds * args.h)
     executor = LocalExecutor(model, setting.device)
     samplers = [setting.sampler(seed, k) for k in range(workers)]
 
@@ -163,44 +156,35 @@ def run_diloco(setting: Setting, seed: int, workers: int, mode: str, compression
                arrival_steps: int | None = None, fragments: int = 1) -> RowResult:
     """K workers of p2p-diloco's round code, averaging through an exact in-process group.
 
-    ``fragments`` F > 1: streaming sync (model/fragments.py): each worker's model is F fragments, each its own
-    :class:`Stage` with its own group, fragment f's rounds ending ``(F - 1 - f) H / F`` steps before every H-th
-    step, so that one fragment is averaged at a time; at the end, the fragments whose last round ended early
-    average the steps since in one last short round. Each fragment's bandwidth budget is 1/F of the round's
-    compute (it must be sent before the next fragment's turn). F = 1 is the all-at-once round."""
+    ``fragments`` F > 1: streaming sync (:class:`~p2p_diloco.training.streaming.FragmentStages`): each worker's
+    model is F fragments, each its own :class:`Stage` with its own group, averaged one at a time. Each fragment's
+    bandwidth budget is 1/F of the round's compute (it must be sent before the next fragment's turn). F = 1 is
+    the all-at-once round."""
     args, started = setting.args, time.monotonic()
     cfg = setting.config(mode, compression)
     models = [setting.model(seed) for _ in range(workers)]
-    layers = fragment_parts(setting.model_args, fragments)
-    shifts = round_shifts(fragments, args.h) if fragments > 1 else [0]
-    parts = [split_parameters([(n, p) for n, p in m.named_parameters() if p.requires_grad], layers)
-             for m in models]
-    groups = []
-    for f in range(fragments):
-        shapes = [tuple(p.shape) for _, p in parts[0][f]]
-        groups.append(ExactGroup(workers, shapes, cfg.averaging, seed=f"quality{seed}" + (f"f{f}" if f else ""),
-                                 arrival_steps=arrival_steps or args.arrival_steps or args.h) if workers > 1 else None)
-    units = []  # units[k][f]: worker k's Stage of fragment f
-    for k, m in enumerate(models):
-        units.append([])
-        for f in range(fragments):
-            module = m if fragments == 1 else FragmentView(parts[k][f])
-            unit = Stage(module, stage_index=0, num_stages=1, inner_cfg=cfg.inner, diloco_cfg=cfg.diloco,
-                         total_steps=args.rounds * args.h, averager=groups[f].view(k) if groups[f] else None)
-            unit.round_shift = shifts[f]
-            units[k].append(unit)
+    parts = fragment_parts(setting.model_args, fragments)
+    shapes = split_parameters([(n, tuple(p.shape)) for n, p in models[0].named_parameters() if p.requires_grad],
+                              parts) if fragments > 1 else {0: [(n, tuple(p.shape)) for n, p in
+                                                                  models[0].named_parameters() if p.requires_grad]}
+    groups = {f: ExactGroup(workers, [shape for _, shape in named], cfg.averaging,
+                            seed=f"quality{seed}" + (f"f{f}" if f else ""),
+                            arrival_steps=arrival_steps or args.arrival_steps or args.h)
+              for f, named in shapes.items()} if workers > 1 else {}
+    units = [FragmentStages(m, parts, averagers={f: g.view(k) for f, g in groups.items()}, inner_cfg=cfg.inner,
+                            diloco_cfg=cfg.diloco, total_steps=args.rounds * args.h) for k, m in enumerate(models)]
     executors = [LocalExecutor(m, setting.device) for m in models]
     samplers = [setting.sampler(seed, k) for k in range(workers)]
     result, payload = RowResult(name, seed), []
     result.curve.append((0, evaluate(executors[0], units[0], setting.eval_data)))
 
-    def end_all(f: int, end) -> list:
+    def end_all(i: int, end) -> list:
         reports = [None] * workers
         errors = []
 
         def one(k):
             try:
-                reports[k] = end(units[k][f], k)
+                reports[k] = end(units[k].stages[i], k)
             except BaseException as e:  # re-raised below
                 errors.append(e)
         threads = [threading.Thread(target=one, args=(k,)) for k in range(workers)]
@@ -212,8 +196,8 @@ def run_diloco(setting: Setting, seed: int, workers: int, mode: str, compression
             raise errors[0]
         return reports
 
-    last_end = [0] * fragments  # the step each fragment's last round ended at
-    compute = [[0.0] * fragments for _ in range(workers)]  # each worker's compute since each fragment's round end
+    count = len(units[0].stages)
+    compute = [[0.0] * count for _ in range(workers)]  # each worker's compute since each fragment's round end
     total = args.rounds * args.h
     for step in range(1, total + 1):
         for k in range(workers):
@@ -221,24 +205,22 @@ def run_diloco(setting: Setting, seed: int, workers: int, mode: str, compression
             inner_step(units[k], executors[k], samplers[k])
             spent = time.monotonic() - t0
             compute[k] = [c + spent for c in compute[k]]
-        for f, shift in enumerate(shifts):
-            if (step + shift) % args.h and step < total:
-                continue
-            tokens = (step - last_end[f]) * setting.tokens_per_step
-            reports = end_all(f, lambda unit, k, f=f, tokens=tokens:
-                              unit.end_round(tokens, workers, compute_s=compute[k][f] / fragments))
+        for i in units[0].ending(step):
+            tokens = units[0].steps_in_round(i, step) * setting.tokens_per_step
+            reports = end_all(i, lambda stage, k, i=i, tokens=tokens:
+                              stage.end_round(tokens, workers, compute_s=compute[k][i] / count))
             for k in range(workers):
-                compute[k][f] = 0.0
-            last_end[f] = step
+                compute[k][i] = 0.0
+                units[k].ended(i, step)
             _account(result, reports, payload)
-            _check_identical([u[f] for u in units], name, step)
+            _check_identical([u.stages[i] for u in units], name, step)
         if step % args.h == 0:
             r = step // args.h - 1
             if (r + 1) % args.eval_every == 0 or r + 1 == args.rounds:
                 if r + 1 == args.rounds and mode != "none":
-                    for f in range(fragments):
-                        _account(result, end_all(f, lambda unit, k: unit.flush()), payload)
-                        _check_identical([u[f] for u in units], name, step)
+                    for i in range(count):
+                        _account(result, end_all(i, lambda stage, k: stage.flush()), payload)
+                        _check_identical([u.stages[i] for u in units], name, step)
                 result.curve.append(((r + 1) * args.h * setting.tokens_per_step,
                                      evaluate(executors[0], units[0], setting.eval_data)))
     result.final, result.wall_s = result.curve[-1][1], time.monotonic() - started

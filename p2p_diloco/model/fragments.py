@@ -97,7 +97,7 @@ def fragment_of(name: str, parts: Sequence[int]) -> int:
 
 
 def describe(parts: Sequence[int]) -> str:
-    """``[1, 2, 2, 1]`` -> ``"0: embedding, 1: blocks 0-1, 2: blocks 2-3, 3: head"``."""
+    """``[1, 2, 2, 1]`` -> ``"0: embedding, 1: block 0 to block 1, 2: block 2 to block 3, 3: head"``."""
     n_layers = sum(parts) - 2
     names = ["embedding"] + [f"block {b}" for b in range(n_layers)] + ["head"]
     out, start = [], 0

@@ -1,9 +1,11 @@
-"""Fragments of the model (model/fragments.py): the cut, which parameters each holds, splits that fit, the
-staggered round ends, and a stage of one fragment training exactly as the whole model does."""
+"""Fragments of the model (model/fragments.py) and streaming sync (training/streaming.py): the cut, which
+parameters each holds, splits that fit, the staggered round ends, stages of fragments training exactly as one
+stage of the whole model does, and each fragment averaged exactly when its round ends."""
 
 from __future__ import annotations
 
 import itertools
+import threading
 
 import pytest
 import torch
@@ -22,6 +24,8 @@ from p2p_diloco.model.fragments import (
     stage_fragments,
 )
 from p2p_diloco.training import Stage
+from p2p_diloco.training.simulate import ExactGroup
+from p2p_diloco.training.streaming import FragmentStages
 
 
 def args(n_layers: int = 4, dim: int = 32, vocab: int = 512, tie: bool = False) -> ModelArgs:
@@ -114,3 +118,64 @@ def test_stages_of_fragments_train_exactly_as_one_stage_of_the_whole_model():
             s.inner_update(norm)
     for (name, p), (name2, q) in zip(whole.named_parameters(), split.named_parameters()):
         assert name == name2 and torch.equal(p, q), name
+
+
+def test_fragment_stages_end_their_rounds_staggered_and_all_at_the_last_step():
+    """H = 20, F = 4, 3 rounds: fragment f's rounds end after steps 20 r + 5 (f + 1) - (the regular end for the
+    last), and each fragment not just ended averages its last steps at step 60."""
+    a = args(4, vocab=4096)
+    cfg = load_config(None, [("diloco.inner_steps", "20")])
+    stages = FragmentStages(build_stage_model(a, [4], 0), fragment_parts(a, 4), inner_cfg=cfg.inner,
+                            diloco_cfg=cfg.diloco, total_steps=60)
+    ends: dict[int, list[tuple[int, int]]] = {i: [] for i in range(4)}
+    for step in range(1, 61):
+        for i in stages.ending(step):
+            ends[i].append((step, stages.steps_in_round(i, step)))
+            stages.ended(i, step)
+    assert ends == {0: [(5, 5), (25, 20), (45, 20), (60, 15)], 1: [(10, 10), (30, 20), (50, 20), (60, 10)],
+                    2: [(15, 15), (35, 20), (55, 20), (60, 5)], 3: [(20, 20), (40, 20), (60, 20)]}
+    together = FragmentStages(build_stage_model(a, [4], 0), fragment_parts(a, 4), inner_cfg=cfg.inner,
+                              diloco_cfg=cfg.diloco, total_steps=60, stream=False)
+    assert [together.ending(step) for step in (5, 20)] == [[], [0, 1, 2, 3]]
+    whole = build_stage_model(a, [4], 0)
+    one = FragmentStages(whole, fragment_parts(a, 1), inner_cfg=cfg.inner, diloco_cfg=cfg.diloco, total_steps=60)
+    assert len(one.stages) == 1 and one.stages[0].module is whole  # F = 1: the plain stage
+
+
+def test_streamed_fragments_average_each_fragment_exactly_when_it_ends():
+    """Two workers, blocking mode with a plain-averaging outer step (lr 1, no momentum): when a fragment's round
+    ends, its anchor on both workers is exactly the mean of their working parameters of that fragment, while the
+    other fragments' anchors stay where their own last round left them."""
+    a = args(4, vocab=128)
+    cfg = load_config(None, [("diloco.inner_steps", "4"), ("diloco.mode", "none"), ("diloco.outer_lr", "1.0"),
+                             ("diloco.outer_momentum", "0.0"), ("diloco.nesterov", "false"),
+                             ("averaging.compression", "none")])
+    parts = fragment_parts(a, 2)
+    models = [build_stage_model(a, [4], 0) for _ in range(2)]
+    named = split_parameters([(n, tuple(p.shape)) for n, p in models[0].named_parameters()], parts)
+    groups = {f: ExactGroup(2, [s for _, s in v], cfg.averaging, timeout_s=60) for f, v in named.items()}
+    workers = [FragmentStages(m, parts, averagers={f: g.view(k) for f, g in groups.items()}, inner_cfg=cfg.inner,
+                              diloco_cfg=cfg.diloco, total_steps=8) for k, m in enumerate(models)]
+    torch.manual_seed(1)
+    for step in range(1, 9):
+        for model, worker in zip(models, workers):
+            tokens = torch.randint(0, 128, (2, 9))
+            logits = model(tokens[:, :-1])
+            torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+            worker.inner_update()
+        for i in workers[0].ending(step):
+            before = [[p.detach().clone() for p in w.stages[i].params] for w in workers]
+            others = [[t.clone() for t in w.stages[j].anchor] for w in workers for j in range(2) if j != i]
+            threads = [threading.Thread(target=w.stages[i].end_round, args=(100, 2)) for w in workers]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            for w in workers:
+                w.ended(i, step)
+                for anchor, p0, p1 in zip(w.stages[i].anchor, *before):
+                    torch.testing.assert_close(anchor, (p0 + p1) / 2, rtol=0, atol=1e-6)
+            assert all(torch.equal(x, y) for x, y in zip(workers[0].stages[i].anchor, workers[1].stages[i].anchor))
+            after = [[t for t in w.stages[j].anchor] for w in workers for j in range(2) if j != i]
+            assert all(torch.equal(x, y) for old, new in zip(others, after) for x, y in zip(old, new))
+    assert [workers[0].last_end[i] for i in range(2)] == [8, 8]
