@@ -254,15 +254,21 @@ class SwarmSync:
                     f"no peer vouches for its anchor after round {applied}"
             time.sleep(0.5)
 
-    def _download(self, at_least_round: int):
+    def _download(self, at_least_round: int, at_most_round: int | None = None):
         """A checked state from a donor holding the agreed anchor, or None (logged). The donor's inner step is moved
         on by the steps it trained while the state travelled, so that a reloading peer reaches the round's end with
-        it."""
+        it. ``at_most_round``: only donors whose records are on that round or before are asked (a resync cannot use
+        a later one: downloading it anyway cost a newcomer the seconds in which its next group formed, in CI)."""
         if self.stage.averager is None:
             return None
         started = time.monotonic()
         deadline = started + self.download_timeout_s
-        for donor in self.donors(self._others()):
+        others = self._others()
+        donors = self.donors(others)
+        if at_most_round is not None:
+            early = {r.node for r in others if r.round <= at_most_round}
+            donors = [d for d in donors if d in early]
+        for donor in donors:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
@@ -313,7 +319,7 @@ class SwarmSync:
         self._record("reload", reason, meta)
 
     def _resync(self, diverged_round: int) -> None:
-        state = self._download(at_least_round=self.stage.round_index)
+        state = self._download(at_least_round=self.stage.round_index, at_most_round=self.stage.round_index)
         if state is None:
             return
         meta, tensors = state

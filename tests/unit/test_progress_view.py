@@ -54,6 +54,9 @@ def test_groupmates_that_finished_the_run_are_not_expected(monkeypatch):
     monkeypatch.setattr(progress, "fetch_progress", lambda dht, run_id: done)
     met = frozenset({"a", "b"})
     assert link(num_rounds=24).expected_group_size(15, met=met) == 1
+    swarm = link(num_rounds=24)
+    swarm._others_seen_at = progress.time.monotonic()  # others seen a moment ago: an empty read would be "unknown",
+    assert swarm.expected_group_size(16, met=met) == 1  # but records that say they finished are an answer
     assert link().expected_group_size(15, met=met) == 3  # the run's end unknown: counted, as before
     flushing = [record("a", 24, applied_round=22), record("b", 24, applied_round=23)]
     monkeypatch.setattr(progress, "fetch_progress", lambda dht, run_id: flushing)

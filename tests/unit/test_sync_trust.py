@@ -182,3 +182,24 @@ def test_survivors_of_a_round_every_member_applied_alone_converge_on_the_tie_bre
     assert all(torch.equal(x, y) for x, y in zip(sync.stage.anchor, a[1]))
     sync.verify_wait_s = 0.0  # the other anchor is off the tie-break: not taken (after waiting for more votes)
     assert sync.refusal(*b) == "no two peers agree on the anchor after round 0"
+
+
+def test_a_resync_asks_only_donors_not_on_a_later_round():
+    """A peer whose anchor after round 4 differs from the swarm's resyncs at round 5. Peer b (round 6, its anchor
+    after round 5, the agreed one after round 4 before it) ranks first as a donor, but a resync cannot take a later
+    round's state (it would be refused after the download: seconds in which this peer's next group formed without
+    it, in CI); a, on round 5, is asked and the resync happens."""
+    at_a, at_b = state_at(5, 4), state_at(6, 5, poison=0.5)  # b's anchor has taken round 5 since
+    agreed = fingerprint(at_a)
+    records = [Record(5, 4, agreed, node="a"), Record(6, 5, fingerprint(at_b), node="b", prior_anchor=agreed),
+               Record(5, 4, agreed, node="c")]
+    peer = make_stage()
+    peer.round_index, peer.applied_round, peer.inner_step = 5, 4, 5 * peer.diloco_cfg.inner_steps
+    with torch.no_grad():
+        peer.anchor[0].view(-1)[0] += 1.0  # its round 4 fell back while the others averaged
+    sync = sync_of(peer, records, {"a": at_a, "b": at_b, "c": at_a})
+    sync.remember(anchor_fingerprint(peer.anchor))  # this peer's own anchor after round 4: not the agreed one
+    assert sync.donors(records)[0] == "b"
+    sync.after_round()
+    assert "b" not in peer.averager.asked
+    assert [e["action"] for e in sync.events] == ["resync"] and anchor_fingerprint(peer.anchor) == agreed

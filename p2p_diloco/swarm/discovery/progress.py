@@ -216,9 +216,12 @@ class SwarmLink:
         A peer more than a round ahead is not expected, unless it is one of ``met`` (the nodes of this stage's
         recent groups): a groupmate whose records claim rounds it is not on still joins the groups, and left
         uncounted it made the group form one peer short, without the last honest peer to arrive, every round."""
-        records = [r for r in fetch_progress(self.dht, self.run_id) if not self.finished(r)]
+        read = fetch_progress(self.dht, self.run_id)
+        records = [r for r in read if not self.finished(r)]
         size = live_group_size(records, self.stage_index, self.num_stages, self.node,
                                max_round_lag=1, my_round=round_index)
+        if size <= 1 and len(records) < len(read) and any(self.finished(r) for r in self._of_stage(read)):
+            return 1  # the read worked and the others of this stage have finished the run: alone, for certain
         size += len({r.node for r in self._of_stage(records) if r.node in met and r.round > round_index + 1})
         now = time.monotonic()
         if size > 1:
