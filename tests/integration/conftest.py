@@ -12,9 +12,13 @@ from pathlib import Path
 import pytest
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
-# timeouts small enough that a failed round is over in seconds, large enough for a loaded 2-core machine
+# timeouts small enough that a failed round is over in seconds, large enough for a loaded 2-core machine. The
+# request timeout is the product's default (3 s): it is also a follower's grace for the leader's "begin" after its
+# own matchmaking window, and at 2 s, under two busy loops, a follower gave up on a leader that then assembled the
+# group with it: the other two waited 20 s for its parts and the round fell back for all three (hivemind's
+# leader/follower race; seen in the fresh-clone busy CI)
 FAST_AVERAGING = [
-    "--averaging.matchmaking_time_s", "4", "--averaging.request_timeout_s", "2",
+    "--averaging.matchmaking_time_s", "4", "--averaging.request_timeout_s", "3",
     "--averaging.round_timeout_s", "20", "--averaging.allreduce_timeout_s", "20",
     "--averaging.next_chunk_timeout_s", "10",
 ]
