@@ -165,8 +165,7 @@ def run_diloco(setting: Setting, seed: int, workers: int, mode: str, compression
     models = [setting.model(seed) for _ in range(workers)]
     parts = fragment_parts(setting.model_args, fragments)
     shapes = split_parameters([(n, tuple(p.shape)) for n, p in models[0].named_parameters() if p.requires_grad],
-                              parts) if fragments > 1 else {0: [(n, tuple(p.shape)) for n, p in
-                                                                  models[0].named_parameters() if p.requires_grad]}
+                              parts)
     groups = {f: ExactGroup(workers, [shape for _, shape in named], cfg.averaging,
                             seed=f"quality{seed}" + (f"f{f}" if f else ""),
                             arrival_steps=arrival_steps or args.arrival_steps or args.h)

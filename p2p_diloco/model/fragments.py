@@ -88,12 +88,16 @@ def fragment_of(name: str, parts: Sequence[int]) -> int:
     Raises:
         ValueError: a name of no part of the decoder.
     """
-    part, end = part_of(name, sum(parts) - 2), 0
+    return _fragment_of_part(part_of(name, sum(parts) - 2), parts)
+
+
+def _fragment_of_part(part: int, parts: Sequence[int]) -> int:
+    end = 0
     for index, count in enumerate(parts):
         end += count
         if part < end:
             return index
-    raise AssertionError("unreachable: part_of checked the range")
+    raise ValueError(f"part {part} is in none of the fragments {list(parts)}")
 
 
 def describe(parts: Sequence[int]) -> str:
@@ -128,15 +132,15 @@ def check_split_fits(stage_layers: Sequence[int], parts: Sequence[int]) -> None:
 
 def stage_fragments(stage_layers: Sequence[int], parts: Sequence[int], stage_index: int) -> list[int]:
     """The fragments a stage of a (fitting) split holds, e.g. ``([2, 2], [1, 2, 2, 1], 1) -> [2, 3]``."""
-    check_split_fits(stage_layers, parts)
     n_layers = sum(stage_layers)
-    first = sum(stage_layers[:stage_index])
-    held = [f"layers.{b}.w" for b in range(first, first + stage_layers[stage_index])]
-    held += ["tok_embeddings.weight"] if stage_index == 0 else []
-    held += ["norm.weight"] if stage_index == len(stage_layers) - 1 else []
     if sum(parts) - 2 != n_layers:
         raise ValueError(f"the split has {n_layers} blocks, the fragments {sum(parts) - 2}")
-    return sorted({fragment_of(name, parts) for name in held})
+    check_split_fits(stage_layers, parts)
+    first = sum(stage_layers[:stage_index])
+    held = [1 + b for b in range(first, first + stage_layers[stage_index])]  # part 0 is the embedding
+    held += [0] if stage_index == 0 else []
+    held += [n_layers + 1] if stage_index == len(stage_layers) - 1 else []
+    return sorted({_fragment_of_part(part, parts) for part in held})
 
 
 def split_parameters(named: Iterable[tuple[str, nn.Parameter]], parts: Sequence[int]

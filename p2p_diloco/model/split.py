@@ -24,21 +24,17 @@ def balanced_split(args: ModelArgs, num_stages: int) -> list[int]:
     Raises:
         ConfigError: num_stages < 1 or more stages than blocks (naming ``pipeline.stages``).
     """
-    return balanced_counts(args, num_stages, "pipeline.stages", "stages")
-
-
-def balanced_counts(args: ModelArgs, parts: int, key: str, noun: str) -> list[int]:
-    """Blocks per part for :func:`balanced_split`, errors naming ``key``."""
-    if parts < 1:
-        raise ConfigError(f"{key}: must be a positive integer, got {parts}")
-    if parts > args.n_layers:
+    if num_stages < 1:
+        raise ConfigError(f"pipeline.stages: must be a positive integer, got {num_stages}")
+    if num_stages > args.n_layers:
         raise ConfigError(
-            f"{key}: {parts} {noun} need at least {parts} blocks, but the model has {args.n_layers} (model.n_layers)"
+            f"pipeline.stages: {num_stages} stages need at least {num_stages} blocks, "
+            f"but the model has {args.n_layers} (model.n_layers)"
         )
-    counts = [1] * parts
-    for _ in range(args.n_layers - parts):
-        sizes = [_stage_size(args, counts, j) for j in range(parts)]
-        smallest = min(range(parts), key=lambda j: (sizes[j], -j))
+    counts = [1] * num_stages
+    for _ in range(args.n_layers - num_stages):
+        sizes = [_stage_size(args, counts, j) for j in range(num_stages)]
+        smallest = min(range(num_stages), key=lambda j: (sizes[j], -j))
         counts[smallest] += 1
     return counts
 

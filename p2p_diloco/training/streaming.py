@@ -42,7 +42,7 @@ class FragmentStages:
         self.H, self.total_steps = diloco_cfg.inner_steps, total_steps
         averagers = averagers or {}
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
-        held = split_parameters(named, parts) if len(parts) > 1 else {0: named}
+        held = split_parameters(named, parts)
         shifts = round_shifts(len(parts), self.H) if stream and len(parts) > 1 else [0] * len(parts)
         self.fragments = list(held)
         self.stages: list[Stage] = []

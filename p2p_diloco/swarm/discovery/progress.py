@@ -220,7 +220,7 @@ class SwarmLink:
         records = [r for r in read if not self.finished(r)]
         size = live_group_size(records, self.stage_index, self.num_stages, self.node,
                                max_round_lag=1, my_round=round_index)
-        if size <= 1 and len(records) < len(read) and any(self.finished(r) for r in self._of_stage(read)):
+        if size <= 1 and any(self.finished(r) for r in self._of_stage(read)):
             return 1  # the read worked and the others of this stage have finished the run: alone, for certain
         size += len({r.node for r in self._of_stage(records) if r.node in met and r.round > round_index + 1})
         now = time.monotonic()
