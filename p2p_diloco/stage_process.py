@@ -23,11 +23,18 @@ import torch
 from p2p_diloco.config import AveragingConfig, Config, ConfigError, DHTConfig, dump_config
 from p2p_diloco.data import ShardDataset, WindowSampler, eval_batches, resolve_data_path, seed_from_peer_id
 from p2p_diloco.model import balanced_split, build_stage_model, check_split, model_args_from_config
+from p2p_diloco.model.fragments import (
+    FragmentView,
+    check_split_fits,
+    fitting_split,
+    fragment_parts,
+    split_parameters,
+)
 from p2p_diloco.training.executor import LocalExecutor
 from p2p_diloco.training.stage import Stage
 from p2p_diloco.training.summary import Reporter, TrainSummary
 from p2p_diloco.training.sync import SwarmSync
-from p2p_diloco.training.trainer import Trainer
+from p2p_diloco.training.trainer import Held, Trainer
 
 logger = logging.getLogger(__name__)
 
@@ -87,11 +94,17 @@ def check_vocab(data: StageData, vocab_size: int) -> None:
                 split.check_token_range(vocab_size)
 
 
-def resolve_split(cfg: Config, model_args) -> list[int]:
-    """Blocks per stage: the configured split, or one balanced by parameter count."""
+def resolve_split(cfg: Config, model_args, parts: Optional[list[int]] = None) -> list[int]:
+    """Blocks per stage: the configured split, or one balanced by parameter count. In a run averaged by fragment
+    (``parts``: the model's fragment cut), a stage holds whole fragments: a configured split that cuts one is refused,
+    and the balanced one is of whole fragments."""
     if cfg.pipeline.stage_layers is not None:
         check_split(model_args, cfg.pipeline.stage_layers)
+        if parts is not None:
+            check_split_fits(cfg.pipeline.stage_layers, parts)
         return list(cfg.pipeline.stage_layers)
+    if parts is not None:
+        return fitting_split(model_args, parts, cfg.pipeline.stages)
     return balanced_split(model_args, cfg.pipeline.stages)
 
 
@@ -135,9 +148,10 @@ def run_stage(cfg: Config, *, pipeline=None, reporter: Optional[Reporter] = None
     data = load_data(cfg, max_seq_len=_max_seq_len(cfg))
     model_args = model_args_from_config(cfg.model, data.train.vocab_size)
     check_vocab(data, model_args.vocab_size)
-    split = resolve_split(cfg, model_args)
+    parts = fragment_parts(model_args, cfg.diloco.fragments) if cfg.diloco.fragments else None
+    split = resolve_split(cfg, model_args, parts)
     model = build_stage_model(model_args, split, stage_index).to(device)
-    fingerprint = config_fingerprint(model_args, split, data.train.meta)
+    fingerprint = config_fingerprint(model_args, split, data.train.meta, cfg.diloco.fragments)
     output_dir.mkdir(parents=True, exist_ok=True)
     if stage_index == 0:  # only once config, data and model passed their checks: a bad start leaves the old one
         (output_dir / "config.toml").write_text(dump_config(cfg))
@@ -145,34 +159,43 @@ def run_stage(cfg: Config, *, pipeline=None, reporter: Optional[Reporter] = None
     own_dht = dht is None
     dht = start_dht(stage_dht_config(cfg.dht, stage_index, len(split)),
                     record_validators=run_record_validators(cfg.run.run_id)) if own_dht else dht
-    stage, trainer, metrics_server = None, None, None
+    held, trainer, metrics_server = [], None, None
     try:
         logger.info(f"Stage {stage_index}: DHT node up; others can join through: {' '.join(visible_maddrs(dht))}")
         check_fingerprint(dht, cfg.run.run_id, fingerprint, allowlist=frozenset(cfg.averaging.allowlist))
         own_name = dht.peer_id.to_base58()
         peer_name = pipeline.broadcast_object(own_name) if pipeline is not None else own_name
-        averager = PseudoGradientAverager(
-            [p for p in model.parameters() if p.requires_grad], dht, run_id=cfg.run.run_id,
-            stage_index=stage_index, num_stages=len(split), cfg=cfg.averaging, behaviour=behaviour or HONEST,
-        )
+        named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        # what this stage process averages: its stage, or each fragment it holds (each with its own group key,
+        # records, state sharing and sync: peers of any split meet per fragment)
+        units = [(None, model, named)] if parts is None else \
+            [((f, len(parts)), _fragment_view(model, params), params)
+             for f, params in split_parameters(named, parts).items()]
         total_steps = cfg.inner.total_steps or cfg.train.num_rounds * cfg.diloco.inner_steps
-        stage = Stage(model, stage_index=stage_index, num_stages=len(split), inner_cfg=cfg.inner,
-                      diloco_cfg=cfg.diloco, total_steps=total_steps, averager=averager)
-        averager.state_provider = partial(_serve_state, stage, averager, cfg.run.run_id,
-                                          wait_s=donor_wait_s(cfg.averaging))
         seed = cfg.data.seed if cfg.data.seed is not None else seed_from_peer_id(peer_name)
         sampler = WindowSampler(data.train, data.seq_len, cfg.data.batch_size, seed)
         eval_data = eval_batches(data.eval, data.seq_len, cfg.data.batch_size, cfg.data.eval_batches) \
             if data.eval is not None else []
         executor = _make_executor(cfg, pipeline, model, device)
-        swarm = SwarmLink(dht, cfg.run.run_id, peer_name, stage_index=stage_index, num_stages=len(split),
-                          inner_steps=cfg.diloco.inner_steps, fingerprint=fingerprint,
-                          joined_swarm=bool(cfg.dht.initial_peers), num_rounds=cfg.train.num_rounds,
-                          behaviour=behaviour or HONEST)
-        sync = SwarmSync(stage, swarm, executor, cfg.run.run_id, download_timeout_s=cfg.train.state_timeout_s,
-                         num_rounds=cfg.train.num_rounds, allowlist=cfg.averaging.allowlist)
-        trainer = Trainer(cfg, stage, executor, sampler, eval_data, swarm=swarm, output_dir=output_dir,
-                          peer_name=peer_name, reporter=reporter, sync=sync)
+        for fragment, module, params in units:
+            averager = PseudoGradientAverager(
+                [p for _, p in params], dht, run_id=cfg.run.run_id, stage_index=stage_index, num_stages=len(split),
+                cfg=cfg.averaging, behaviour=behaviour or HONEST, fragment=fragment)
+            stage = Stage(module, stage_index=stage_index, num_stages=len(split), inner_cfg=cfg.inner,
+                          diloco_cfg=cfg.diloco, total_steps=total_steps, averager=averager, fragment=fragment)
+            held.append(Held(stage))
+            averager.state_provider = partial(_serve_state, stage, averager, cfg.run.run_id,
+                                              wait_s=donor_wait_s(cfg.averaging))
+            swarm = SwarmLink(dht, cfg.run.run_id, peer_name, stage_index=stage_index, num_stages=len(split),
+                              inner_steps=cfg.diloco.inner_steps, fingerprint=fingerprint,
+                              joined_swarm=bool(cfg.dht.initial_peers), num_rounds=cfg.train.num_rounds,
+                              behaviour=behaviour or HONEST, fragment=fragment)
+            sync = SwarmSync(stage, swarm, executor, cfg.run.run_id, download_timeout_s=cfg.train.state_timeout_s,
+                             num_rounds=cfg.train.num_rounds, allowlist=cfg.averaging.allowlist)
+            held[-1].swarm, held[-1].sync = swarm, sync
+        first = held[0]
+        trainer = Trainer(cfg, first.stage, executor, sampler, eval_data, swarm=first.swarm, output_dir=output_dir,
+                          peer_name=peer_name, reporter=reporter, sync=first.sync, held=held)
         if on_trainer is not None:
             on_trainer(trainer)
         metrics_server = serve_stage_metrics(cfg.metrics, trainer, dht, cfg.run.run_id, peer_name)
@@ -182,10 +205,18 @@ def run_stage(cfg: Config, *, pipeline=None, reporter: Optional[Reporter] = None
             metrics_server.close()
         if trainer is not None:  # the run closes its metrics; a start that failed before it must too (W&B, TB)
             trainer.metrics.close()
-        if stage is not None:
-            stage.shutdown()
+        for unit in held:
+            unit.stage.shutdown()
         if own_dht:
             dht.shutdown()
+
+
+def _fragment_view(model, params) -> FragmentView:
+    """A fragment's parameters as a module of their own (the same tensors), which still knows the model's shape
+    (checkpoints record it for ``export`` and ``generate``)."""
+    view = FragmentView(params)
+    view.args = getattr(model, "args", None)
+    return view
 
 
 def _make_executor(cfg: Config, pipeline, model, device):

@@ -182,6 +182,12 @@ class DiLoCoConfig:
     ended the round, whichever comes first: peers of unequal speed end each round together, the fastest after
     inner_steps steps, each contributing the tokens it trained, weighted by them) or 'steps' (every peer trains
     exactly inner_steps steps; a slower peer reaches the round end late and may miss its group)."""
+    fragments: int = 0
+    """The unit of averaging. 0: the pipeline stage (every peer of the run must use the same pipeline split). F >= 1:
+    F fragments, slices of the model defined by its shape alone (embedding, runs of blocks, head; see
+    docs/design.md 2.11), each averaged on its own with every peer that holds it, so peers of any pipeline split
+    train one model together; a stage boundary must fall on a fragment boundary. Part of the run's config
+    fingerprint; pipeline.stages and pipeline.stage_layers then are not."""
 
     @property
     def merge_step(self) -> int:
@@ -197,6 +203,9 @@ class DiLoCoConfig:
                  f"must be between 1 and diloco.inner_steps ({self.inner_steps}), got {self.overlap_steps!r}")
         _require(self.mode in AVERAGING_MODES, "diloco.mode",
                  f"must be one of {', '.join(AVERAGING_MODES)}, got {self.mode!r}")
+        _require(isinstance(self.fragments, int) and not isinstance(self.fragments, bool) and self.fragments >= 0,
+                 "diloco.fragments", f"must be 0 (average by pipeline stage) or a fragment count >= 1, "
+                 f"got {self.fragments!r}")
         _require(self.round_end in ROUND_ENDS, "diloco.round_end",
                  f"must be one of {', '.join(ROUND_ENDS)}, got {self.round_end!r}")
 

@@ -16,6 +16,7 @@ wire at a time and the peak bandwidth falls by the largest fragment's share of t
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Sequence
 
 from torch import nn
@@ -141,6 +142,30 @@ def stage_fragments(stage_layers: Sequence[int], parts: Sequence[int], stage_ind
     held += [0] if stage_index == 0 else []
     held += [n_layers + 1] if stage_index == len(stage_layers) - 1 else []
     return sorted({_fragment_of_part(part, parts) for part in held})
+
+
+def fitting_split(args: ModelArgs, parts: Sequence[int], num_stages: int) -> list[int]:
+    """Blocks per stage for a peer of ``num_stages`` stages in a run averaged by fragment: stages of whole fragments,
+    each with at least one block, with the smallest largest stage (parameters); the first such split.
+
+    Raises:
+        ConfigError: no split of whole fragments gives every stage a block (naming ``pipeline.stages``).
+    """
+    sizes = part_sizes(args)
+    best: tuple[int, list[int]] | None = None
+    bounds = [sum(parts[:i]) for i in range(1, len(parts))]  # part indices where a fragment starts
+    for cuts in itertools.combinations(bounds, num_stages - 1):
+        edges = [0, *cuts, len(sizes)]
+        blocks = [sum(1 for part in range(a, b) if 0 < part <= args.n_layers) for a, b in zip(edges, edges[1:])]
+        if min(blocks) < 1:
+            continue
+        largest = max(sum(sizes[a:b]) for a, b in zip(edges, edges[1:]))
+        if best is None or largest < best[0]:
+            best = (largest, blocks)
+    if best is None:
+        raise ConfigError(f"pipeline.stages: {num_stages} stages of whole fragments, each with a block, do not fit "
+                          f"the fragments {describe(parts)}; use fewer stages or another diloco.fragments")
+    return best[1]
 
 
 def split_parameters(named: Iterable[tuple[str, nn.Parameter]], parts: Sequence[int]

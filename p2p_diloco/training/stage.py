@@ -93,12 +93,16 @@ class Stage(StageCheckpoint, StateSharing):
         diloco_cfg: the ``[diloco]`` section.
         total_steps: length of the inner lr schedule.
         averager: a :class:`PseudoGradientAverager`, or None to train alone (benchmarks, tests).
+        fragment: (f, F) when the run averages by fragment (``diloco.fragments``): this Stage holds fragment f of
+            the model (``module`` a :class:`~p2p_diloco.model.fragments.FragmentView`), on pipeline stage
+            ``stage_index``; its state is the fragment's, served to and taken from peers of any split.
     """
 
     def __init__(self, module: nn.Module, *, stage_index: int, num_stages: int, inner_cfg: InnerConfig,
-                 diloco_cfg: DiLoCoConfig, total_steps: int, averager=None):
+                 diloco_cfg: DiLoCoConfig, total_steps: int, averager=None, fragment: tuple[int, int] | None = None):
         self.module = module
         self.stage_index, self.num_stages = stage_index, num_stages
+        self.fragment = fragment  # (f, F) in a run averaged by fragment: this Stage is fragment f of the model
         self.inner_cfg, self.diloco_cfg, self.total_steps = inner_cfg, diloco_cfg, total_steps
         self.averager = averager
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
@@ -158,7 +162,7 @@ class Stage(StageCheckpoint, StateSharing):
                                                      total_grad_norm.to(self.params[0].device))
             self.inner_optimizer.step()
         else:
-            logger.warning(f"Stage {self.stage_index} step {self.inner_step}: non-finite gradient norm, "
+            logger.warning(f"{self.label} step {self.inner_step}: non-finite gradient norm, "
                            "step skipped")
         self.inner_optimizer.zero_grad(set_to_none=True)
         self.inner_step += 1
@@ -324,10 +328,10 @@ class Stage(StageCheckpoint, StateSharing):
         waited = time.monotonic() - started
         pending.in_flight, pending.outcome = False, outcome
         if outcome.suspects:
-            logger.warning(f"Stage {self.stage_index} round {pending.round_index}: flagged groupmates "
+            logger.warning(f"{self.label} round {pending.round_index}: flagged groupmates "
                            f"{outcome.suspects}")
         if not outcome.averaged:
-            logger.warning(f"Stage {self.stage_index} round {pending.round_index}: averaging failed "
+            logger.warning(f"{self.label} round {pending.round_index}: averaging failed "
                            f"({outcome.fallback_reason}); applying this peer's own pseudo-gradient")
         return waited
 
@@ -379,6 +383,18 @@ class Stage(StageCheckpoint, StateSharing):
             p.copy_(value)
 
     # ---- helpers ------------------------------------------------------------------------------------
+    @property
+    def unit(self) -> dict:
+        """What this Stage averages, as its states and checkpoints name it: a fragment of F, or a stage of P."""
+        if self.fragment is not None:
+            return {"fragment": self.fragment[0], "num_fragments": self.fragment[1]}
+        return {"stage": self.stage_index, "num_stages": self.num_stages}
+
+    @property
+    def label(self) -> str:
+        """For logs: "Stage 1", or "Stage 1 fragment 2"."""
+        return f"Stage {self.stage_index}" + (f" fragment {self.fragment[0]}" if self.fragment is not None else "")
+
     def position(self) -> Position:
         """Where this stage stands, for its progress record."""
         return Position(self.round_index, self.inner_step, self.applied_round)

@@ -5,6 +5,7 @@ Called by the trainer (which fills them) and the CLI (which reads them).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass, field
 from typing import Optional, Protocol
@@ -82,8 +83,10 @@ class TrainSummary:
     stopped_early: bool = False
     group_sizes: list[int] = field(default_factory=list)
 
-    def account(self, report: RoundReport, inner_steps_per_round: int) -> None:
-        """Add one applied round (or the first round end of an overlap mode, which applies nothing)."""
+    def account(self, reports: RoundReport | list[RoundReport], inner_steps_per_round: int) -> None:
+        """Add one applied round (or the first round end of an overlap mode, which applies nothing): of the stage, or
+        of every fragment this stage process holds (then the round counts as averaged if every fragment's was)."""
+        report = combined_report(reports) if isinstance(reports, list) else reports
         outcome = report.outcome
         self.bytes_sent += outcome.bytes_sent
         self.bytes_received += outcome.bytes_received
@@ -102,6 +105,25 @@ class TrainSummary:
             self.allreduce_bytes_equivalent += int(inner_steps_per_round * 2 * (g - 1) / g * 4 * self.num_params)
         else:
             self.fallback_rounds += 1
+
+
+def combined_report(reports: list[RoundReport]) -> RoundReport:
+    """One round end of several fragments as one report (the summary and the console): bytes and waits added up,
+    averaged only if every fragment averaged, the smallest group, the peers of all groups, the first reason."""
+    if len(reports) == 1:
+        return reports[0]
+    outcomes = [r.outcome for r in reports]
+    failed = [o for o in outcomes if not o.averaged]
+    outcome = dataclasses.replace(
+        outcomes[0], averaged=not failed, group_size=min(o.group_size for o in outcomes),
+        group_peers=tuple(sorted({p for o in outcomes for p in o.group_peers})),
+        bytes_sent=sum(o.bytes_sent for o in outcomes), bytes_received=sum(o.bytes_received for o in outcomes),
+        fallback_reason=failed[0].fallback_reason if failed else outcomes[0].fallback_reason,
+        average=None, residual=None)
+    first = reports[0]
+    return dataclasses.replace(first, outcome=outcome,
+                               waited_s=sum(r.waited_s for r in reports), round_end_s=sum(r.round_end_s for r in reports),
+                               delta_norm=sum(r.delta_norm ** 2 for r in reports) ** 0.5)
 
 
 RESUMED_FIELDS = ("rounds_completed", "tokens", "averaged_rounds", "fallback_rounds", "reloads", "resyncs", "joins",

@@ -143,6 +143,13 @@ class SwarmSync:
         return lambda r: r.round > mine + 1 or (r.round == mine + 1 and r.applied_round >= mine)
 
     def at_start(self, resumed: bool) -> None:
+        SyncGroup([self], self.executor).at_start(resumed)
+
+    def after_round(self) -> None:
+        SyncGroup([self], self.executor).after_round()
+
+    def behind_at_start(self, resumed: bool) -> tuple[bool, str, int]:
+        """Whether this stage must reload before its first round: (behind, why, the swarm's round)."""
         others = self._others()
         swarm_round = lower_median([r.round for r in others]) if others else 0
         mine = self.stage.round_index
@@ -158,12 +165,10 @@ class SwarmSync:
         pending = self.stage.pending
         if not behind and pending is not None and not pending.settled and moved_past(others, pending.round_index):
             behind, reason = True, f"round {pending.round_index}, in flight here, was averaged without this peer"
-        # the stages see the records at slightly different times: they decide together, or one would wait in the
-        # reload's collective while another trains on (a hang seen in CI)
-        if self.executor.any_stage(behind):
-            self._reload(reason if behind else "another stage of this peer is reloading", swarm_round)
+        return behind, reason, swarm_round
 
-    def after_round(self) -> None:
+    def behind_after_round(self) -> tuple[bool, str, int]:
+        """Whether this stage must reload after its round end: (behind, why, the swarm's round)."""
         others = self._others()
         swarm_round = lower_median([r.round for r in others]) if others else 0
         mine = self.stage.round_index
@@ -174,11 +179,10 @@ class SwarmSync:
             behind = self._majority(others, self._ahead_of(mine))
         else:  # rounds of H steps: a peer a round ahead is a whole round's compute ahead
             behind = self._majority(others, lambda r: r.round > mine)
-        if self.executor.any_stage(behind):  # the stages of a pipeline decide together (see at_start)
-            self._reload(f"{swarm_round - mine} round(s) behind the swarm" if behind
-                         else "another stage of this peer is reloading", swarm_round)
-            return
-        diverged = self._diverged_round(others)
+        return behind, f"{swarm_round - mine} round(s) behind the swarm", swarm_round
+
+    def resync_if_diverged(self) -> None:
+        diverged = self._diverged_round(self._others())
         if diverged is not None:
             self._resync(diverged)
 
@@ -281,15 +285,15 @@ class SwarmSync:
             try:
                 self.stage.check_state(self.run_id, meta, tensors)
             except StateError as e:
-                logger.warning(f"Stage {self.stage.stage_index}: refused the state of {donor}: {e}")
+                logger.warning(f"{self.stage.label}: refused the state of {donor}: {e}")
                 continue
             if meta["round"] < at_least_round:
-                logger.warning(f"Stage {self.stage.stage_index}: refused the state of {donor}: its round "
+                logger.warning(f"{self.stage.label}: refused the state of {donor}: its round "
                                f"{meta['round']} is behind {at_least_round}")
                 continue
             refusal = self.refusal(meta, tensors)
             if refusal is not None:
-                logger.warning(f"Stage {self.stage.stage_index}: refused the state of {donor}: {refusal}")
+                logger.warning(f"{self.stage.label}: refused the state of {donor}: {refusal}")
                 continue
             step_s = meta.get("seconds_per_step")
             if isinstance(step_s, float) and math.isfinite(step_s) and step_s > 0:
@@ -299,19 +303,18 @@ class SwarmSync:
             return meta, tensors
         return None
 
-    def _reload(self, reason: str, swarm_round: int) -> None:
-        if swarm_round > self.stage.round_index:  # the others count this stage in while it downloads
+    def reload_state(self, swarm_round: int):
+        """Step 1 of a reload: announce the swarm's round (the others count this stage in while it downloads) and
+        download a state not behind this stage or the swarm (the records announce the next round as a round
+        ends); None if none could be had."""
+        if swarm_round > self.stage.round_index:
             self.swarm.announce(self.stage.position(), swarm_round)
-        # a state behind this stage or the swarm (the records announce the next round as a round ends) is no use
-        state = self._download(at_least_round=max(self.stage.round_index, swarm_round - 1))
-        points = self.executor.common_value(None if state is None else (state[0]["round"], state[0]["inner_step"]))
-        if state is None or None in points or len({r for r, _ in points}) != 1:
-            # a pipeline's stages change rounds together or not at all
-            logger.warning(f"Stage {self.stage.stage_index}: {reason}, but no usable state could be downloaded "
-                           "now; trying again after the next round")
-            return
+        return self._download(at_least_round=max(self.stage.round_index, swarm_round - 1))
+
+    def take_reload(self, state, reason: str, inner_step: int) -> None:
+        """Step 2 of a reload: become the donor of ``state`` at ``inner_step`` (agreed by the whole peer)."""
         meta, tensors = state
-        self.stage.adopt(meta, tensors, "reload", inner_step=min(step for _, step in points))
+        self.stage.adopt(meta, tensors, "reload", inner_step=inner_step)
         self.fingerprints.clear()
         # a donor two rounds past its anchor has a round in flight whose average this stage cannot get
         self.missed_round = meta["applied_round"] + 1 if meta["round"] >= meta["applied_round"] + 2 else None
@@ -327,13 +330,13 @@ class SwarmSync:
             # the donor trains a later round: taking its anchor while staying on this round would leave this
             # stage a round behind with a round nobody else averages (seen under load: resync, then reload, then
             # resync again, round after round). A reload, decided by all stages together, catches up instead.
-            logger.info(f"Stage {self.stage.stage_index}: the donor is on a later round ({meta['round']}, this "
+            logger.info(f"{self.stage.label}: the donor is on a later round ({meta['round']}, this "
                         f"stage {self.stage.round_index}); resync later")
             return
         # the anchors are comparable by the rounds they took, not by the round each peer trains in (a donor can
         # be a little behind or ahead in time); a donor missing rounds this peer applied cannot serve it
         if meta["applied_round"] < self.stage.applied_round:
-            logger.info(f"Stage {self.stage.stage_index}: the donor's anchor is older (applied "
+            logger.info(f"{self.stage.label}: the donor's anchor is older (applied "
                         f"{meta['applied_round']}, this stage {self.stage.applied_round}); resync later")
             return
         self.stage.adopt(meta, tensors, "resync")
@@ -342,8 +345,53 @@ class SwarmSync:
         self._record("resync", f"the anchor after round {diverged_round} differed from the swarm's", meta)
 
     def _record(self, kind: str, reason: str, meta: dict) -> None:
-        logger.warning(f"Stage {self.stage.stage_index}: {kind} from a peer ({reason}); now at round "
+        logger.warning(f"{self.stage.label}: {kind} from a peer ({reason}); now at round "
                        f"{self.stage.round_index}, anchor after round {self.stage.applied_round}")
         self.events.append({"action": kind, "reason": reason, "round": self.stage.round_index,
                             "applied_round": self.stage.applied_round, "donor_round": meta["round"],
                             **self.last_download})
+
+
+class SyncGroup:
+    """The syncs of one stage process (one per fragment it holds; one for its stage when the run averages by stage),
+    deciding together with the peer's other stage processes: a reload moves every fragment and every stage of the
+    peer to the same round and inner step, or none (the trainer's inner steps are the peer's, one clock for all);
+    a resync is each fragment's own (it keeps the round and the progress).
+
+    The collectives through ``executor`` are the same in number on every stage process of the peer, whatever
+    fragments each holds (one decision, one agreement on the reload point): a stage that decided alone waited in
+    the reload's collective while another trained on (a hang seen in CI)."""
+
+    def __init__(self, syncs: list[SwarmSync], executor):
+        self.syncs, self.executor = syncs, executor
+
+    def at_start(self, resumed: bool) -> None:
+        self._reload_if_behind([sync.behind_at_start(resumed) for sync in self.syncs])
+
+    def after_round(self) -> None:
+        if not self._reload_if_behind([sync.behind_after_round() for sync in self.syncs]):
+            for sync in self.syncs:
+                sync.resync_if_diverged()
+
+    def _reload_if_behind(self, decisions: list[tuple[bool, str, int]]) -> bool:
+        """Reload every fragment when any fragment of any stage of the peer is behind; whether the peer decided to."""
+        behind = any(b for b, _, _ in decisions)
+        if not self.executor.any_stage(behind):
+            return False
+        states = [sync.reload_state(swarm_round) for sync, (_, _, swarm_round) in zip(self.syncs, decisions)]
+        rounds = {state[0]["round"] for state in states if state is not None}
+        local = None if None in states or len(rounds) != 1 else \
+            (rounds.pop(), min(state[0]["inner_step"] for state in states))
+        points = self.executor.common_value(local)
+        if None in points or len({r for r, _ in points}) != 1:
+            # a peer's stages and fragments change rounds together or not at all
+            where = ", ".join(f"{s.stage.label}: " + ("none" if st is None else
+                                                                          f"round {st[0]['round']}")
+                              for s, st in zip(self.syncs, states))
+            logger.warning(f"Stage process of {len(self.syncs)} unit(s): behind the swarm, but no usable state for "
+                           f"all of them could be downloaded now ({where}); trying again after the next round")
+            return True
+        step = min(step for _, step in points)
+        for sync, state, (b, reason, _) in zip(self.syncs, states, decisions):
+            sync.take_reload(state, reason if b else "another stage or fragment of this peer is reloading", step)
+        return True

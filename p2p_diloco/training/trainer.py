@@ -10,13 +10,15 @@ summary for ``p2p-diloco swarm``. Called by :mod:`p2p_diloco.stage_process`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
 import resource
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -25,10 +27,28 @@ from p2p_diloco.monitoring.sinks import open_sinks
 from p2p_diloco.training.metrics import MetricsWriter
 from p2p_diloco.training.stage import RoundReport, Stage
 from p2p_diloco.training.state.persist import resume_stage, save_stage
-from p2p_diloco.training.summary import NullReporter, Reporter, TrainSummary, anchor_digest, anchor_fingerprint
-from p2p_diloco.training.sync import SwarmSync
+from p2p_diloco.training.summary import (
+    NullReporter,
+    Reporter,
+    TrainSummary,
+    anchor_digest,
+    anchor_fingerprint,
+    combined_report,
+)
+from p2p_diloco.training.sync import SwarmSync, SyncGroup
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Held:
+    """One unit this stage process averages: its whole stage, or (``diloco.fragments``) one fragment it holds, with
+    the fragment's own Stage (anchor, outer state, averager), progress records and sync."""
+
+    stage: Stage
+    swarm: Optional[object] = None
+    """Its :class:`~p2p_diloco.swarm.SwarmLink`, or None to train alone."""
+    sync: Optional[SwarmSync] = None
 
 
 class Trainer:
@@ -45,10 +65,16 @@ class Trainer:
         peer_name: the peer's name in metrics and records (peer id of its stage 0).
         reporter: console progress.
         sync: keeps the stage in step with the swarm (reloads, resyncs), or None.
+        held: in a run averaged by fragment, the fragments this stage process holds, in model order (``stage``,
+            ``swarm`` and ``sync`` are then the first one's): one inner step for all (the clip by the norm over
+            every fragment), and at each round end every fragment's own round; reloads decided together.
     """
 
     def __init__(self, cfg: Config, stage: Stage, executor, sampler, eval_data: list, *, swarm=None,
-                 output_dir: Path, peer_name: str, reporter: Reporter | None = None, sync: SwarmSync | None = None):
+                 output_dir: Path, peer_name: str, reporter: Reporter | None = None, sync: SwarmSync | None = None,
+                 held: list[Held] | None = None):
+        self.held = held or [Held(stage, swarm, sync)]
+        stage, swarm, sync = self.held[0].stage, self.held[0].swarm, self.held[0].sync
         self.cfg, self.stage, self.executor, self.sampler = cfg, stage, executor, sampler
         self.eval_data, self.swarm, self.output_dir = eval_data, swarm, Path(output_dir)
         self.reporter = reporter or NullReporter()
@@ -57,7 +83,7 @@ class Trainer:
         self.tokens_per_s = 0.0  # last measured: for progress records and the metrics endpoint
         self._round_compute_s = 0.0
         self._round_steps = 0  # inner steps this peer trained in the round that just ended
-        self._last_group: list[str] = []  # peer ids of the group of the last round applied (if averaged)
+        self._last_group: list[list[str]] = []  # per unit held: the group of the last round applied (if averaged)
         # a round ends when another peer has ended it (peers of unequal speed meet at the round end)
         self.follow_swarm = swarm is not None and cfg.diloco.round_end == "swarm"
         tag = f"stage{stage.stage_index}"
@@ -66,13 +92,23 @@ class Trainer:
         self.metrics = MetricsWriter(self.output_dir / f"metrics-{tag}.jsonl", sinks)
         self.summary_path = self.output_dir / f"summary-{tag}.json"
         ckpt_root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.output_dir / "checkpoints"
-        self.checkpoint_dir = ckpt_root / f"stage{stage.stage_index}of{stage.num_stages}"
-        num_params = sum(p.numel() for p in stage.params)
+        # one folder per unit: the stage's, or each fragment's (a peer of another split resumes the same fragments)
+        self.checkpoint_dirs = [ckpt_root / (f"stage{u.stage.stage_index}of{u.stage.num_stages}"
+                                             if u.stage.fragment is None else "fragment{}of{}".format(*u.stage.fragment))
+                                for u in self.held]
+        self.checkpoint_dir = self.checkpoint_dirs[0]
+        num_params = sum(p.numel() for unit in self.held for p in unit.stage.params)
         self.summary = TrainSummary(peer_name, cfg.run.run_id, stage.stage_index, stage.num_stages, num_params,
                                     mode=stage.mode)
         self.sync = sync
-        if swarm is not None:  # a round nobody can join any more fails at once, not after its timeout
-            stage.round_is_hopeless = swarm.moved_past
+        self.syncs = SyncGroup([u.sync for u in self.held], executor) if sync is not None else None
+        for unit in self.held:
+            if unit.swarm is not None:  # a round nobody can join any more fails at once, not after its timeout
+                unit.stage.round_is_hopeless = unit.swarm.moved_past
+
+    @property
+    def stages(self) -> list[Stage]:
+        return [unit.stage for unit in self.held]
 
     def request_stop(self) -> None:
         """Finish the current inner step, apply the round in flight, checkpoint and return (signal handlers)."""
@@ -86,12 +122,14 @@ class Trainer:
         self._note_anchor()  # the records carry this stage's anchor from the start (donors are chosen by it)
         self._publish(loss=float("nan"), tokens_per_s=0.0, force=True)
         self._wait_for_peers()
-        if self.sync is not None:
-            self.sync.at_start(resumed)
+        if self.syncs is not None:
+            self.syncs.at_start(resumed)
             if self._log_sync_events():
                 self._note_anchor()
-        if self.stage.pending is not None:  # resumed with a round in flight, and not replaced by a reload
-            self.stage.restart_pending(self.swarm.expected_group_size(self.stage.round_index) if self.swarm else 1)
+        for unit in self.held:
+            if unit.stage.pending is not None:  # resumed with a round in flight, and not replaced by a reload
+                unit.stage.restart_pending(unit.swarm.expected_group_size(unit.stage.round_index)
+                                           if unit.swarm else 1)
         self.reporter.on_start(num_rounds * H, self.stage.inner_step)
         if self.summary.eval_loss_start is None:
             self.summary.eval_loss_start = self._evaluate()
@@ -103,7 +141,8 @@ class Trainer:
                     break  # stopped mid-round: the partial round is checkpointed, not averaged
                 self._after_round()
             if self.stage.round_index < num_rounds:
-                self.stage.settle()  # a stop: keep the average in flight for the checkpoint, resume continues
+                for stage in self.stages:
+                    stage.settle()  # a stop: keep the average in flight for the checkpoint, resume continues
             else:
                 self._flush()  # the end: apply the last round's average
                 self._leave()
@@ -147,7 +186,7 @@ class Trainer:
         slowdown = self.cfg.train.slowdown
         while self.stage.inner_step < (self.stage.round_index + 1) * H:
             ended = self.follow_swarm and self.stage.inner_step > first and not self._nearly_done(H) and \
-                self.swarm.others_ended_round(self.stage.round_index)
+                any([unit.swarm.others_ended_round(self.stage.round_index) for unit in self.held])
             stop, ended = self.executor.any_stages(self.stop_requested, ended)  # every stage of the peer agrees
             if stop:
                 self.stop_requested = True  # every stage of the peer stops after the same inner step
@@ -157,25 +196,30 @@ class Trainer:
             step_started = time.monotonic()
             inputs, targets = self.sampler.next_batch()
             loss = self.executor.forward_backward(inputs, targets)
-            norms = self.executor.gather_across_stages(self.stage.grad_norms())  # per-tensor, all stages
+            # per-tensor, all fragments and stages in model order: the clip is bit-identical whatever the split
+            norms = self.executor.gather_across_stages(torch.cat([stage.grad_norms() for stage in self.stages]))
             total_norm = torch.linalg.vector_norm(norms, 2)
-            lr = self.stage.inner_update(total_norm)
+            lr = [stage.inner_update(total_norm) for stage in self.stages][0]
             if slowdown > 1:  # a slower machine, for tests and benchmarks of unequal peers
                 time.sleep((slowdown - 1) * (time.monotonic() - step_started))
             step_s = time.monotonic() - step_started
             self.summary.train_s += step_s
             self.summary.tokens += self.tokens_per_step
-            if self.stage.merge_due:  # delayed mode: the previous round's average is applied now
+            due = [stage for stage in self.stages if stage.merge_due]
+            if due:  # delayed mode: the previous round's average is applied now
                 merge_started = time.monotonic()
-                self.stage.merge()
+                for stage in due:
+                    stage.merge()
                 self.summary.train_s += time.monotonic() - merge_started
                 # the anchor changed: the records published from now on name the round just applied, so they
                 # must carry its fingerprint (a stale one made peers that compare at this round see divergence
                 # where there was none, and miss it where there was)
                 self._note_anchor()
                 self._publish(loss, self.tokens_per_s, force=True)
-            self.stage.seconds_per_step = step_s if not self.stage.seconds_per_step else \
+            seconds_per_step = step_s if not self.stage.seconds_per_step else \
                 0.9 * self.stage.seconds_per_step + 0.1 * step_s
+            for stage in self.stages:
+                stage.seconds_per_step = seconds_per_step
             window_tokens += self.tokens_per_step
             self._record_loss(loss)
             step = self.stage.inner_step
@@ -190,7 +234,8 @@ class Trainer:
         if self.stage.inner_step < (self.stage.round_index + 1) * H:  # ended by the swarm: skip the rest of it
             logger.info(f"Stage {self.stage.stage_index} round {self.stage.round_index}: ended by the swarm after "
                         f"{self._round_steps} of {H} steps")
-            self.stage.inner_step = (self.stage.round_index + 1) * H
+            for stage in self.stages:
+                stage.inner_step = (self.stage.round_index + 1) * H
         self._round_compute_s = self.summary.train_s - train_s_before
         return True
 
@@ -199,18 +244,21 @@ class Trainer:
         return remaining * self.stage.seconds_per_step <= 0.25 * self.cfg.averaging.matchmaking_time_s
 
     def _after_round(self) -> None:
-        self.stage.round_first_step = None
         tokens = self._round_steps * self.tokens_per_step
-        if self.follow_swarm:  # the others end this round now too (they wait for this peer's contribution)
-            self.swarm.announce(self.stage.position(), self.stage.round_index + 1,
-                                self.summary.last_loss or float("nan"), self.tokens_per_s)
-        met = self.sync.recently_met() if self.sync is not None else frozenset()
-        expected = self.swarm.expected_group_size(self.stage.round_index, met) if self.swarm else 1
+        for unit in self.held:
+            unit.stage.round_first_step = None
+            if self.follow_swarm:  # the others end this round now too (they wait for this peer's contribution)
+                unit.swarm.announce(unit.stage.position(), unit.stage.round_index + 1,
+                                    self.summary.last_loss or float("nan"), self.tokens_per_s)
         round_started = time.monotonic()
-        report = self.stage.end_round(tokens, expected, compute_s=self._round_compute_s)
+        reports = []
+        for unit in self.held:  # in model order on every peer: fragment groups wait only on earlier fragments
+            met = unit.sync.recently_met() if unit.sync is not None else frozenset()
+            expected = unit.swarm.expected_group_size(unit.stage.round_index, met) if unit.swarm else 1
+            reports.append(unit.stage.end_round(tokens, expected, compute_s=self._round_compute_s))
         self.summary.train_s += time.monotonic() - round_started
         self.summary.rounds_completed += 1
-        self._record_round(report)
+        self._record_round(reports)
         round_index = self.stage.round_index
         every = self.cfg.train.eval_every_rounds
         if every and round_index % every == 0 and round_index < self.cfg.train.num_rounds:
@@ -219,8 +267,8 @@ class Trainer:
         if every and round_index % every == 0:
             self._save_checkpoint()
         self._publish(self.summary.last_loss or float("nan"), self.tokens_per_s, force=True)
-        if self.sync is not None:
-            self.sync.after_round()
+        if self.syncs is not None:
+            self.syncs.after_round()
             if self._log_sync_events():
                 self._note_anchor()
                 self._publish(self.summary.last_loss or float("nan"), self.tokens_per_s, force=True)
@@ -228,10 +276,10 @@ class Trainer:
     def _flush(self) -> None:
         """Apply the round still in flight (overlap modes), then evaluate the final anchor."""
         flush_started = time.monotonic()
-        report = self.stage.flush()
+        reports = [stage.flush() for stage in self.stages]
         self.summary.train_s += time.monotonic() - flush_started  # the last round's wait counts, as all others
-        if report is not None:
-            self._record_round(report, flush=True)
+        if reports[0] is not None:
+            self._record_round(reports, flush=True)
         if self.stage.round_index == self.cfg.train.num_rounds:
             self._evaluate_and_log(self.stage.round_index)
 
@@ -244,47 +292,62 @@ class Trainer:
         peer publishes that it has applied the last round and waits until each groupmate's record says the same
         (or is gone), at most ``averaging.next_chunk_timeout_s``: the time after which a groupmate stops waiting
         for a part anyway."""
-        if self.swarm is None or not self._last_group:
+        if self.swarm is None or not any(self._last_group):
             return
         self._publish(self.summary.last_loss or float("nan"), self.tokens_per_s, force=True)
-        waiting = self.swarm.wait_for_groupmates(self._last_group, self.stage.applied_round,
-                                                 timeout_s=self.cfg.averaging.next_chunk_timeout_s)
-        if waiting:
-            logger.info(f"Stage {self.stage.stage_index}: leaving before {len(waiting)} groupmate(s) of the last "
-                        f"round said they had its result")
+        deadline = time.monotonic() + self.cfg.averaging.next_chunk_timeout_s
+        for unit, group in zip(self.held, self._last_group):
+            waiting = unit.swarm.wait_for_groupmates(group, unit.stage.applied_round,
+                                                     timeout_s=max(0.0, deadline - time.monotonic()))
+            if waiting:
+                logger.info(f"{unit.stage.label}: leaving before {len(waiting)} groupmate(s) of the last "
+                            f"round said they had its result")
 
     def _note_anchor(self) -> None:
-        """Publish where this stage's anchor stands (divergence checks, donor choice, state checks)."""
-        fingerprint = anchor_fingerprint(self.stage.anchor)
-        if self.swarm is not None:
-            self.swarm.anchor_fingerprint = fingerprint
-        if self.sync is not None:
-            self.sync.remember(fingerprint)
-            if self.swarm is not None:
-                self.swarm.prior_anchor_fingerprint = self.sync.fingerprints.get(self.stage.applied_round - 1, "")
+        """Publish where each unit's anchor stands (divergence checks, donor choice, state checks)."""
+        for unit in self.held:
+            fingerprint = anchor_fingerprint(unit.stage.anchor)
+            if unit.swarm is not None:
+                unit.swarm.anchor_fingerprint = fingerprint
+            if unit.sync is not None:
+                unit.sync.remember(fingerprint)
+                if unit.swarm is not None:
+                    unit.swarm.prior_anchor_fingerprint = unit.sync.fingerprints.get(unit.stage.applied_round - 1, "")
 
     def _log_sync_events(self) -> bool:
         """Metrics and summary of the reloads and resyncs just done; whether there were any."""
-        events, self.sync.events = self.sync.events, []
-        for event in events:
-            digest = anchor_digest(self.stage.anchor) if self.cfg.train.anchor_digest else ""
-            self.metrics.write("sync", **event, inner_step=self.stage.inner_step, anchor_sha256=digest)
-            if event["action"] == "reload":
-                self.summary.reloads += 1
-            else:
-                self.summary.resyncs += 1
-        return bool(events)
+        any_events, reloaded = False, False
+        for unit in self.held:
+            events, unit.sync.events = unit.sync.events, []
+            for event in events:
+                any_events = True
+                digest = anchor_digest(unit.stage.anchor) if self.cfg.train.anchor_digest else ""
+                self.metrics.write("sync", **event, **self._unit_facts(unit), inner_step=self.stage.inner_step,
+                                   anchor_sha256=digest)
+                if event["action"] == "reload":
+                    reloaded = True  # the stage process reloads once, all its fragments together
+                else:
+                    self.summary.resyncs += 1
+        self.summary.reloads += reloaded
+        return any_events
 
-    def _record_round(self, report: RoundReport, flush: bool = False) -> None:
-        self.summary.account(report, self.cfg.diloco.inner_steps)
-        self._last_group = list(report.outcome.group_peers)
-        if self.sync is not None:
-            self.sync.met_group(self._last_group)
+    def _unit_facts(self, unit: Held) -> dict:
+        """How metrics rows name a fragment (nothing when the stage is the unit)."""
+        return {} if unit.stage.fragment is None else {"fragment": unit.stage.fragment[0]}
+
+    def _record_round(self, reports: list[RoundReport], flush: bool = False) -> None:
+        """One round end of every unit held: its metrics row each, one account in the summary."""
+        self.summary.account(reports, self.cfg.diloco.inner_steps)
+        self._last_group = [list(report.outcome.group_peers) for report in reports]
+        for unit, group in zip(self.held, self._last_group):
+            if unit.sync is not None:
+                unit.sync.met_group(group)
         self._note_anchor()
-        digest = anchor_digest(self.stage.anchor) if self.cfg.train.anchor_digest else ""
-        self.metrics.write("round", **report.record(), inner_step=self.stage.inner_step, anchor_sha256=digest,
-                           anchor_applied_round=self.stage.applied_round, flush=flush)
-        self.reporter.on_round(report)
+        for unit, report in zip(self.held, reports):
+            digest = anchor_digest(unit.stage.anchor) if self.cfg.train.anchor_digest else ""
+            self.metrics.write("round", **report.record(), **self._unit_facts(unit), inner_step=self.stage.inner_step,
+                               anchor_sha256=digest, anchor_applied_round=unit.stage.applied_round, flush=flush)
+        self.reporter.on_round(reports[0] if len(reports) == 1 else combined_report(reports))
 
     # ---- pieces -------------------------------------------------------------------------------------
     def _record_loss(self, loss: float) -> None:
@@ -297,7 +360,9 @@ class Trainer:
     def _evaluate(self) -> float | None:
         if not self.eval_data:
             return None
-        with self.stage.anchor_weights():
+        with contextlib.ExitStack() as anchors:
+            for stage in self.stages:
+                anchors.enter_context(stage.anchor_weights())
             loss = self.executor.evaluate(self.eval_data)
         return loss if self.executor.is_last_stage else None
 
@@ -308,8 +373,9 @@ class Trainer:
         self.summary.eval_loss_final = loss
 
     def _publish(self, loss: float, tokens_per_s: float, force: bool = False) -> None:
-        if self.swarm is not None:
-            self.swarm.publish(self.stage.position(), loss, tokens_per_s, force=force)
+        for unit in self.held:
+            if unit.swarm is not None:
+                unit.swarm.publish(unit.stage.position(), loss, tokens_per_s, force=force)
 
     @functools.cached_property
     def data_path(self) -> str | None:
@@ -322,12 +388,13 @@ class Trainer:
             return None
 
     def _save_checkpoint(self) -> None:
-        save_stage(self.checkpoint_dir, self.stage, self.sampler, self.summary, self.cfg.run.run_id,
-                   self.cfg.checkpoint.keep, data_path=self.data_path)
+        for folder, stage in zip(self.checkpoint_dirs, self.stages):
+            save_stage(folder, stage, self.sampler, self.summary, self.cfg.run.run_id, self.cfg.checkpoint.keep,
+                       data_path=self.data_path)
 
     def _resume(self) -> bool:
-        path = resume_stage(self.checkpoint_dir, self.stage, self.sampler, self.summary, self.cfg.run.run_id,
-                            self.executor)
+        path = resume_stage(list(zip(self.checkpoint_dirs, self.stages)), self.sampler, self.summary,
+                            self.cfg.run.run_id, self.executor)
         if path is None:
             return False
         self.metrics.write("resume", round=self.stage.round_index, inner_step=self.stage.inner_step,
@@ -337,8 +404,9 @@ class Trainer:
     def _finish(self, started: float, save: bool) -> None:
         s = self.summary
         s.inner_steps = self.stage.inner_step
-        s.anchor_sha256 = anchor_digest(self.stage.anchor)
-        s.state_bytes = self.stage.num_state_bytes()
+        s.anchor_sha256 = anchor_digest([t for stage in self.stages for t in stage.anchor])
+        s.state_bytes = {key: sum(stage.num_state_bytes()[key] for stage in self.stages)
+                         for key in self.stage.num_state_bytes()}
         s.max_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         s.wall_s = time.monotonic() - started
         if save and self.stage.inner_step > 0:

@@ -125,7 +125,7 @@ def snapshot(folder: Path) -> dict[str, str]:
 
 def resume(folder: Path, sampler, run_id: str = "good-run", args: dict = TINY_ARGS) -> Stage:
     stage = make_stage(args)
-    path = resume_stage(folder, stage, sampler, TrainSummary("p", run_id, 0, 1, 1), run_id,
+    path = resume_stage([(folder, stage)], sampler, TrainSummary("p", run_id, 0, 1, 1), run_id,
                         LocalExecutor(Transformer(ModelArgs(**args)), torch.device("cpu")))  # only common_value
     assert path is not None
     return stage

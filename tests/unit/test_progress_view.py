@@ -14,6 +14,7 @@ def record(node: str, round_index: int, applied_round: int = -1) -> ProgressReco
 def link(joined: bool = True, num_rounds: int | None = None) -> SwarmLink:
     swarm = SwarmLink.__new__(SwarmLink)  # no DHT: the read is replaced below
     swarm.dht, swarm.run_id, swarm.node, swarm.stage_index, swarm.num_stages = None, "run", "me", 0, 1
+    swarm.records_run = "run"
     swarm.num_rounds = num_rounds
     swarm.joined_swarm, swarm.ttl_s, swarm._others_seen_at = joined, 120.0, float("-inf")
     return swarm

@@ -1,6 +1,7 @@
 """The run's config fingerprint in the DHT: what every peer of a swarm must share to average together.
 
-Model shape, pipeline stages and split, vocabulary and data format. Each stage process publishes its
+Model shape, pipeline stages and split (or, in a run that averages by fragment, the fragment count), vocabulary and
+data format. Each stage process publishes its
 fingerprint under ``<run_id>_config`` (subkey: its public key; signed and schema-checked, see
 :mod:`p2p_diloco.swarm.discovery.records`) and, before training, compares it with the live ones: a peer whose stages
 would not line up with the swarm's is refused with a message naming each key that differs. (The averager's
@@ -30,9 +31,12 @@ def config_key(run_id: str) -> str:
     return f"{run_id}_config"
 
 
-def config_fingerprint(model_args, stage_layers: list[int], data_meta: dict[str, Any]) -> dict[str, Any]:
-    """What peers of one run must agree on, keyed by the config key a user would change."""
-    return {
+def config_fingerprint(model_args, stage_layers: list[int], data_meta: dict[str, Any], fragments: int = 0,
+                       ) -> dict[str, Any]:
+    """What peers of one run must agree on, keyed by the config key a user would change. A run that averages by
+    fragment (``fragments`` F >= 1) fixes F, not the pipeline split: peers of any split average together."""
+    by_fragment = {"pipeline.stages": None, "pipeline.stage_layers": None, "diloco.fragments": fragments}
+    return ({
         "version": FINGERPRINT_VERSION,
         "model.dim": model_args.dim, "model.n_layers": model_args.n_layers, "model.n_heads": model_args.n_heads,
         "model.n_kv_heads": model_args.n_kv_heads, "model.ffn_dim": model_args.ffn_dim,
@@ -41,7 +45,7 @@ def config_fingerprint(model_args, stage_layers: list[int], data_meta: dict[str,
         "pipeline.stages": len(stage_layers), "pipeline.stage_layers": list(stage_layers),
         "data.vocab_size": data_meta.get("vocab_size"), "data.dtype": data_meta.get("dtype"),
         "data.tokenizer": data_meta.get("tokenizer"),
-    }
+    }) | (by_fragment if fragments else {})
 
 
 def differences(mine: dict[str, Any], theirs: dict[str, Any]) -> list[str]:

@@ -24,6 +24,12 @@ def progress_key(run_id: str) -> str:
     return f"{run_id}_progress"
 
 
+def records_run(run_id: str, fragment: Optional[tuple[int, int]] = None) -> str:
+    """Whose records: the run's (``<run_id>_progress``), or in a run averaged by fragment, fragment f of F's
+    (``<run_id>_f<f>of<F>_progress``, read by every peer that holds that fragment, whatever its split)."""
+    return run_id if fragment is None else f"{run_id}_f{fragment[0]}of{fragment[1]}"
+
+
 @dataclass
 class ProgressRecord:
     """One stage process's latest progress."""
@@ -152,12 +158,19 @@ class SwarmLink:
         num_rounds: the run's end (``train.num_rounds``), or None: a peer whose record says it applied the last
             round has finished and is never expected in a group again.
         behaviour: what the records tell (``faults.HONEST``: the truth; a test's ``Hostility`` may lie).
+        fragment: (f, F) in a run averaged by fragment: this link is fragment f's (``stage_index``/``num_stages``
+            are then f and F). Its records go under the fragment's own key, ``<run_id>_f<f>of<F>_progress``: one
+            signed record per writer and key, and a stage process that holds several fragments writes one for each.
     """
 
     def __init__(self, dht, run_id: str, peer_name: str, *, stage_index: int = 0, num_stages: int = 1,
                  inner_steps: int = 1, fingerprint: Optional[dict] = None, publish_every_s: float = 10.0,
-                 ttl_s: float = 120.0, joined_swarm: bool = True, num_rounds: Optional[int] = None, behaviour=None):
+                 ttl_s: float = 120.0, joined_swarm: bool = True, num_rounds: Optional[int] = None, behaviour=None,
+                 fragment: Optional[tuple[int, int]] = None):
         self.dht, self.run_id, self.peer_name, self.fingerprint = dht, run_id, peer_name, fingerprint
+        if fragment is not None:
+            stage_index, num_stages = fragment
+        self.records_run = records_run(run_id, fragment)  # the key prefix of the records this link reads and writes
         self.num_rounds = num_rounds
         self.stage_index, self.num_stages, self.inner_steps = stage_index, num_stages, inner_steps
         self.joined_swarm = joined_swarm
@@ -165,7 +178,7 @@ class SwarmLink:
         self.anchor_fingerprint = ""  # set by the trainer whenever the anchor takes an average
         self.prior_anchor_fingerprint = ""  # the one before (see ProgressRecord.prior_anchor)
         self.node = dht.peer_id.to_base58()
-        record_owner(dht, run_id)  # fails here, not later, on a DHT node that does not check signatures
+        record_owner(dht, self.records_run)  # fails here, not later, on a DHT node that does not check signatures
         self.publish_every_s, self.ttl_s = publish_every_s, ttl_s
         self._last_publish = float("-inf")
         self.watch_every_s = 0.5  # how often others_ended_round reads the records again
@@ -191,7 +204,7 @@ class SwarmLink:
                                 time=get_dht_time(), applied_round=applied_round, anchor=self.anchor_fingerprint,
                                 prior_anchor=self.prior_anchor_fingerprint)
         try:
-            publish_progress(self.dht, self.run_id, record, self.ttl_s)
+            publish_progress(self.dht, self.records_run, record, self.ttl_s)
             if self.fingerprint is not None and force:
                 from p2p_diloco.swarm.discovery.fingerprint import publish_fingerprint
 
@@ -216,7 +229,7 @@ class SwarmLink:
         A peer more than a round ahead is not expected, unless it is one of ``met`` (the nodes of this stage's
         recent groups): a groupmate whose records claim rounds it is not on still joins the groups, and left
         uncounted it made the group form one peer short, without the last honest peer to arrive, every round."""
-        read = fetch_progress(self.dht, self.run_id)
+        read = fetch_progress(self.dht, self.records_run)
         records = [r for r in read if not self.finished(r)]
         size = live_group_size(records, self.stage_index, self.num_stages, self.node,
                                max_round_lag=1, my_round=round_index)
@@ -248,7 +261,7 @@ class SwarmLink:
 
         deadline = time.monotonic() + timeout_s
         while True:
-            seen = live_group_size(fetch_progress(self.dht, self.run_id), self.stage_index, self.num_stages,
+            seen = live_group_size(fetch_progress(self.dht, self.records_run), self.stage_index, self.num_stages,
                                    self.node)
             if seen >= count or time.monotonic() >= deadline:
                 return seen
@@ -304,14 +317,14 @@ class SwarmLink:
         if self._watch is None and time.monotonic() - self._watch_at >= self.watch_every_s:
             self._watch_at = time.monotonic()
             try:
-                self._watch = request_progress(self.dht, self.run_id)
+                self._watch = request_progress(self.dht, self.records_run)
             except Exception as e:  # the DHT process may be shutting down
                 logger.debug(f"Could not read progress records: {e!r}")
         return round_index + 1 in self._rounds_seen
 
     def others(self) -> list[ProgressRecord]:
         """Live records of the same stage of other peers."""
-        return self._of_stage(fetch_progress(self.dht, self.run_id))
+        return self._of_stage(fetch_progress(self.dht, self.records_run))
 
     def _of_stage(self, records: list[ProgressRecord]) -> list[ProgressRecord]:
         return [r for r in records

@@ -92,9 +92,11 @@ class FingerprintValue(BaseModel):
     model_max_seq_len: conint(strict=True, ge=1) = Field(..., alias="model.max_seq_len")
     model_tie_embeddings: StrictBool = Field(..., alias="model.tie_embeddings")
     model_init_seed: conint(strict=True) = Field(..., alias="model.init_seed")
-    pipeline_stages: conint(strict=True, ge=1, le=MAX_STAGES) = Field(..., alias="pipeline.stages")
-    pipeline_stage_layers: conlist(conint(strict=True, ge=1), min_items=1, max_items=MAX_STAGES) = \
+    # None when the run averages by fragment (diloco.fragments): then peers of any split train together
+    pipeline_stages: Optional[conint(strict=True, ge=1, le=MAX_STAGES)] = Field(..., alias="pipeline.stages")
+    pipeline_stage_layers: Optional[conlist(conint(strict=True, ge=1), min_items=1, max_items=MAX_STAGES)] = \
         Field(..., alias="pipeline.stage_layers")
+    diloco_fragments: Optional[conint(strict=True, ge=1, le=MAX_STAGES)] = Field(None, alias="diloco.fragments")
     data_vocab_size: Optional[conint(strict=True, ge=1)] = Field(..., alias="data.vocab_size")
     data_dtype: Optional[constr(strict=True, max_length=32)] = Field(..., alias="data.dtype")
     data_tokenizer: Optional[constr(strict=True, max_length=256)] = Field(..., alias="data.tokenizer")

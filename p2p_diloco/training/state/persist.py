@@ -40,33 +40,53 @@ def save_stage(folder: Path, stage: Stage, sampler, summary: TrainSummary, run_i
     return path
 
 
-def resume_stage(folder: Path, stage: Stage, sampler, summary: TrainSummary, run_id: str, executor) -> Path | None:
-    """Load the newest checkpoint all the peer's stages have; None if there is none.
+def resume_stage(held: list[tuple[Path, Stage]], sampler, summary: TrainSummary, run_id: str,
+                 executor) -> Path | None:
+    """Load the newest checkpoint that every unit of every stage of the peer has (``held``: this stage process's
+    units, each with its checkpoint folder: its stage's, or each fragment's); None if there is none.
 
     Raises:
         CheckpointError: the checkpoint belongs to another run, does not fit this stage, or the stages
             cannot agree on one.
     """
-    steps = executor.common_value(checkpoint_steps(folder))
+    folders = [folder for folder, _ in held]
+    mine = set(checkpoint_steps(folders[0])).intersection(*(checkpoint_steps(f) for f in folders[1:]))
+    if len(folders) > 1 and not mine and any(checkpoint_steps(f) for f in folders):
+        logger.warning(f"The fragments' checkpoints in {folders[0].parent} have no inner step in common: starting fresh")
+    steps = executor.common_value(sorted(mine))
     common = set(steps[0]).intersection(*steps[1:])
     if not common:
         if any(steps):
             logger.warning(f"The stages' checkpoints have no inner step in common ({steps}): starting fresh")
         return None
-    checkpoint = load_latest_checkpoint(folder, at_most_step=max(common))
-    loaded = executor.common_value(None if checkpoint is None else checkpoint.step)
-    if checkpoint is None and set(loaded) == {None}:  # every candidate failed its checks (warnings above)
+    loaded = []
+    for folder, _ in held:
+        checkpoint = load_latest_checkpoint(folder, at_most_step=max(common))
+        loaded.append(checkpoint)
+        if checkpoint is None or checkpoint.step != loaded[0].step:
+            break
+    local = None if None in loaded or len({c.step for c in loaded}) != 1 else loaded[0].step
+    agreed = executor.common_value(local)
+    if local is None and set(agreed) == {None} and None in loaded:  # every candidate failed its checks (warnings above)
+        folder = folders[loaded.index(None)]
         raise CheckpointError(f"no checkpoint in {folder} can be loaded: each is truncated, corrupt or of another "
                               "format (see the warnings above); nothing was changed. Restore a good checkpoint, or "
                               "start fresh with --no-resume or another checkpoint folder")
-    if checkpoint is None or len(set(loaded)) != 1:
+    if local is None or len(set(agreed)) != 1:
         raise CheckpointError(f"the stages of this peer could not agree on a checkpoint to resume from (they would "
-                              f"load steps {loaded}); use --no-resume or remove the newer checkpoints")
-    if checkpoint.meta.get("run_id") != run_id:
-        raise CheckpointError(f"checkpoint {checkpoint.path} belongs to run {checkpoint.meta.get('run_id')!r}, "
-                              f"not {run_id!r}; use another checkpoint folder or --no-resume")
+                              f"load steps {agreed}); use --no-resume or remove the newer checkpoints")
+    for checkpoint in loaded:
+        if checkpoint.meta.get("run_id") != run_id:
+            raise CheckpointError(f"checkpoint {checkpoint.path} belongs to run {checkpoint.meta.get('run_id')!r}, "
+                                  f"not {run_id!r}; use another checkpoint folder or --no-resume")
+    for checkpoint, (_, stage) in zip(loaded, held):
+        try:
+            stage.load_state_dict(checkpoint.tensors, checkpoint.meta)
+        except (ValueError, KeyError) as e:
+            raise CheckpointError(f"checkpoint {checkpoint.path} does not fit this peer: {e}; "
+                                  "use another checkpoint folder or --no-resume") from None
+    checkpoint = loaded[0]
     try:
-        stage.load_state_dict(checkpoint.tensors, checkpoint.meta)
         sampler.load_state_dict(checkpoint.meta["sampler"])
     except (ValueError, KeyError) as e:
         raise CheckpointError(f"checkpoint {checkpoint.path} does not fit this peer: {e}; "
@@ -76,5 +96,7 @@ def resume_stage(folder: Path, stage: Stage, sampler, summary: TrainSummary, run
     for key in RESUMED_FIELDS:
         if key in previous:
             setattr(summary, key, previous[key])
-    logger.info(f"Resumed from {checkpoint.path} at round {stage.round_index}, inner step {stage.inner_step}")
+    stage = held[0][1]
+    logger.info(f"Resumed from {checkpoint.path}{f' and {len(held) - 1} more' if len(held) > 1 else ''} at round "
+                f"{stage.round_index}, inner step {stage.inner_step}")
     return checkpoint.path

@@ -60,7 +60,7 @@ class StageCheckpoint:
         pending = self.pending
         return {"inner_step": self.inner_step, "round": self.round_index,
                 "outer_steps": self.outer_optimizer.num_steps, "adam_step": adam_steps[0] if adam_steps else 0.0,
-                "stage": self.stage_index, "num_stages": self.num_stages, "mode": self.mode,
+                "stage": self.stage_index, "num_stages": self.num_stages, **self.unit, "mode": self.mode,
                 "applied_round": self.applied_round,
                 "eager_outer_steps": None if self.eager_optimizer is None else self.eager_optimizer.num_steps,
                 "merged": None if self._merged is None else self._merged.record(),
@@ -74,9 +74,9 @@ class StageCheckpoint:
         """Restore the stage from :meth:`state_dict`'s tensors and metadata; ValueError naming the first mismatch."""
         from p2p_diloco.training.stage import PendingRound, RoundReport
 
-        if (meta.get("stage"), meta.get("num_stages")) != (self.stage_index, self.num_stages):
-            raise ValueError(f"checkpoint is of stage {meta.get('stage')} of {meta.get('num_stages')}, "
-                             f"this is stage {self.stage_index} of {self.num_stages}")
+        unit = self.unit
+        if {key: meta.get(key) for key in unit} != unit:
+            raise ValueError(f"checkpoint is of {_unit_name(meta, unit)}, this is {_unit_name(unit, unit)}")
         if meta.get("mode", "none") != self.mode and (meta.get("mode") == "none" or self.mode == "none"):
             raise ValueError(f"checkpoint was written in diloco.mode {meta.get('mode')!r}, "
                              f"this peer runs {self.mode!r}")
@@ -125,6 +125,12 @@ class StageCheckpoint:
             outcome = dataclasses.replace(outcome, average=average, residual=residual)
         self.pending = None if pending is None else PendingRound(
             int(info["round"]), pending, float(info["weight"]), outcome=outcome, share=float(info.get("share", 1.0)))
+
+
+def _unit_name(meta: dict, unit: dict) -> str:
+    if "fragment" in unit:
+        return f"fragment {meta.get('fragment')} of {meta.get('num_fragments')}"
+    return f"stage {meta.get('stage')} of {meta.get('num_stages')}"
 
 
 def _pending_outcome(info: dict) -> RoundOutcome | None:

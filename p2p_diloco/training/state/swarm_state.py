@@ -61,7 +61,7 @@ class StateSharing:
                 momentum = [m * mu + a for m, a in zip(momentum, average)] if mu else momentum
                 applied, outer_steps = pending.round_index, outer_steps + 1
             meta = {"format": STATE_FORMAT, "run_id": run_id, "stage": self.stage_index,
-                    "num_stages": self.num_stages, "round": self.round_index, "applied_round": applied,
+                    "num_stages": self.num_stages, **self.unit, "round": self.round_index, "applied_round": applied,
                     "outer_steps": outer_steps, "round_start_step": self.round_index * self.diloco_cfg.inner_steps,
                     "inner_step": self.inner_step, "seconds_per_step": float(self.seconds_per_step),
                     "shapes": [list(t.shape) for t in self.anchor]}
@@ -72,10 +72,11 @@ class StateSharing:
         """Raise StateError unless ``meta`` and ``tensors`` are a state of this run, stage and shape, all finite."""
         if not isinstance(meta, dict) or meta.get("format") != STATE_FORMAT:
             raise StateError("the donor sent no state of a known format")
-        expected = (run_id, self.stage_index, self.num_stages)
-        got = (meta.get("run_id"), meta.get("stage"), meta.get("num_stages"))
+        unit = self.unit  # a stage of P, or a fragment of F (then the donor's stage, of any split, does not matter)
+        expected = (run_id, *unit.values())
+        got = (meta.get("run_id"), *(meta.get(key) for key in unit))
         if got != expected:
-            raise StateError(f"the donor's state is of run/stage/stages {got}, not {expected}")
+            raise StateError(f"the donor's state is of run/{'/'.join(unit)} {got}, not {expected}")
         shapes = [list(t.shape) for t in self.anchor]
         if meta.get("shapes") != shapes or len(tensors) != 2 * len(shapes):
             raise StateError("the donor's tensors do not have this stage's shapes")
