@@ -121,8 +121,8 @@ def combined_report(reports: list[RoundReport]) -> RoundReport:
         fallback_reason=failed[0].fallback_reason if failed else outcomes[0].fallback_reason,
         average=None, residual=None)
     first = reports[0]
-    return dataclasses.replace(first, outcome=outcome,
-                               waited_s=sum(r.waited_s for r in reports), round_end_s=sum(r.round_end_s for r in reports),
+    return dataclasses.replace(first, outcome=outcome, waited_s=sum(r.waited_s for r in reports),
+                               round_end_s=sum(r.round_end_s for r in reports),
                                delta_norm=sum(r.delta_norm ** 2 for r in reports) ** 0.5)
 
 

@@ -51,6 +51,13 @@ class Held:
     sync: Optional[SwarmSync] = None
 
 
+def unit_folder(stage: Stage) -> str:
+    """A unit's checkpoint folder: ``stage<j>of<P>``, or ``fragment<f>of<F>`` in a run averaged by fragment."""
+    if stage.fragment is None:
+        return f"stage{stage.stage_index}of{stage.num_stages}"
+    return "fragment{}of{}".format(*stage.fragment)
+
+
 class Trainer:
     """Drives one stage process through ``train.num_rounds`` rounds.
 
@@ -93,9 +100,7 @@ class Trainer:
         self.summary_path = self.output_dir / f"summary-{tag}.json"
         ckpt_root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.output_dir / "checkpoints"
         # one folder per unit: the stage's, or each fragment's (a peer of another split resumes the same fragments)
-        self.checkpoint_dirs = [ckpt_root / (f"stage{u.stage.stage_index}of{u.stage.num_stages}"
-                                             if u.stage.fragment is None else "fragment{}of{}".format(*u.stage.fragment))
-                                for u in self.held]
+        self.checkpoint_dirs = [ckpt_root / unit_folder(u.stage) for u in self.held]
         self.checkpoint_dir = self.checkpoint_dirs[0]
         num_params = sum(p.numel() for unit in self.held for p in unit.stage.params)
         self.summary = TrainSummary(peer_name, cfg.run.run_id, stage.stage_index, stage.num_stages, num_params,

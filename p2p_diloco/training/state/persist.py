@@ -52,7 +52,8 @@ def resume_stage(held: list[tuple[Path, Stage]], sampler, summary: TrainSummary,
     folders = [folder for folder, _ in held]
     mine = set(checkpoint_steps(folders[0])).intersection(*(checkpoint_steps(f) for f in folders[1:]))
     if len(folders) > 1 and not mine and any(checkpoint_steps(f) for f in folders):
-        logger.warning(f"The fragments' checkpoints in {folders[0].parent} have no inner step in common: starting fresh")
+        logger.warning(f"The fragments' checkpoints in {folders[0].parent} have no inner step in common: "
+                       "starting fresh")
     steps = executor.common_value(sorted(mine))
     common = set(steps[0]).intersection(*steps[1:])
     if not common:
