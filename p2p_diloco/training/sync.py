@@ -36,6 +36,7 @@ import math
 import random
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 
 from p2p_diloco.swarm.discovery.progress import moved_past
 from p2p_diloco.training.stage import Stage
@@ -303,13 +304,14 @@ class SwarmSync:
             return meta, tensors
         return None
 
-    def reload_state(self, swarm_round: int):
+    def reload_state(self, swarm_round: int, at_least_round: int | None = None):
         """Step 1 of a reload: announce the swarm's round (the others count this stage in while it downloads) and
         download a state not behind this stage or the swarm (the records announce the next round as a round
-        ends); None if none could be had."""
+        ends), nor behind ``at_least_round``; None if none could be had."""
         if swarm_round > self.stage.round_index:
             self.swarm.announce(self.stage.position(), swarm_round)
-        return self._download(at_least_round=max(self.stage.round_index, swarm_round - 1))
+        floor = max(self.stage.round_index, swarm_round - 1, at_least_round if at_least_round is not None else -1)
+        return self._download(at_least_round=floor)
 
     def take_reload(self, state, reason: str, inner_step: int) -> None:
         """Step 2 of a reload: become the donor of ``state`` at ``inner_step`` (agreed by the whole peer)."""
@@ -378,7 +380,7 @@ class SyncGroup:
         behind = any(b for b, _, _ in decisions)
         if not self.executor.any_stage(behind):
             return False
-        states = [sync.reload_state(swarm_round) for sync, (_, _, swarm_round) in zip(self.syncs, decisions)]
+        states = self._download_all([swarm_round for _, _, swarm_round in decisions])
         rounds = {state[0]["round"] for state in states if state is not None}
         local = None if None in states or len(rounds) != 1 else \
             (rounds.pop(), min(state[0]["inner_step"] for state in states))
@@ -395,3 +397,22 @@ class SyncGroup:
         for sync, state, (b, reason, _) in zip(self.syncs, states, decisions):
             sync.take_reload(state, reason if b else "another stage or fragment of this peer is reloading", step)
         return True
+
+    def _download_all(self, swarm_rounds: list[int]) -> list:
+        """Every unit's state for a reload, downloaded at the same time (each from its own donors); a unit whose
+        state is a round behind another's is downloaded again (twice at most): the swarm moved on while the
+        first came (seen in the mixed-split test: fragment states of rounds 9 and 10, no reload for a round)."""
+        if len(self.syncs) == 1:
+            return [self.syncs[0].reload_state(swarm_rounds[0])]
+        with ThreadPoolExecutor(len(self.syncs), thread_name_prefix="reload") as pool:
+            states = list(pool.map(lambda i: self.syncs[i].reload_state(swarm_rounds[i]), range(len(self.syncs))))
+            for _ in range(2):
+                rounds = [state[0]["round"] for state in states if state is not None]
+                if not rounds or (None not in states and len(set(rounds)) == 1):
+                    break
+                target, late = max(rounds), [i for i, state in enumerate(states)
+                                             if state is None or state[0]["round"] < max(rounds)]
+                again = pool.map(lambda i: self.syncs[i].reload_state(swarm_rounds[i], at_least_round=target), late)
+                for i, state in zip(late, again):
+                    states[i] = state
+        return states

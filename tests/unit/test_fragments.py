@@ -16,6 +16,7 @@ from p2p_diloco.model.fragments import (
     FragmentView,
     check_split_fits,
     describe,
+    fitting_split,
     fragment_of,
     fragment_parts,
     part_sizes,
@@ -84,6 +85,38 @@ def test_a_split_must_hold_whole_fragments():
     assert stage_fragments([1, 3], parts, 0) == [0]
     assert stage_fragments([1, 3], parts, 1) == [1, 2]
     assert stage_fragments([4], parts, 0) == [0, 1, 2]
+
+
+def largest_stage(sizes: list[int], split: list[int]) -> int:
+    """Parameters of a split's largest stage (stage 0 holds the embedding, the last the head)."""
+    ends = [0] + [1 + sum(split[:j + 1]) for j in range(len(split) - 1)] + [len(sizes)]
+    return max(sum(sizes[x:y]) for x, y in zip(ends, ends[1:]))
+
+
+@pytest.mark.parametrize("n_layers,num_fragments", [(4, 3), (4, 4), (6, 4), (8, 6)])
+def test_the_default_split_of_a_run_by_fragment_is_the_best_of_whole_fragments(n_layers, num_fragments):
+    """``pipeline.stages`` P without a split: stages of whole fragments, each with a block, the largest stage as small
+    as any such split allows (brute force over every split of the blocks)."""
+    a = args(n_layers)
+    parts = fragment_parts(a, num_fragments)
+    sizes = part_sizes(a)
+    for P in range(1, n_layers + 1):
+        fitting = []
+        for cuts in itertools.combinations(range(1, n_layers), P - 1):
+            split = [b - a_ for a_, b in zip((0, *cuts), (*cuts, n_layers))]
+            try:
+                check_split_fits(split, parts)
+            except ConfigError:
+                continue
+            fitting.append((largest_stage(sizes, split), split))
+        if not fitting:
+            with pytest.raises(ConfigError, match=r"pipeline.stages: .* do not fit the fragments"):
+                fitting_split(a, parts, P)
+            continue
+        split = fitting_split(a, parts, P)
+        check_split_fits(split, parts)
+        assert sum(split) == n_layers and len(split) == P and min(split) >= 1
+        assert largest_stage(sizes, split) == min(f[0] for f in fitting), (P, split)
 
 
 def test_round_shifts_stagger_the_fragments_over_the_round():
@@ -179,3 +212,23 @@ def test_streamed_fragments_average_each_fragment_exactly_when_it_ends():
             after = [[t for t in w.stages[j].anchor] for w in workers for j in range(2) if j != i]
             assert all(torch.equal(x, y) for old, new in zip(others, after) for x, y in zip(old, new))
     assert [workers[0].last_end[i] for i in range(2)] == [8, 8]
+
+
+def test_a_run_by_fragment_fixes_the_fragment_count_not_the_split():
+    """The config fingerprint of a run averaged by fragment: peers of any split agree; another F, or a peer that
+    averages by stage, differs by the key a user would change (and every fingerprint passes the DHT's schema)."""
+    from p2p_diloco.swarm.discovery.fingerprint import config_fingerprint, differences
+    from p2p_diloco.swarm.discovery.records import FingerprintValue
+
+    a, meta = args(4), {"vocab_size": 512, "dtype": "uint16", "tokenizer": "byte"}
+    whole, split = config_fingerprint(a, [4], meta, 3), config_fingerprint(a, [1, 3], meta, 3)
+    assert differences(whole, split) == []
+    assert differences(config_fingerprint(a, [4], meta, 4), whole) == ["diloco.fragments is 4 here but 3 in the swarm"]
+    by_stage = config_fingerprint(a, [4], meta)
+    assert differences(by_stage, whole) == ["diloco.fragments is None here but 3 in the swarm",
+                                            "pipeline.stage_layers is [4] here but None in the swarm",
+                                            "pipeline.stages is 1 here but None in the swarm"]
+    for fingerprint in (whole, split, by_stage):
+        FingerprintValue.parse_obj(fingerprint)
+    with pytest.raises(ConfigError, match="diloco.fragments: must be 0"):
+        load_config(None, [("diloco.fragments", "-1")])

@@ -117,6 +117,30 @@ def test_report_sums_throughput_over_stage_0_and_takes_the_highest_round():
     assert table[-1] == "total throughput: 1,250 tokens/s (sum over the peers' stage 0)"
 
 
+def test_report_of_a_run_averaged_by_fragment_shows_each_process_with_its_fragments():
+    """F = 3: peer a is one process holding 0-2, peer b two processes (0-1, 2). One row per stage process, its
+    fragments listed, its round the lowest of theirs; throughput once per peer (the process holding fragment 0)."""
+    peer_a, peer_b = "12D3KooWAAAAAAAAAAAAAAAAAAAA1111", "12D3KooWBBBBBBBBBBBBBBBBBBBB2222"
+    records = [record(peer_a, f, 3, 4, 1000.0, 2.5 if f == 2 else math.nan, 95.0, node="a0") for f in range(3)]
+    records[1] = record(peer_a, 1, 3, 3, 1000.0, math.nan, 97.0, node="a0")  # a fragment a round behind
+    records += [record(peer_b, 0, 3, 5, 250.0, math.nan, 99.0, node="b0"),
+                record(peer_b, 1, 3, 5, 250.0, math.nan, 99.0, node="b0"),
+                record(peer_b, 2, 3, 5, 250.0, 2.25, 90.0, node="b1"),
+                record(peer_b, 0, 2, 5, 250.0, 2.25, 90.0, node="stray")]  # not of this fragment count: left out
+    report = build_report("r1", records, now=100.0, num_fragments=3)
+    assert (report["num_peers"], report["num_processes"], report["num_fragments"]) == (2, 3, 3)
+    assert [(p["peer"], p["fragments"], p["round"]) for p in report["peers"]] == \
+        [(peer_a, [0, 1, 2], 3), (peer_b, [0, 1], 5), (peer_b, [2], 5)]
+    assert report["tokens_per_s_total"] == 1250.0
+    assert report["peers"][0]["loss"] == 2.5 and report["peers"][1]["loss"] is None
+    assert report["peers"][0]["last_seen_s"] == 3.0  # its most recent record
+    json.dumps(report, allow_nan=False)
+    table = format_report(report).splitlines()
+    assert table[2].split()[:3] == [short_id(peer_a), "0,1,2/3", "3"]
+    assert table[4].split()[:2] == [short_id(peer_b), "2/3"]
+    assert table[-1] == "total throughput: 1,250 tokens/s (sum over the peers' stage processes holding fragment 0)"
+
+
 def test_short_id_keeps_the_distinctive_end():
     assert short_id("12D3KooWGNxvzgqC55PuaVZonwacGPxoBGAR6He6MkNseAYr91ND") == "...eAYr91ND"
     assert short_id("Qm1234") == "Qm1234"

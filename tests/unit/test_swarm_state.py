@@ -495,3 +495,87 @@ def test_after_a_round_a_peer_the_swarm_ended_the_next_round_for_joins_it_instea
     sync.after_round()
     assert [e["action"] for e in sync.events] == (["reload"] if reloads else []), round_end
     assert peer.averager.downloads == int(reloads)
+
+
+# ---- a stage process holding several fragments (diloco.fragments): one reload for all --------------------------
+
+def fragment_stages(seed: int = 0, num_fragments: int = 2) -> list[Stage]:
+    """The fragments of the tiny model, each a Stage of its own over the same module (as a P = 1 peer holds them)."""
+    from p2p_diloco.model.fragments import FragmentView, fragment_parts, split_parameters
+
+    cfg = load_config(None, [("diloco.mode", "delayed")])
+    torch.manual_seed(seed)
+    model = Transformer(ModelArgs(**TINY_ARGS))
+    parts = fragment_parts(model.args, num_fragments)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return [Stage(FragmentView(params), stage_index=0, num_stages=1, inner_cfg=cfg.inner, diloco_cfg=cfg.diloco,
+                  total_steps=100, fragment=(f, num_fragments))
+            for f, params in split_parameters(named, parts).items()]
+
+
+def served(stage: Stage, round_index: int, applied_round: int, step_in_round: int = 0):
+    stage.round_index, stage.applied_round = round_index, applied_round
+    stage.inner_step = round_index * stage.diloco_cfg.inner_steps + step_in_round
+    return stage.shareable_state("run")
+
+
+class ChangingAverager(FakeAverager):
+    """Serves one state after another (the donor moved on between two downloads); None: the download failed."""
+
+    def __init__(self, states):
+        super().__init__(states[0])
+        self.states = list(states)
+
+    def download_state(self, donors, timeout_s):
+        self.downloads += 1
+        return self.states.pop(0) if len(self.states) > 1 else self.states[0]
+
+
+def group_of(peer: list[Stage], states: list[list], records: list[list[Record]]):
+    from p2p_diloco.training.sync import SyncGroup
+
+    syncs = []
+    for stage, served_states, recs in zip(peer, states, records):
+        first = next(s for s in served_states if s is not None)
+        fingerprint = anchor_fingerprint(first[1][:len(stage.anchor)])
+        recs = [dataclasses.replace(r, anchor=fingerprint) if r.anchor == "x" else r for r in recs]
+        stage.averager = ChangingAverager(served_states)
+        syncs.append(SwarmSync(stage, FakeSwarm(recs), OneStage(), "run", download_timeout_s=5, verify_wait_s=0.0))
+    return SyncGroup(syncs, OneStage()), syncs
+
+
+def test_the_fragments_of_a_stage_process_reload_together_or_not_at_all():
+    """Fragment 0's records show the swarm ahead, fragment 1's show nothing yet: both reload, to one round and inner
+    step (the peer has one clock). One fragment's state a round behind the other's is downloaded again; a fragment
+    whose state cannot be had keeps every fragment where it was."""
+    donor = fragment_stages(seed=1)
+    early = served(donor[1], 5, 4, step_in_round=3)
+    state0, late = served(donor[0], 6, 5, step_in_round=2), served(donor[1], 6, 5, step_in_round=4)
+    peer = fragment_stages()
+    ahead = [Record(5, 4, "x", node="a"), Record(6, 5, "x", node="b")]  # fragment 1's holders, one a round on
+    group, syncs = group_of(peer, [[state0], [early, late]], [[Record(6, 5, "x")], ahead])
+    group.at_start(resumed=False)
+    H = peer[0].diloco_cfg.inner_steps
+    assert [(s.round_index, s.applied_round, s.inner_step) for s in peer] == [(6, 5, 6 * H + 2)] * 2
+    assert peer[1].averager.downloads == 2  # round 5 first, then again for the round of fragment 0's state
+    assert [e["action"] for s in syncs for e in s.events] == ["reload", "reload"]
+
+    stuck = fragment_stages()
+    group, syncs = group_of(stuck, [[state0], [late]], [[Record(6, 5, "x")], [Record(6, 5, "x")]])
+    stuck[1].averager.states = [None]  # every download of fragment 1 fails
+    group.after_round()
+    assert [s.round_index for s in stuck] == [0, 0] and not any(s.events for s in syncs)
+    assert stuck[1].averager.downloads == 3  # tried again twice, then given up until the next round
+
+
+def test_a_fragment_takes_only_its_own_state():
+    """A state is checked by run, fragment and fragment count (peers of any split serve it), not by stage."""
+    donor, peer = fragment_stages(seed=1), fragment_stages()
+    meta, tensors = served(donor[0], 2, 1)
+    peer[0].check_state("run", dict(meta, stage=3, num_stages=4), tensors)  # the donor's own split does not matter
+    with pytest.raises(StateError, match="run/fragment/num_fragments"):
+        peer[1].check_state("run", meta, tensors)
+    with pytest.raises(StateError, match="run/fragment/num_fragments"):
+        peer[0].check_state("run", dict(meta, num_fragments=3), tensors)
+    with pytest.raises(ValueError, match="checkpoint is of fragment 0 of 2, this is fragment 1 of 2"):
+        peer[1].load_state_dict(*donor[0].state_dict())

@@ -112,3 +112,24 @@ def publish_fingerprint(dht, run_id: str, fingerprint: dict[str, Any], ttl_s: fl
 
     dht.store(config_key(run_id), subkey=record_owner(dht, run_id), value=fingerprint,
               expiration_time=get_dht_time() + ttl_s, return_future=True)
+
+
+def run_fragments(dht, run_id: str, timeout_s: float = 10.0) -> int:
+    """The fragment count of run ``run_id`` as most of its live config records say (``diloco.fragments``), 0 when it
+    averages by stage or no record is found (``p2p-diloco status``: a run averaged by fragment keeps its progress
+    records per fragment)."""
+    record_owner(dht, run_id)
+    try:
+        found = dht.get(config_key(run_id), latest=True, return_future=True).result(timeout=timeout_s)
+    except Exception as e:  # unreadable: as if no record
+        logger.debug(f"Could not read the config records of {run_id}: {e!r}")
+        return 0
+    if found is None or not isinstance(found.value, dict):
+        return 0
+    counts: dict[int, int] = {}
+    for subkey, entry in found.value.items():
+        if is_owner_subkey(subkey) and _well_formed(entry.value) and \
+                bound_to_writer(subkey, None, float(entry.expiration_time)):
+            fragments = entry.value.get("diloco.fragments") or 0
+            counts[fragments] = counts.get(fragments, 0) + 1
+    return max(counts, key=lambda f: (counts[f], -f)) if counts else 0

@@ -2,7 +2,8 @@
 
 The anchor (the model the swarm agrees on after the last applied round) is what a user takes away from a run, not
 a stage's inner parameters, which are partway through a round. A pipelined peer keeps one checkpoint folder per
-stage (``checkpoints/stage<j>of<P>/``); :func:`load_peer_anchor` takes the newest inner step that every stage has
+stage (``checkpoints/stage<j>of<P>/``), a peer of a run averaged by fragment one per fragment
+(``checkpoints/fragment<f>of<F>/``); :func:`load_peer_anchor` takes the newest inner step that every stage has
 a checkpoint of (as a resume does), checks each file, and joins the stages' anchors by their (global) names.
 Called by ``p2p-diloco export`` and ``p2p-diloco generate``.
 """
@@ -19,7 +20,7 @@ import torch
 from p2p_diloco.model import ModelArgs, Transformer
 from p2p_diloco.training.state.checkpoint import CheckpointError, checkpoint_steps, list_checkpoints, read_checkpoint
 
-STAGE_FOLDER = re.compile(r"stage(\d+)of(\d+)")
+STAGE_FOLDER = re.compile(r"(stage|fragment)(\d+)of(\d+)")  # a peer averaged by fragment keeps one per fragment
 
 
 @dataclass
@@ -60,20 +61,20 @@ def load_peer_anchor(path: Path, step: Optional[int] = None) -> PeerAnchor:
     stages = {}
     for folder in sorted(p for p in root.iterdir() if p.is_dir() and STAGE_FOLDER.fullmatch(p.name)) \
             if root.is_dir() else []:
-        index, count = map(int, STAGE_FOLDER.fullmatch(folder.name).groups())
+        kind, index, count = STAGE_FOLDER.fullmatch(folder.name).groups()
         if list_checkpoints(folder):
-            stages.setdefault(count, {})[index] = folder
+            stages.setdefault((kind, int(count)), {})[int(index)] = folder
     if not stages:
         raise CheckpointError(f"no loadable checkpoint in {root}: expected a peer's output folder or its checkpoints "
-                              "folder, holding stage<j>of<P> folders with step-*.json checkpoints")
+                              "folder, holding stage<j>of<P> (or fragment<f>of<F>) folders with step-*.json checkpoints")
     if len(stages) > 1:
-        raise CheckpointError(f"{root} holds checkpoints of pipelines of {sorted(stages)} stages; give the folder of "
-                              "one run")
-    (count, folders), = stages.items()
+        raise CheckpointError(f"{root} holds checkpoints of {', '.join(f'{c} {k}s' for k, c in sorted(stages))}; give "
+                              "the folder of one run")
+    ((kind, count), folders), = stages.items()
     missing = [j for j in range(count) if j not in folders]
     if missing:
-        raise CheckpointError(f"{root}: stage {missing[0]} of {count} has no checkpoint (expected "
-                              f"{root / f'stage{missing[0]}of{count}'}); every stage is needed for the whole model")
+        raise CheckpointError(f"{root}: {kind} {missing[0]} of {count} has no checkpoint (expected "
+                              f"{root / f'{kind}{missing[0]}of{count}'}); every {kind} is needed for the whole model")
     ordered = [folders[j] for j in range(count)]
     common = set(checkpoint_steps(ordered[0])).intersection(*(checkpoint_steps(f) for f in ordered[1:]))
     if step is not None and step not in common:
