@@ -25,8 +25,8 @@ def register(subparsers) -> None:
         description="Join the swarm as a client (outgoing connections only), read the progress records of a run "
         "from the DHT and print each stage process: its peer (id shortened), stage, round, inner step, tokens/s, "
         "last loss and when it last reported; then the current round (the highest) and the total throughput "
-        "(sum of tokens/s over the peers' stage 0: each peer once, whatever its number of stages). In a run averaged by "
-        "fragment (diloco.fragments), each stage process is shown with the fragments it holds. Exit code 1 "
+        "(sum of tokens/s over the peers' stage 0: each peer once, whatever its number of stages). In a run "
+        "averaged by fragment (diloco.fragments), each stage process is shown with the fragments it holds. Exit code 1 "
         "when no peer of the run is found.",
     )
     parser.add_argument("--initial-peers", nargs="+", metavar="MADDR",
@@ -168,7 +168,8 @@ def format_report(report: dict) -> str:
     if not report["peers"]:
         return f"run {report['run_id']}: no peers found"
     by_fragment = bool(report.get("num_fragments"))
-    header = f"{'peer':<12} {'fragments' if by_fragment else 'stage':>9} {'round':>6} {'inner step':>10} {'tokens/s':>10} {'loss':>7} {'last seen':>10}"
+    header = f"{'peer':<12} {'fragments' if by_fragment else 'stage':>9} {'round':>6} {'inner step':>10} " \
+             f"{'tokens/s':>10} {'loss':>7} {'last seen':>10}"
     lines = [f"run {report['run_id']}: {report['num_peers']} peer(s), {report['num_processes']} stage process(es)",
              header]
     for p in report["peers"]:

@@ -412,7 +412,7 @@ class SyncGroup:
                     break
                 target, late = max(rounds), [i for i, state in enumerate(states)
                                              if state is None or state[0]["round"] < max(rounds)]
-                again = pool.map(lambda i: self.syncs[i].reload_state(swarm_rounds[i], at_least_round=target), late)
+                again = pool.map(lambda i, floor=target: self.syncs[i].reload_state(swarm_rounds[i], floor), late)
                 for i, state in zip(late, again):
                     states[i] = state
         return states

@@ -66,7 +66,8 @@ def load_peer_anchor(path: Path, step: Optional[int] = None) -> PeerAnchor:
             stages.setdefault((kind, int(count)), {})[int(index)] = folder
     if not stages:
         raise CheckpointError(f"no loadable checkpoint in {root}: expected a peer's output folder or its checkpoints "
-                              "folder, holding stage<j>of<P> (or fragment<f>of<F>) folders with step-*.json checkpoints")
+                              "folder, holding stage<j>of<P> (or fragment<f>of<F>) folders with step-*.json "
+                              "checkpoints")
     if len(stages) > 1:
         raise CheckpointError(f"{root} holds checkpoints of {', '.join(f'{c} {k}s' for k, c in sorted(stages))}; give "
                               "the folder of one run")
