@@ -71,7 +71,8 @@ class SwarmProgress:
         elif event["kind"] == "round" and event.get("applied_round") is not None:
             text = f"averaged in a group of {event['group_size']}" if event["averaged"] \
                 else f"fell back to its own pseudo-gradient ({event['fallback_reason']})"
-            self.note(f"{name} round {event['applied_round']} applied: {text}")
+            where = f" (fragment {event['fragment']})" if "fragment" in event else ""
+            self.note(f"{name} round {event['applied_round']} applied{where}: {text}")
         elif event["kind"] == "eval" and event.get("eval_loss") is not None:
             self.note(f"{name} round {event['round']}: eval loss {float(event['eval_loss']):.4f}")
 

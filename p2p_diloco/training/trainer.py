@@ -257,9 +257,13 @@ class Trainer:
                 unit.swarm.announce(unit.stage.position(), unit.stage.round_index + 1,
                                     self.summary.last_loss or float("nan"), self.tokens_per_s)
         round_started = time.monotonic()
-        reports = []
-        for unit, expected in zip(self.held, self._expected_group_sizes()):  # in model order on every peer
-            reports.append(unit.stage.end_round(tokens, expected, compute_s=self._round_compute_s))
+        expected = self._expected_group_sizes()
+        if len(self.held) == 1:
+            reports = [self.stage.end_round(tokens, expected[0], compute_s=self._round_compute_s)]
+        else:  # each fragment's round end at the same time: in blocking mode one after the other took F averagings
+            with ThreadPoolExecutor(len(self.held), thread_name_prefix="round-end") as pool:
+                reports = list(pool.map(lambda unit, size: unit.stage.end_round(
+                    tokens, size, compute_s=self._round_compute_s), self.held, expected))
         self.summary.train_s += time.monotonic() - round_started
         self.summary.rounds_completed += 1
         self._record_round(reports)
