@@ -188,6 +188,13 @@ class DiLoCoConfig:
     docs/design.md 2.11), each averaged on its own with every peer that holds it, so peers of any pipeline split
     train one model together; a stage boundary must fall on a fragment boundary. Part of the run's config
     fingerprint; pipeline.stages and pipeline.stage_layers then are not."""
+    streaming: bool = False
+    """With diloco.fragments F >= 2: streaming sync (Streaming DiLoCo, arXiv 2501.18512): fragment f ends its rounds
+    (F - 1 - f) * inner_steps // F steps before the regular round end, so one fragment is on the wire at a time and
+    the peak bytes in flight fall by about F (the last round of every fragment ends on the run's last step).
+    benchmarks/quality.py finds the same eval loss as all at once (BENCHMARKS.md, "Streaming sync"), but in a swarm
+    of real peers a newcomer's arrival has failed one fragment-round for the whole group (docs/design.md 2.11), so
+    the default stays False: every fragment ends its rounds on the regular round end (all at once)."""
 
     @property
     def merge_step(self) -> int:
@@ -206,6 +213,9 @@ class DiLoCoConfig:
         _require(isinstance(self.fragments, int) and not isinstance(self.fragments, bool) and self.fragments >= 0,
                  "diloco.fragments", f"must be 0 (average by pipeline stage) or a fragment count >= 1, "
                  f"got {self.fragments!r}")
+        _require(not (self.streaming and self.fragments > self.inner_steps), "diloco.fragments",
+                 f"streaming {self.fragments} fragments needs diloco.inner_steps >= {self.fragments} (one fragment "
+                 f"per step at most), got {self.inner_steps}; or set diloco.streaming false")
         _require(self.round_end in ROUND_ENDS, "diloco.round_end",
                  f"must be one of {', '.join(ROUND_ENDS)}, got {self.round_end!r}")
 

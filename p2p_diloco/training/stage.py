@@ -127,6 +127,9 @@ class Stage(StageCheckpoint, StateSharing):
         self.overlap_steps = min(diloco_cfg.merge_step, diloco_cfg.inner_steps)
         # streaming sync (model/fragments.py): this stage's rounds end this many steps before every H-th step
         self.round_shift = 0
+        # the run's last round (train.num_rounds - 1) when its rounds are shifted: the last one ends on the run's
+        # last step (it is longer by the shift), so that no step is left out of a round
+        self.last_round: int | None = None
         self._merged: RoundReport | None = None  # a merge done mid-round, reported with the round end
         self.inner_step = 0
         self.round_first_step: int | None = None  # set when this round's work began mid-round (after a reload)
@@ -381,6 +384,24 @@ class Stage(StageCheckpoint, StateSharing):
     def set_params(self, values: list[torch.Tensor]) -> None:
         for p, value in zip(self.params, values):
             p.copy_(value)
+
+    # ---- where rounds start and end (streaming sync shifts them: docs/design.md 2.11) -------------------
+    def round_start_step(self, round_index: int) -> int:
+        """The inner step after which round ``round_index`` begins: ``r H`` less this stage's shift (0 for round 0)."""
+        return max(0, round_index * self.diloco_cfg.inner_steps - self.round_shift)
+
+    def round_end_step(self, round_index: int) -> int:
+        """The inner step after which round ``round_index`` ends: ``(r + 1) H`` less the shift; the run's last round
+        ends on the run's last step."""
+        H = self.diloco_cfg.inner_steps
+        if self.last_round is not None and round_index >= self.last_round:
+            return (round_index + 1) * H
+        return (round_index + 1) * H - self.round_shift
+
+    def round_at(self, inner_step: int) -> int:
+        """The round the step after ``inner_step`` belongs to."""
+        r = (inner_step + self.round_shift) // self.diloco_cfg.inner_steps
+        return min(r, self.last_round) if self.last_round is not None else r
 
     # ---- helpers ------------------------------------------------------------------------------------
     @property

@@ -298,9 +298,8 @@ class SwarmSync:
                 continue
             step_s = meta.get("seconds_per_step")
             if isinstance(step_s, float) and math.isfinite(step_s) and step_s > 0:
-                H = self.stage.diloco_cfg.inner_steps
                 travelled = int((time.monotonic() - started) / step_s)
-                meta["inner_step"] = min(meta["inner_step"] + travelled, meta["round_start_step"] + H - 1)
+                meta["inner_step"] = min(meta["inner_step"] + travelled, self.stage.round_end_step(meta["round"]) - 1)
             return meta, tensors
         return None
 
@@ -376,43 +375,58 @@ class SyncGroup:
                 sync.resync_if_diverged()
 
     def _reload_if_behind(self, decisions: list[tuple[bool, str, int]]) -> bool:
-        """Reload every fragment when any fragment of any stage of the peer is behind; whether the peer decided to."""
+        """Reload every fragment when any fragment of any stage of the peer is behind; whether the peer decided to.
+
+        The reload point is one inner step t for the whole peer, inside the round of every fragment's state (with
+        streaming sync the fragments' rounds end at different steps: states of rounds 9 and 8 fit one step when
+        the round-8 fragment's round ends after the round-9 one's began), the most advanced such step up to where
+        the donors were."""
         behind = any(b for b, _, _ in decisions)
         if not self.executor.any_stage(behind):
             return False
         states = self._download_all([swarm_round for _, _, swarm_round in decisions])
-        rounds = {state[0]["round"] for state in states if state is not None}
-        local = None if None in states or len(rounds) != 1 else \
-            (rounds.pop(), min(state[0]["inner_step"] for state in states))
+        local = None if None in states else (*self._window(states), max(state[0]["inner_step"] for state in states))
         points = self.executor.common_value(local)
-        if None in points or len({r for r, _ in points}) != 1:
+        lo = None if None in points else max(p[0] for p in points)
+        hi = None if None in points else min(p[1] for p in points)
+        if lo is None or lo > hi:
             # a peer's stages and fragments change rounds together or not at all
             where = ", ".join(f"{s.stage.label}: " + ("none" if st is None else
-                                                                          f"round {st[0]['round']}")
+                                                      f"round {st[0]['round']} at step {st[0]['inner_step']}")
                               for s, st in zip(self.syncs, states))
-            logger.warning(f"Stage process of {len(self.syncs)} unit(s): behind the swarm, but no usable state for "
-                           f"all of them could be downloaded now ({where}); trying again after the next round")
+            logger.warning(f"Behind the swarm, but no usable state for every fragment and stage of this peer could be "
+                           f"downloaded now ({where}); trying again after the next round")
             return True
-        step = min(step for _, step in points)
+        step = max(lo, min(hi, max(p[2] for p in points)))
         for sync, state, (b, reason, _) in zip(self.syncs, states, decisions):
             sync.take_reload(state, reason if b else "another stage or fragment of this peer is reloading", step)
         return True
 
+    def _window(self, states) -> tuple[int, int]:
+        """The inner steps t at which every state's round is its fragment's round (``round_at(t)``): [lo, hi]."""
+        lo = max(sync.stage.round_start_step(state[0]["round"]) for sync, state in zip(self.syncs, states))
+        hi = min(sync.stage.round_end_step(state[0]["round"]) - 1 for sync, state in zip(self.syncs, states))
+        return lo, hi
+
     def _download_all(self, swarm_rounds: list[int]) -> list:
         """Every unit's state for a reload, downloaded at the same time (each from its own donors); a unit whose
-        state is a round behind another's is downloaded again (twice at most): the swarm moved on while the
-        first came (seen in the mixed-split test: fragment states of rounds 9 and 10, no reload for a round)."""
+        state's round ends before another's begins is downloaded again (twice at most): the swarm moved on while
+        the first came (seen in the mixed-split test: fragment states of rounds 9 and 10, no reload for a round)."""
         if len(self.syncs) == 1:
             return [self.syncs[0].reload_state(swarm_rounds[0])]
         with ThreadPoolExecutor(len(self.syncs), thread_name_prefix="reload") as pool:
             states = list(pool.map(lambda i: self.syncs[i].reload_state(swarm_rounds[i]), range(len(self.syncs))))
             for _ in range(2):
-                rounds = [state[0]["round"] for state in states if state is not None]
-                if not rounds or (None not in states and len(set(rounds)) == 1):
+                got = [(sync, state) for sync, state in zip(self.syncs, states) if state is not None]
+                if not got:
                     break
-                target, late = max(rounds), [i for i, state in enumerate(states)
-                                             if state is None or state[0]["round"] < max(rounds)]
-                again = pool.map(lambda i, floor=target: self.syncs[i].reload_state(swarm_rounds[i], floor), late)
+                lo = max(sync.stage.round_start_step(state[0]["round"]) for sync, state in got)
+                late = [i for i, (sync, state) in enumerate(zip(self.syncs, states))
+                        if state is None or sync.stage.round_end_step(state[0]["round"]) - 1 < lo]
+                if not late:
+                    break
+                needed = {i: self.syncs[i].stage.round_at(lo) for i in late}
+                again = pool.map(lambda i: self.syncs[i].reload_state(swarm_rounds[i], needed[i]), late)
                 for i, state in zip(late, again):
                     states[i] = state
         return states

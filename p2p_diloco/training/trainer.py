@@ -91,7 +91,9 @@ class Trainer:
         self.tokens_per_s = 0.0  # last measured: for progress records and the metrics endpoint
         self._round_compute_s = 0.0
         self._round_steps = 0  # inner steps this peer trained in the round that just ended
-        self._last_group: list[list[str]] = []  # per unit held: the group of the last round applied (if averaged)
+        self._last_group: dict[int, list[str]] = {}  # per unit held: the group of its last round applied
+        self._round_reports: list[RoundReport] = []  # fragments whose round ended early in this round (streaming)
+        self._peer_round = 0  # the round _train_round trained
         # a round ends when another peer has ended it (peers of unequal speed meet at the round end)
         self.follow_swarm = swarm is not None and cfg.diloco.round_end == "swarm"
         tag = f"stage{stage.stage_index}"
@@ -115,6 +117,13 @@ class Trainer:
     @property
     def stages(self) -> list[Stage]:
         return [unit.stage for unit in self.held]
+
+    @property
+    def round_index(self) -> int:
+        """The peer's round (rounds of H steps) that the next inner step belongs to. With streaming sync a fragment
+        whose round ended a few steps before the regular round end is already on its next one (and a stage process
+        may hold only such fragments), so the peer's round is counted by inner steps, not by its fragments' rounds."""
+        return self.stage.inner_step // self.cfg.diloco.inner_steps
 
     def request_stop(self) -> None:
         """Finish the current inner step, apply the round in flight, checkpoint and return (signal handlers)."""
@@ -142,11 +151,11 @@ class Trainer:
             self.metrics.write("eval", round=0, inner_step=0, eval_loss=self.summary.eval_loss_start)
         failed = True
         try:
-            while self.stage.round_index < num_rounds and not self.stop_requested:
+            while self.round_index < num_rounds and not self.stop_requested:
                 if not self._train_round(H):
                     break  # stopped mid-round: the partial round is checkpointed, not averaged
                 self._after_round()
-            if self.stage.round_index < num_rounds:
+            if self.round_index < num_rounds:
                 for stage in self.stages:
                     stage.settle()  # a stop: keep the average in flight for the checkpoint, resume continues
             else:
@@ -154,14 +163,14 @@ class Trainer:
                 self._leave()
             failed = False
         finally:
-            self.summary.stopped_early = self.stage.round_index < num_rounds
+            self.summary.stopped_early = self.round_index < num_rounds
             # after a failure the step in progress may be half-applied on some stage: keep the last checkpoint
             self._finish(started, save=not failed)
         return self.summary
 
     def _wait_for_peers(self) -> None:
         wanted = self.cfg.train.wait_for_peers
-        if self.swarm is not None and self.stage.round_index > 0 and self.swarm.joined_swarm:
+        if self.swarm is not None and self.round_index > 0 and self.swarm.joined_swarm:
             # resumed mid-run (a restart after a crash): the swarm's records take a moment to reach a fresh DHT node,
             # and deciding on none made a peer resumed with a round in flight wait out that round's timeouts for a
             # group the others had long finished (seen in benchmarks/churn.py), instead of reloading at once
@@ -169,7 +178,7 @@ class Trainer:
             if self.swarm.wait_for_peers(self.stage.position(), 2, bound, poll_s=0.25) < 2:
                 logger.info(f"No other peer of this stage visible after {bound:.0f} s; going on")
             return
-        if self.swarm is None or wanted <= 1 or self.stage.round_index > 0:
+        if self.swarm is None or wanted <= 1 or self.round_index > 0:
             return
         logger.info(f"Waiting for {wanted} peers of run {self.cfg.run.run_id} before the first round "
                     f"(at most {self.cfg.train.wait_for_peers_timeout_s:.0f} s)")
@@ -187,12 +196,17 @@ class Trainer:
         group in time; peers of equal speed a few steps apart would otherwise lose those steps every round)."""
         window_start, window_tokens = time.monotonic(), 0
         train_s_before = self.summary.train_s
-        first = self.stage.round_first_step
-        first = self.stage.round_index * H if first is None else first
+        peer_round = self._peer_round = self.round_index
+        first = max([peer_round * H] + [stage.round_first_step for stage in self.stages
+                                        if stage.round_first_step is not None and stage.round_index == peer_round])
         slowdown = self.cfg.train.slowdown
-        while self.stage.inner_step < (self.stage.round_index + 1) * H:
+        # with streaming, only a fragment whose rounds end on the regular round end tells when the swarm ended the
+        # peer's round (a shifted one's records name the next round a few steps early); every peer has one, on its
+        # last stage, and its stages decide together
+        paced = [unit for unit in self.held if unit.stage.round_shift == 0]
+        while self.stage.inner_step < (peer_round + 1) * H:
             ended = self.follow_swarm and self.stage.inner_step > first and not self._nearly_done(H) and \
-                any([unit.swarm.others_ended_round(self.stage.round_index) for unit in self.held])
+                any([unit.swarm.others_ended_round(peer_round) for unit in paced])
             stop, ended = self.executor.any_stages(self.stop_requested, ended)  # every stage of the peer agrees
             if stop:
                 self.stop_requested = True  # every stage of the peer stops after the same inner step
@@ -229,45 +243,51 @@ class Trainer:
             window_tokens += self.tokens_per_step
             self._record_loss(loss)
             step = self.stage.inner_step
+            early = [unit for unit in self.held if unit.stage.round_index == peer_round
+                     and step == unit.stage.round_end_step(peer_round) < (peer_round + 1) * H]
+            if early:  # streaming sync: these fragments' rounds end now, a few steps before the regular round end
+                round_started = time.monotonic()
+                self._round_reports += self._end_rounds(early, loss)
+                self.summary.train_s += time.monotonic() - round_started
             if step % self.cfg.train.log_every == 0 or step % H == 0:
                 tokens_per_s = self.tokens_per_s = window_tokens / max(time.monotonic() - window_start, 1e-9)
-                self.metrics.write("step", inner_step=step, round=self.stage.round_index, loss=loss, lr=lr,
+                self.metrics.write("step", inner_step=step, round=peer_round, loss=loss, lr=lr,
                                    grad_norm=float(total_norm), tokens_per_s=tokens_per_s)
                 self.reporter.on_step(step, loss, tokens_per_s)
                 self._publish(loss, tokens_per_s)
                 window_start, window_tokens = time.monotonic(), 0
         self._round_steps = self.stage.inner_step - first
-        if self.stage.inner_step < (self.stage.round_index + 1) * H:  # ended by the swarm: skip the rest of it
-            logger.info(f"Stage {self.stage.stage_index} round {self.stage.round_index}: ended by the swarm after "
+        if self.stage.inner_step < (peer_round + 1) * H:  # ended by the swarm: skip the rest of it
+            logger.info(f"Stage {self.stage.stage_index} round {peer_round}: ended by the swarm after "
                         f"{self._round_steps} of {H} steps")
+            skipped = (peer_round + 1) * H - self.stage.inner_step
             for stage in self.stages:
-                stage.inner_step = (self.stage.round_index + 1) * H
+                if stage.round_index > peer_round:  # a fragment that ended its round early: the skipped steps are
+                    # not its own (its tokens count the steps trained)
+                    started = stage.round_first_step if stage.round_first_step is not None else \
+                        stage.round_start_step(stage.round_index)
+                    stage.round_first_step = started + skipped
+                stage.inner_step = (peer_round + 1) * H
         self._round_compute_s = self.summary.train_s - train_s_before
         return True
 
     def _nearly_done(self, H: int) -> bool:
-        remaining = (self.stage.round_index + 1) * H - self.stage.inner_step
+        remaining = (self.round_index + 1) * H - self.stage.inner_step
         return remaining * self.stage.seconds_per_step <= 0.25 * self.cfg.averaging.matchmaking_time_s
 
     def _after_round(self) -> None:
-        tokens = self._round_steps * self.tokens_per_step
-        for unit in self.held:
-            unit.stage.round_first_step = None
-            if self.follow_swarm:  # the others end this round now too (they wait for this peer's contribution)
+        peer_round = self._peer_round  # the round just trained (the inner step is on the next one now)
+        ending = [unit for unit in self.held if unit.stage.round_index == peer_round]
+        if self.follow_swarm:  # the others end this round now too (they wait for this peer's contribution)
+            for unit in ending:
                 unit.swarm.announce(unit.stage.position(), unit.stage.round_index + 1,
                                     self.summary.last_loss or float("nan"), self.tokens_per_s)
         round_started = time.monotonic()
-        expected = self._expected_group_sizes()
-        if len(self.held) == 1:
-            reports = [self.stage.end_round(tokens, expected[0], compute_s=self._round_compute_s)]
-        else:  # each fragment's round end at the same time: in blocking mode one after the other took F averagings
-            with ThreadPoolExecutor(len(self.held), thread_name_prefix="round-end") as pool:
-                reports = list(pool.map(lambda unit, size: unit.stage.end_round(
-                    tokens, size, compute_s=self._round_compute_s), self.held, expected))
+        reports, self._round_reports = self._round_reports + self._end_rounds(ending), []
         self.summary.train_s += time.monotonic() - round_started
         self.summary.rounds_completed += 1
-        self._record_round(reports)
-        round_index = self.stage.round_index
+        self._account(reports)
+        round_index = self.round_index
         every = self.cfg.train.eval_every_rounds
         if every and round_index % every == 0 and round_index < self.cfg.train.num_rounds:
             self._evaluate_and_log(round_index)
@@ -281,7 +301,33 @@ class Trainer:
                 self._note_anchor()
                 self._publish(self.summary.last_loss or float("nan"), self.tokens_per_s, force=True)
 
-    def _expected_group_sizes(self) -> list[int | None]:
+    def _end_rounds(self, units: list[Held], loss: float | None = None) -> list[RoundReport]:
+        """End the round of each of ``units`` now: its pseudo-gradient weighted by the steps it trained in its round,
+        the averaging (each fragment's at the same time: one after the other, blocking mode took F averagings),
+        its metrics row and its records."""
+        if not units:  # streaming: every fragment of this stage process ended its round earlier in it
+            return []
+        step = self.stage.inner_step
+        tokens = []
+        for unit in units:
+            stage = unit.stage
+            started = stage.round_first_step if stage.round_first_step is not None else \
+                stage.round_start_step(stage.round_index)
+            tokens.append(max(0, step - started) * self.tokens_per_step)
+            stage.round_first_step = None
+        expected = self._expected_group_sizes(units)
+        if len(units) == 1:
+            reports = [units[0].stage.end_round(tokens[0], expected[0], compute_s=self._round_compute_s)]
+        else:
+            with ThreadPoolExecutor(len(units), thread_name_prefix="round-end") as pool:
+                reports = list(pool.map(lambda unit, n, size: unit.stage.end_round(
+                    n, size, compute_s=self._round_compute_s), units, tokens, expected))
+        self._write_rounds(units, reports)
+        if loss is not None:  # mid-round: the records name the round these fragments are on now
+            self._publish(loss, self.tokens_per_s, force=True)
+        return reports
+
+    def _expected_group_sizes(self, units: list[Held]) -> list[int | None]:
         """Each unit's expected group for the round that ends, read from its records; a stage process holding several
         fragments reads their records at the same time (one after the other, the four reads of a P = 1 peer took
         1.2 s on a busy machine, and it came late to the last fragment's group: seen in the mixed-split test)."""
@@ -291,20 +337,22 @@ class Trainer:
             met = unit.sync.recently_met() if unit.sync is not None else frozenset()
             return unit.swarm.expected_group_size(unit.stage.round_index, met)
 
-        if len(self.held) == 1:
-            return [expected(self.held[0])]
-        with ThreadPoolExecutor(len(self.held), thread_name_prefix="records") as pool:
-            return list(pool.map(expected, self.held))
+        if len(units) == 1:
+            return [expected(units[0])]
+        with ThreadPoolExecutor(len(units), thread_name_prefix="records") as pool:
+            return list(pool.map(expected, units))
 
     def _flush(self) -> None:
         """Apply the round still in flight (overlap modes), then evaluate the final anchor."""
         flush_started = time.monotonic()
         reports = [stage.flush() for stage in self.stages]
         self.summary.train_s += time.monotonic() - flush_started  # the last round's wait counts, as all others
-        if reports[0] is not None:
-            self._record_round(reports, flush=True)
-        if self.stage.round_index == self.cfg.train.num_rounds:
-            self._evaluate_and_log(self.stage.round_index)
+        flushed = [(unit, report) for unit, report in zip(self.held, reports) if report is not None]
+        if flushed:
+            self._write_rounds([u for u, _ in flushed], [r for _, r in flushed], flush=True)
+            self._account([r for _, r in flushed])
+        if self.round_index == self.cfg.train.num_rounds:
+            self._evaluate_and_log(self.round_index)
 
     def _leave(self) -> None:
         """At the end of the run, stay until the groupmates of the last round have its result too.
@@ -315,11 +363,12 @@ class Trainer:
         peer publishes that it has applied the last round and waits until each groupmate's record says the same
         (or is gone), at most ``averaging.next_chunk_timeout_s``: the time after which a groupmate stops waiting
         for a part anyway."""
-        if self.swarm is None or not any(self._last_group):
+        if self.swarm is None or not any(self._last_group.values()):
             return
         self._publish(self.summary.last_loss or float("nan"), self.tokens_per_s, force=True)
         deadline = time.monotonic() + self.cfg.averaging.next_chunk_timeout_s
-        for unit, group in zip(self.held, self._last_group):
+        for i, unit in enumerate(self.held):
+            group = self._last_group.get(i, [])
             waiting = unit.swarm.wait_for_groupmates(group, unit.stage.applied_round,
                                                      timeout_s=max(0.0, deadline - time.monotonic()))
             if waiting:
@@ -358,18 +407,23 @@ class Trainer:
         """How metrics rows name a fragment (nothing when the stage is the unit)."""
         return {} if unit.stage.fragment is None else {"fragment": unit.stage.fragment[0]}
 
-    def _record_round(self, reports: list[RoundReport], flush: bool = False) -> None:
-        """One round end of every unit held: its metrics row each, one account in the summary."""
-        self.summary.account(reports, self.cfg.diloco.inner_steps)
-        self._last_group = [list(report.outcome.group_peers) for report in reports]
-        for unit, group in zip(self.held, self._last_group):
+    def _write_rounds(self, units: list[Held], reports: list[RoundReport], flush: bool = False) -> None:
+        """The metrics row of each unit's round end, and what it tells the sync (the group met, the new anchor)."""
+        for unit, report in zip(units, reports):
+            self._last_group[self.held.index(unit)] = list(report.outcome.group_peers)
             if unit.sync is not None:
-                unit.sync.met_group(group)
+                unit.sync.met_group(list(report.outcome.group_peers))
         self._note_anchor()
-        for unit, report in zip(self.held, reports):
+        for unit, report in zip(units, reports):
             digest = anchor_digest(unit.stage.anchor) if self.cfg.train.anchor_digest else ""
             self.metrics.write("round", **report.record(), **self._unit_facts(unit), inner_step=self.stage.inner_step,
                                anchor_sha256=digest, anchor_applied_round=unit.stage.applied_round, flush=flush)
+
+    def _account(self, reports: list[RoundReport]) -> None:
+        """One round of the peer in the summary and on the console (every unit's round end of it)."""
+        if not reports:
+            return
+        self.summary.account(reports, self.cfg.diloco.inner_steps)
         self.reporter.on_round(reports[0] if len(reports) == 1 else combined_report(reports))
 
     # ---- pieces -------------------------------------------------------------------------------------
@@ -420,7 +474,7 @@ class Trainer:
                             self.cfg.run.run_id, self.executor)
         if path is None:
             return False
-        self.metrics.write("resume", round=self.stage.round_index, inner_step=self.stage.inner_step,
+        self.metrics.write("resume", round=self.round_index, inner_step=self.stage.inner_step,
                            checkpoint=str(path))
         return True
 

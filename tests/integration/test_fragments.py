@@ -89,3 +89,33 @@ def test_peers_of_three_splits_average_every_fragment_together(tmp_path, process
     for name, model in models.items():
         assert len(model.folders) == F and model.applied_round == rounds - 1, name
         assert all(torch.equal(value, models["p1"].tensors[key]) for key, value in model.tensors.items()), name
+
+
+def test_streaming_sync_staggers_the_fragments_of_peers_of_two_splits(tmp_path, processes, bootstrap):
+    """Streaming sync (diloco.streaming) between a P = 1 and a P = 2 peer, F = 3, H = 8: fragment f's round r ends
+    after inner step (r + 1) 8 - s_f with s = (5, 2, 0), the last round of each on the run's last step; every
+    fragment-round is averaged by both, with bit-identical anchors, and one averaging is on the wire at a time."""
+    rounds, H = 5, 8
+    common = ["--diloco.fragments", str(F), "--diloco.streaming", "true", "--train.wait_for_peers", "2", *CROWDED]
+    for name in ("p1", "p2"):
+        processes.start(name, *pipeline_peer(tmp_path, name, *common, *SPLITS[name], maddrs=bootstrap, rounds=rounds))
+    for name in ("p1", "p2"):
+        assert processes.wait(name, timeout=300) == 0, processes.log(name)[-3000:]
+    shifts = [5, 2, 0]
+    by_peer = {}
+    for name in ("p1", "p2"):
+        ends = {}
+        for stage, fragments in enumerate(HELD[name]):
+            for e in events(tmp_path, name, "round", stage):
+                if not e["flush"]:
+                    ends.setdefault(e["fragment"], []).append(e["inner_step"])
+        for f in range(F):  # when each fragment's rounds ended: staggered, the last on the run's last step
+            assert ends[f] == [(r + 1) * H - shifts[f] for r in range(rounds - 1)] + [rounds * H], (name, f, ends[f])
+        by_peer[name] = fragment_rounds(tmp_path, name)
+    for f in range(F):
+        a, b = by_peer["p1"][f], by_peer["p2"][f]
+        assert [e["applied_round"] for e in a] == [e["applied_round"] for e in b] == list(range(rounds))
+        for ea, eb in zip(a, b):
+            assert ea["averaged"] and eb["averaged"] and ea["group_size"] == 2, (f, ea, eb)
+            assert ea["anchor_sha256"] == eb["anchor_sha256"], f
+    assert summary(tmp_path, "p1")["eval_loss_final"] < summary(tmp_path, "p1")["eval_loss_start"] - 1.0

@@ -135,13 +135,14 @@ class FakeAverager:
 
 class OneStage:
     def __init__(self, other_stage_flags: bool = False):
-        self.other_stage_flags = other_stage_flags  # what the peer's other stages report to any_stage
+        # what the peer's other stages report to the first any_stage (whether to reload); then they agree
+        self.other_stage_flags = [other_stage_flags]
 
     def common_value(self, value):
         return [value]
 
     def any_stage(self, flag: bool) -> bool:
-        return flag or self.other_stage_flags
+        return flag or (self.other_stage_flags.pop(0) if self.other_stage_flags else False)
 
 
 def make_sync(peer: Stage, records, state, other_stage_flags: bool = False, node: str = "me", **options):
@@ -546,7 +547,7 @@ def group_of(peer: list[Stage], states: list[list], records: list[list[Record]])
 
 def test_the_fragments_of_a_stage_process_reload_together_or_not_at_all():
     """Fragment 0's records show the swarm ahead, fragment 1's show nothing yet: both reload, to one round and inner
-    step (the peer has one clock). One fragment's state a round behind the other's is downloaded again; a fragment
+    step (the peer has one clock: the most advanced state's). One fragment's state a round behind the other's is downloaded again; a fragment
     whose state cannot be had keeps every fragment where it was."""
     donor = fragment_stages(seed=1)
     early = served(donor[1], 5, 4, step_in_round=3)
@@ -556,7 +557,7 @@ def test_the_fragments_of_a_stage_process_reload_together_or_not_at_all():
     group, syncs = group_of(peer, [[state0], [early, late]], [[Record(6, 5, "x")], ahead])
     group.at_start(resumed=False)
     H = peer[0].diloco_cfg.inner_steps
-    assert [(s.round_index, s.applied_round, s.inner_step) for s in peer] == [(6, 5, 6 * H + 2)] * 2
+    assert [(s.round_index, s.applied_round, s.inner_step) for s in peer] == [(6, 5, 6 * H + 4)] * 2
     assert peer[1].averager.downloads == 2  # round 5 first, then again for the round of fragment 0's state
     assert [e["action"] for s in syncs for e in s.events] == ["reload", "reload"]
 
@@ -579,3 +580,25 @@ def test_a_fragment_takes_only_its_own_state():
         peer[0].check_state("run", dict(meta, num_fragments=3), tensors)
     with pytest.raises(ValueError, match="checkpoint is of fragment 0 of 2, this is fragment 1 of 2"):
         peer[1].load_state_dict(*donor[0].state_dict())
+
+
+def test_streamed_fragments_reload_to_one_step_inside_each_fragments_round():
+    """Streaming sync: fragment 0's rounds end 25 steps before the regular round end (H = 50, F = 2), so at step 290
+    it is in round 6 while fragment 1 is in round 5. States of those rounds fit one step (the most advanced of the
+    donors' inside both rounds); a fragment-1 state of round 4 (its round ends at 250, before fragment 0's round 6
+    begins at 275) does not, and is downloaded again."""
+    donor, peer = fragment_stages(seed=1), fragment_stages()
+    for stages in (donor, peer):
+        stages[0].round_shift = 25
+    H = peer[0].diloco_cfg.inner_steps
+    assert H == 50 and peer[0].round_at(290) == 6 and peer[1].round_at(290) == 5
+    state0 = served(donor[0], 6, 5, step_in_round=0)  # round 6 of fragment 0: inner steps 275 to 325
+    donor[0].inner_step = 280
+    state0 = donor[0].shareable_state("run")
+    old = served(donor[1], 4, 3, step_in_round=10)
+    state1 = served(donor[1], 5, 4, step_in_round=40)  # step 290
+    group, syncs = group_of(peer, [[state0], [old, state1]],
+                            [[Record(6, 5, "x")], [Record(4, 3, "x", node="a"), Record(5, 4, "x", node="b")]])
+    group.at_start(resumed=False)
+    assert [(s.round_index, s.inner_step) for s in peer] == [(6, 290), (5, 290)]
+    assert peer[1].averager.downloads == 2 and peer[0].round_first_step == 290

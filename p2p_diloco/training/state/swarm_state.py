@@ -62,7 +62,7 @@ class StateSharing:
                 applied, outer_steps = pending.round_index, outer_steps + 1
             meta = {"format": STATE_FORMAT, "run_id": run_id, "stage": self.stage_index,
                     "num_stages": self.num_stages, **self.unit, "round": self.round_index, "applied_round": applied,
-                    "outer_steps": outer_steps, "round_start_step": self.round_index * self.diloco_cfg.inner_steps,
+                    "outer_steps": outer_steps, "round_start_step": self.round_start_step(self.round_index),
                     "inner_step": self.inner_step, "seconds_per_step": float(self.seconds_per_step),
                     "shapes": [list(t.shape) for t in self.anchor]}
         return meta, anchor + momentum
@@ -88,7 +88,8 @@ class StateSharing:
             if not isinstance(value, int) or isinstance(value, bool) or value < -1:
                 raise StateError(f"the donor's {key} is not a count: {value!r}")
         H, start = self.diloco_cfg.inner_steps, meta["round_start_step"]
-        if start != meta["round"] * H or not start <= meta["inner_step"] <= start + H:
+        if start != self.round_start_step(meta["round"]) or \
+                not start <= meta["inner_step"] <= self.round_end_step(meta["round"]):
             raise StateError(f"the donor's steps do not fit its round {meta['round']} with H={H}: round start "
                              f"{start}, inner step {meta['inner_step']}")
 
@@ -117,10 +118,9 @@ class StateSharing:
                 if self.pending is not None and self.pending.in_flight and self.averager is not None:
                     self.averager.abandon_round()  # its average is never applied: the donor's state replaces it
                 self.pending = None
-                H = self.diloco_cfg.inner_steps
                 step = int(meta["inner_step"] if inner_step is None else inner_step)
                 self.round_index = int(meta["round"])
-                self.inner_step = min(step, (self.round_index + 1) * H - 1)  # at least one step of its own
+                self.inner_step = min(step, self.round_end_step(self.round_index) - 1)  # at least one step of its own
                 self.round_first_step = self.inner_step
                 self.set_params(self.anchor)
                 if self.feedback is not None:
