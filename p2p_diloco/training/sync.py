@@ -426,7 +426,7 @@ class SyncGroup:
                 if not late:
                     break
                 needed = {i: self.syncs[i].stage.round_at(lo) for i in late}
-                again = pool.map(lambda i: self.syncs[i].reload_state(swarm_rounds[i], needed[i]), late)
+                again = pool.map(lambda i, floors=needed: self.syncs[i].reload_state(swarm_rounds[i], floors[i]), late)
                 for i, state in zip(late, again):
                     states[i] = state
         return states

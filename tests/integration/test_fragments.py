@@ -105,7 +105,7 @@ def test_streaming_sync_staggers_the_fragments_of_peers_of_two_splits(tmp_path, 
     by_peer = {}
     for name in ("p1", "p2"):
         ends = {}
-        for stage, fragments in enumerate(HELD[name]):
+        for stage in range(len(HELD[name])):
             for e in events(tmp_path, name, "round", stage):
                 if not e["flush"]:
                     ends.setdefault(e["fragment"], []).append(e["inner_step"])

@@ -547,8 +547,8 @@ def group_of(peer: list[Stage], states: list[list], records: list[list[Record]])
 
 def test_the_fragments_of_a_stage_process_reload_together_or_not_at_all():
     """Fragment 0's records show the swarm ahead, fragment 1's show nothing yet: both reload, to one round and inner
-    step (the peer has one clock: the most advanced state's). One fragment's state a round behind the other's is downloaded again; a fragment
-    whose state cannot be had keeps every fragment where it was."""
+    step (the peer has one clock: the most advanced state's). One fragment's state a round behind the other's is
+    downloaded again; a fragment whose state cannot be had keeps every fragment where it was."""
     donor = fragment_stages(seed=1)
     early = served(donor[1], 5, 4, step_in_round=3)
     state0, late = served(donor[0], 6, 5, step_in_round=2), served(donor[1], 6, 5, step_in_round=4)
