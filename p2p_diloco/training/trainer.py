@@ -94,6 +94,7 @@ class Trainer:
         self._last_group: dict[int, list[str]] = {}  # per unit held: the group of its last round applied
         self._round_reports: list[RoundReport] = []  # fragments whose round ended early in this round (streaming)
         self._peer_round = 0  # the round _train_round trained
+        self._reloaded_at: int | None = None  # the inner step a reload put the peer at, until its round is trained
         # a round ends when another peer has ended it (peers of unequal speed meet at the round end)
         self.follow_swarm = swarm is not None and cfg.diloco.round_end == "swarm"
         tag = f"stage{stage.stage_index}"
@@ -197,8 +198,9 @@ class Trainer:
         window_start, window_tokens = time.monotonic(), 0
         train_s_before = self.summary.train_s
         peer_round = self._peer_round = self.round_index
-        first = max([peer_round * H] + [stage.round_first_step for stage in self.stages
-                                        if stage.round_first_step is not None and stage.round_index == peer_round])
+        # a reload put the peer part-way into this round: its steps count from there
+        first = max(peer_round * H, self._reloaded_at if self._reloaded_at is not None else 0)
+        self._reloaded_at = None
         slowdown = self.cfg.train.slowdown
         # with streaming, only a fragment whose rounds end on the regular round end tells when the swarm ended the
         # peer's round (a shifted one's records name the next round a few steps early); every peer has one, on its
@@ -261,12 +263,10 @@ class Trainer:
             logger.info(f"Stage {self.stage.stage_index} round {peer_round}: ended by the swarm after "
                         f"{self._round_steps} of {H} steps")
             skipped = (peer_round + 1) * H - self.stage.inner_step
-            for stage in self.stages:
-                if stage.round_index > peer_round:  # a fragment that ended its round early: the skipped steps are
-                    # not its own (its tokens count the steps trained)
-                    started = stage.round_first_step if stage.round_first_step is not None else \
-                        stage.round_start_step(stage.round_index)
-                    stage.round_first_step = started + skipped
+            for stage in self.stages:  # the skipped steps are nobody's: a round's tokens count the steps trained
+                started = stage.round_first_step if stage.round_first_step is not None else \
+                    stage.round_start_step(stage.round_index)
+                stage.round_first_step = started + skipped
                 stage.inner_step = (peer_round + 1) * H
         self._round_compute_s = self.summary.train_s - train_s_before
         return True
@@ -401,6 +401,8 @@ class Trainer:
                 else:
                     self.summary.resyncs += 1
         self.summary.reloads += reloaded
+        if reloaded:
+            self._reloaded_at = self.stage.inner_step
         return any_events
 
     def _unit_facts(self, unit: Held) -> dict:
