@@ -29,7 +29,7 @@ LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 FINGERPRINT = {"version": 1, "model.dim": 32, "model.n_layers": 2, "model.n_heads": 4, "model.n_kv_heads": 2,
                "model.ffn_dim": 64, "model.vocab_size": 61, "model.max_seq_len": 16, "model.tie_embeddings": False,
                "model.init_seed": 0, "pipeline.stages": 1, "pipeline.stage_layers": [2], "data.vocab_size": 61,
-               "data.dtype": "uint16", "data.tokenizer": "byte"}
+               "data.dtype": "uint16", "data.tokenizer": "byte", "diloco.fragments": None}
 
 
 class Forger(RecordValidatorBase):

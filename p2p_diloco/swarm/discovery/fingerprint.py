@@ -35,7 +35,9 @@ def config_fingerprint(model_args, stage_layers: list[int], data_meta: dict[str,
                        ) -> dict[str, Any]:
     """What peers of one run must agree on, keyed by the config key a user would change. A run that averages by
     fragment (``fragments`` F >= 1) fixes F, not the pipeline split: peers of any split average together."""
-    by_fragment = {"pipeline.stages": None, "pipeline.stage_layers": None, "diloco.fragments": fragments}
+    # every key always present (None where it does not apply): hivemind's schema validator refuses a record that
+    # parsing would change, and a default filled in for a missing key is such a change (no config record was stored)
+    by_fragment = {"pipeline.stages": None, "pipeline.stage_layers": None}
     return ({
         "version": FINGERPRINT_VERSION,
         "model.dim": model_args.dim, "model.n_layers": model_args.n_layers, "model.n_heads": model_args.n_heads,
@@ -44,7 +46,7 @@ def config_fingerprint(model_args, stage_layers: list[int], data_meta: dict[str,
         "model.tie_embeddings": model_args.tie_embeddings, "model.init_seed": model_args.init_seed,
         "pipeline.stages": len(stage_layers), "pipeline.stage_layers": list(stage_layers),
         "data.vocab_size": data_meta.get("vocab_size"), "data.dtype": data_meta.get("dtype"),
-        "data.tokenizer": data_meta.get("tokenizer"),
+        "data.tokenizer": data_meta.get("tokenizer"), "diloco.fragments": fragments or None,
     }) | (by_fragment if fragments else {})
 
 

@@ -96,7 +96,7 @@ class FingerprintValue(BaseModel):
     pipeline_stages: Optional[conint(strict=True, ge=1, le=MAX_STAGES)] = Field(..., alias="pipeline.stages")
     pipeline_stage_layers: Optional[conlist(conint(strict=True, ge=1), min_items=1, max_items=MAX_STAGES)] = \
         Field(..., alias="pipeline.stage_layers")
-    diloco_fragments: Optional[conint(strict=True, ge=1, le=MAX_STAGES)] = Field(None, alias="diloco.fragments")
+    diloco_fragments: Optional[conint(strict=True, ge=1, le=MAX_STAGES)] = Field(..., alias="diloco.fragments")
     data_vocab_size: Optional[conint(strict=True, ge=1)] = Field(..., alias="data.vocab_size")
     data_dtype: Optional[constr(strict=True, max_length=32)] = Field(..., alias="data.dtype")
     data_tokenizer: Optional[constr(strict=True, max_length=256)] = Field(..., alias="data.tokenizer")
