@@ -83,10 +83,9 @@ class TrainSummary:
     stopped_early: bool = False
     group_sizes: list[int] = field(default_factory=list)
 
-    def account(self, reports: RoundReport | list[RoundReport], inner_steps_per_round: int) -> None:
-        """Add one applied round (or the first round end of an overlap mode, which applies nothing): of the stage, or
-        of every fragment this stage process holds (then the round counts as averaged if every fragment's was)."""
-        report = combined_report(reports) if isinstance(reports, list) else reports
+    def account(self, report: RoundReport, inner_steps_per_round: int) -> None:
+        """Add one applied round (or the first round end of an overlap mode, which applies nothing); in a run averaged
+        by fragment, the :func:`combined_report` of every fragment's round end."""
         outcome = report.outcome
         self.bytes_sent += outcome.bytes_sent
         self.bytes_received += outcome.bytes_received

@@ -385,7 +385,8 @@ class SyncGroup:
         if not self.executor.any_stage(behind):
             return False
         states = self._download_all([swarm_round for _, _, swarm_round in decisions])
-        local = None if None in states else (*self._window(states), max(state[0]["inner_step"] for state in states))
+        local = None if None in states else \
+            (*self._window(zip(self.syncs, states)), max(state[0]["inner_step"] for state in states))
         points = self.executor.common_value(local)
         lo = None if None in points else max(p[0] for p in points)
         hi = None if None in points else min(p[1] for p in points)
@@ -402,10 +403,13 @@ class SyncGroup:
             sync.take_reload(state, reason if b else "another stage or fragment of this peer is reloading", step)
         return True
 
-    def _window(self, states) -> tuple[int, int]:
-        """The inner steps t at which every state's round is its fragment's round (``round_at(t)``): [lo, hi]."""
-        lo = max(sync.stage.round_start_step(state[0]["round"]) for sync, state in zip(self.syncs, states))
-        hi = min(sync.stage.round_end_step(state[0]["round"]) - 1 for sync, state in zip(self.syncs, states))
+    @staticmethod
+    def _window(pairs) -> tuple[int, int]:
+        """The inner steps t at which each (sync, state) pair's state round is its fragment's round (``round_at(t)``):
+        [lo, hi], empty when lo > hi."""
+        pairs = list(pairs)
+        lo = max(sync.stage.round_start_step(state[0]["round"]) for sync, state in pairs)
+        hi = min(sync.stage.round_end_step(state[0]["round"]) - 1 for sync, state in pairs)
         return lo, hi
 
     def _download_all(self, swarm_rounds: list[int]) -> list:
@@ -420,7 +424,7 @@ class SyncGroup:
                 got = [(sync, state) for sync, state in zip(self.syncs, states) if state is not None]
                 if not got:
                     break
-                lo = max(sync.stage.round_start_step(state[0]["round"]) for sync, state in got)
+                lo, _ = self._window(got)
                 late = [i for i, (sync, state) in enumerate(zip(self.syncs, states))
                         if state is None or sync.stage.round_end_step(state[0]["round"]) - 1 < lo]
                 if not late:

@@ -95,6 +95,7 @@ class Trainer:
         self._round_reports: list[RoundReport] = []  # fragments whose round ended early in this round (streaming)
         self._peer_round = 0  # the round _train_round trained
         self._reloaded_at: int | None = None  # the inner step a reload put the peer at, until its round is trained
+        self._fingerprints: list[str] = [""] * len(self.held)  # each unit's anchor fingerprint, as last noted
         # a round ends when another peer has ended it (peers of unequal speed meet at the round end)
         self.follow_swarm = swarm is not None and cfg.diloco.round_end == "swarm"
         tag = f"stage{stage.stage_index}"
@@ -105,11 +106,9 @@ class Trainer:
         ckpt_root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.output_dir / "checkpoints"
         # one folder per unit: the stage's, or each fragment's (a peer of another split resumes the same fragments)
         self.checkpoint_dirs = [ckpt_root / unit_folder(u.stage) for u in self.held]
-        self.checkpoint_dir = self.checkpoint_dirs[0]
         num_params = sum(p.numel() for unit in self.held for p in unit.stage.params)
         self.summary = TrainSummary(peer_name, cfg.run.run_id, stage.stage_index, stage.num_stages, num_params,
                                     mode=stage.mode)
-        self.sync = sync
         self.syncs = SyncGroup([u.sync for u in self.held], executor) if sync is not None else None
         for unit in self.held:
             if unit.swarm is not None:  # a round nobody can join any more fails at once, not after its timeout
@@ -140,8 +139,7 @@ class Trainer:
         self._wait_for_peers()
         if self.syncs is not None:
             self.syncs.at_start(resumed)
-            if self._log_sync_events():
-                self._note_anchor()
+            self._log_sync_events()
         for unit in self.held:
             if unit.stage.pending is not None:  # resumed with a round in flight, and not replaced by a reload
                 unit.stage.restart_pending(unit.swarm.expected_group_size(unit.stage.round_index)
@@ -236,7 +234,7 @@ class Trainer:
                 # the anchor changed: the records published from now on name the round just applied, so they
                 # must carry its fingerprint (a stale one made peers that compare at this round see divergence
                 # where there was none, and miss it where there was)
-                self._note_anchor()
+                self._note_anchor([unit for unit in self.held if unit.stage in due])
                 self._publish(loss, self.tokens_per_s, force=True)
             seconds_per_step = step_s if not self.stage.seconds_per_step else \
                 0.9 * self.stage.seconds_per_step + 0.1 * step_s
@@ -298,7 +296,6 @@ class Trainer:
         if self.syncs is not None:
             self.syncs.after_round()
             if self._log_sync_events():
-                self._note_anchor()
                 self._publish(self.summary.last_loss or float("nan"), self.tokens_per_s, force=True)
 
     def _end_rounds(self, units: list[Held], loss: float | None = None) -> list[RoundReport]:
@@ -375,10 +372,12 @@ class Trainer:
                 logger.info(f"{unit.stage.label}: leaving before {len(waiting)} groupmate(s) of the last "
                             f"round said they had its result")
 
-    def _note_anchor(self) -> None:
-        """Publish where each unit's anchor stands (divergence checks, donor choice, state checks)."""
-        for unit in self.held:
-            fingerprint = anchor_fingerprint(unit.stage.anchor)
+    def _note_anchor(self, units: list[Held] | None = None) -> None:
+        """Publish where each of ``units`` (default: all) stands, after its anchor changed (divergence checks, donor
+        choice, state checks). The fingerprint is the anchor's full sha256, also the metrics rows' digest: each
+        anchor is hashed once per change."""
+        for unit in self.held if units is None else units:
+            fingerprint = self._fingerprints[self.held.index(unit)] = anchor_fingerprint(unit.stage.anchor)
             if unit.swarm is not None:
                 unit.swarm.anchor_fingerprint = fingerprint
             if unit.sync is not None:
@@ -387,13 +386,16 @@ class Trainer:
                     unit.swarm.prior_anchor_fingerprint = unit.sync.fingerprints.get(unit.stage.applied_round - 1, "")
 
     def _log_sync_events(self) -> bool:
-        """Metrics and summary of the reloads and resyncs just done; whether there were any."""
+        """Note the anchors the reloads and resyncs just done changed, and write their metrics and summary; whether
+        there were any."""
         any_events, reloaded = False, False
-        for unit in self.held:
+        changed = [unit for unit in self.held if unit.sync.events]
+        self._note_anchor(changed)
+        for unit in changed:
             events, unit.sync.events = unit.sync.events, []
             for event in events:
                 any_events = True
-                digest = anchor_digest(unit.stage.anchor) if self.cfg.train.anchor_digest else ""
+                digest = self._digest(unit)
                 self.metrics.write("sync", **event, **self._unit_facts(unit), inner_step=self.stage.inner_step,
                                    anchor_sha256=digest)
                 if event["action"] == "reload":
@@ -415,18 +417,23 @@ class Trainer:
             self._last_group[self.held.index(unit)] = list(report.outcome.group_peers)
             if unit.sync is not None:
                 unit.sync.met_group(list(report.outcome.group_peers))
-        self._note_anchor()
+        self._note_anchor(units)
         for unit, report in zip(units, reports):
-            digest = anchor_digest(unit.stage.anchor) if self.cfg.train.anchor_digest else ""
             self.metrics.write("round", **report.record(), **self._unit_facts(unit), inner_step=self.stage.inner_step,
-                               anchor_sha256=digest, anchor_applied_round=unit.stage.applied_round, flush=flush)
+                               anchor_sha256=self._digest(unit), anchor_applied_round=unit.stage.applied_round,
+                               flush=flush)
+
+    def _digest(self, unit: Held) -> str:
+        """The metrics rows' ``anchor_sha256`` of a unit (its fingerprint, already computed), if asked for."""
+        return self._fingerprints[self.held.index(unit)] if self.cfg.train.anchor_digest else ""
 
     def _account(self, reports: list[RoundReport]) -> None:
         """One round of the peer in the summary and on the console (every unit's round end of it)."""
         if not reports:
             return
-        self.summary.account(reports, self.cfg.diloco.inner_steps)
-        self.reporter.on_round(reports[0] if len(reports) == 1 else combined_report(reports))
+        report = combined_report(reports)
+        self.summary.account(report, self.cfg.diloco.inner_steps)
+        self.reporter.on_round(report)
 
     # ---- pieces -------------------------------------------------------------------------------------
     def _record_loss(self, loss: float) -> None:
