@@ -28,7 +28,7 @@ demo: $(STAMP)
 	$(VENV)/bin/p2p-diloco swarm
 
 test: $(STAMP)
-	$(PY) -m pytest -q -ra --durations=20 tests
+	$(PY) -m pytest -q -ra --durations=50 tests
 
 test-unit: $(STAMP)
 	$(PY) -m pytest -q tests/unit
