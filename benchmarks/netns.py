@@ -129,6 +129,57 @@ class EmulatedWAN:
         self.close()
 
 
+_SAMPLER = """
+import sys, time
+path, period, devs = sys.argv[1], float(sys.argv[2]), sys.argv[3:]
+with open(path, "w") as out:
+    while True:
+        counts = []
+        for dev in devs:
+            with open(f"/sys/class/net/{dev}/statistics/rx_bytes") as counter:
+                counts.append(counter.read().strip())
+        out.write(f"{time.time():.4f} {' '.join(counts)}\\n")
+        out.flush()
+        time.sleep(period)
+"""
+
+
+class WireCounter:
+    """The bytes each host sends on its link, sampled every ``period_s`` on the wire: the receive counter of the
+    host's bridge-side veth (what left the host, after its tc shaping), read by a process in the bridge's
+    namespace. ``samples()`` gives, per host, ``[(unix time, bytes so far), ...]``.
+
+        with WireCounter(wan, hosts=[0, 1], path=out / "wire.txt"):
+            ...  # run the swarm
+    """
+
+    def __init__(self, wan: EmulatedWAN, hosts: list[int], path, period_s: float = 0.02):
+        self.wan, self.hosts, self.path, self.period_s = wan, list(hosts), path, period_s
+        self.process: subprocess.Popen | None = None
+
+    def __enter__(self) -> WireCounter:
+        devs = [f"{PREFIX}b{i}" for i in self.hosts]
+        self.process = subprocess.Popen(["ip", "netns", "exec", self.wan.core, sys.executable, "-c", _SAMPLER,
+                                         str(self.path), str(self.period_s), *devs], start_new_session=True)
+        self.wan.processes.append(self.process)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+    def samples(self) -> dict[int, list[tuple[float, int]]]:
+        series = {host: [] for host in self.hosts}
+        for line in open(self.path).read().splitlines():
+            fields = line.split()
+            if len(fields) != len(self.hosts) + 1:  # the last line, cut by the kill
+                continue
+            for host, count in zip(self.hosts, fields[1:]):
+                series[host].append((float(fields[0]), int(count)))
+        return series
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cleanup", action="store_true", help="remove namespaces a killed run left behind")
