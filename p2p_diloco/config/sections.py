@@ -279,7 +279,8 @@ class AveragingConfig:
     assumed_bandwidth_mbit: float = 100.0
     """Link rate assumed for the bandwidth budget until the first round has measured one."""
     target_group_size: Optional[int] = None
-    """Assemble a group as soon as this many peers joined; default: wait the whole matchmaking time."""
+    """Groups of at most this many peers, assembled as soon as this many joined; default: the live peers of the stage
+    (read from the records; until known, wait the whole matchmaking time)."""
     min_group_size: int = 2
     """Smallest group worth averaging with; a round with fewer peers falls back to the local delta."""
     matchmaking_time_s: float = 5.0

@@ -237,7 +237,8 @@ class SwarmSync:
         comes left a peer 30 s late, out of the next group: seen in make test); a newcomer there keeps waiting. Until
         some record gives one (a donor serves the anchor after an average it may not have published yet), it waits,
         at most ``verify_wait_s``."""
-        if self.num_rounds is not None and meta["round"] >= self.num_rounds:
+        if self.num_rounds is not None and meta["round"] >= self.num_rounds > self.stage.round_index:
+            # (a stage at the run's end itself takes a finished donor's anchor: the agreement at the end)
             return f"its round {meta['round']} is past the run's end ({self.num_rounds} rounds)"
         fingerprint, applied = anchor_fingerprint(tensors[:len(self.stage.anchor)]), meta["applied_round"]
         if applied < 0:
@@ -322,6 +323,39 @@ class SwarmSync:
         self.holds_canonical = self.missed_round is None
         self._record("reload", reason, meta)
 
+    def at_end(self, deadline: float, poll_s: float = 0.25) -> None:
+        """The run's end, with the last round applied: one final anchor for every peer.
+
+        Before, a run's last round could leave the swarm on several anchors with no round left to resync them: a
+        group of 4 whose matchmaking split it into two pairs ended as two models (seen in the fresh-clone busy CI of
+        the mixed-split test), a peer whose last round failed kept its own pseudo-gradient, and a round failed for
+        the whole group just before the last one left every member on its own anchor (the last round's average,
+        the same for all, moves each anchor by the same step). So the stage waits (until ``deadline``) for the peers
+        still averaging the last round to apply it, and takes the canonical anchor after it (most votes, ties to
+        the smallest node id: what every peer computes from the same records, as the resync after any round) if it
+        does not hold it: only peers off it download. In a calm run everyone has applied it by now (the groupmates
+        were waited for) and everyone holds it: nothing is downloaded."""
+        last = (self.num_rounds or 0) - 1
+        if self.num_rounds is None or self.stage.applied_round != last or self.stage.averager is None:
+            return
+        while True:
+            # every signed record, not only the believed ones: the peer still averaging may be one this peer never
+            # met (the odd one out of every round, in the test); only the votes below are the believed peers'
+            records = self.swarm.others()
+            if not any(r.round >= last and r.applied_round < last for r in records) or time.monotonic() >= deadline:
+                break
+            time.sleep(poll_s)
+        if self._diverged_round(self.counted(records)) == last:
+            self._resync(last)
+
+    def agreed_at_end(self) -> bool:
+        """Whether every other peer that applied the run's last round holds this stage's anchor after it (a peer
+        holding the canonical one stays until the others took it: they download it from such peers). Every signed
+        record counts here, as in :meth:`at_end`: a record that never agrees costs a wait bounded by the caller."""
+        last = (self.num_rounds or 0) - 1
+        mine = self.fingerprints.get(last)
+        return mine is None or set(anchor_votes(self.swarm.others(), last)) <= {mine}
+
     def _resync(self, diverged_round: int) -> None:
         state = self._download(at_least_round=self.stage.round_index, at_most_round=self.stage.round_index)
         if state is None:
@@ -373,6 +407,22 @@ class SyncGroup:
         if not self._reload_if_behind([sync.behind_after_round() for sync in self.syncs]):
             for sync in self.syncs:
                 sync.resync_if_diverged()
+
+    def at_end(self, deadline: float) -> None:
+        """Each unit's agreement on the final anchor (:meth:`SwarmSync.at_end`). No collectives: a resync is each
+        fragment's own."""
+        for sync in self.syncs:
+            sync.at_end(deadline)
+
+    def wait_agreed_at_end(self, deadline: float, poll_s: float = 0.25) -> bool:
+        """Stay until every unit's final anchor is every finished peer's (they may be downloading it from this one),
+        at most until ``deadline``; whether they agree."""
+        while True:
+            if all(sync.agreed_at_end() for sync in self.syncs):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(poll_s)
 
     def _reload_if_behind(self, decisions: list[tuple[bool, str, int]]) -> bool:
         """Reload every fragment when any fragment of any stage of the peer is behind; whether the peer decided to.

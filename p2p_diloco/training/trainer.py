@@ -352,25 +352,44 @@ class Trainer:
             self._evaluate_and_log(self.round_index)
 
     def _leave(self) -> None:
-        """At the end of the run, stay until the groupmates of the last round have its result too.
+        """At the end of the run, stay until the groupmates of the last round have its result too, and until the
+        peers that applied it agree on the final anchor.
 
         A peer's own all-reduce ends when it has every part of the average it needs; the parts it reduced for
         its groupmates may still be on the wire, and a process that exits then cuts them off: the groupmate
         waits out its timeouts and falls back on a round everyone else averaged (seen in make test). So the
         peer publishes that it has applied the last round and waits until each groupmate's record says the same
         (or is gone), at most ``averaging.next_chunk_timeout_s``: the time after which a groupmate stops waiting
-        for a part anyway."""
-        if self.swarm is None or not any(self._last_group.values()):
+        for a part anyway.
+
+        Then the final agreement (:meth:`SyncGroup.at_end`): where the last round left the swarm on more than one
+        anchor (its group split, or this peer fell back), the peers off the canonical anchor download it, and the
+        peers holding it stay until they have; all of it within ``averaging.round_timeout_s`` of the last round's end
+        here (the bound of a round: a peer that cannot take the agreed anchor by then, a forger for one, does not
+        keep the others waiting longer)."""
+        if self.swarm is None:
             return
         self._publish(self.summary.last_loss or float("nan"), self.tokens_per_s, force=True)
-        deadline = time.monotonic() + self.cfg.averaging.next_chunk_timeout_s
+        started = time.monotonic()
+        deadline = started + self.cfg.averaging.next_chunk_timeout_s
         for i, unit in enumerate(self.held):
             group = self._last_group.get(i, [])
+            if not group:
+                continue
             waiting = unit.swarm.wait_for_groupmates(group, unit.stage.applied_round,
                                                      timeout_s=max(0.0, deadline - time.monotonic()))
             if waiting:
                 logger.info(f"{unit.stage.label}: leaving before {len(waiting)} groupmate(s) of the last "
                             f"round said they had its result")
+        if self.syncs is None or self.round_index < self.cfg.train.num_rounds:
+            return
+        deadline = started + self.cfg.averaging.round_timeout_s
+        self.syncs.at_end(deadline)
+        if self._log_sync_events():
+            self._publish(self.summary.last_loss or float("nan"), self.tokens_per_s, force=True)
+        if not self.syncs.wait_agreed_at_end(deadline):
+            logger.warning("Leaving while peers that finished the run still hold another final anchor (they could "
+                           "not take the agreed one in time): their models differ from this one")
 
     def _note_anchor(self, units: list[Held] | None = None) -> None:
         """Publish where each of ``units`` (default: all) stands, after its anchor changed (divergence checks, donor

@@ -132,6 +132,32 @@ def test_a_peer_at_half_speed_ends_every_round_with_the_others(tmp_path, process
     assert all(len(t) == rounds and min(t) > 0 for t in round_tokens.values()), round_tokens
 
 
+def test_a_last_round_split_into_groups_still_ends_on_one_model(tmp_path, processes, bootstrap):
+    """3 peers whose groups hold 2 at most (``averaging.target_group_size 2``): every round, one peer is left out of
+    the pair and applies its own pseudo-gradient. After earlier rounds the resync brings it back onto the pair's
+    anchor; after the last one no round is left for that, and the run used to end on two models. Now the peers off
+    the canonical final anchor take it at the end: the three final anchors are bit-identical, and the peer that
+    took it says so in a resync row after its last round."""
+    rounds, h = 2, 6
+    names = ["s0", "s1", "s2"]
+    for name in names:
+        processes.start(name, *peer_args(tmp_path, name, bootstrap, "split", rounds, h, "--diloco.mode", "none",
+                                         "--averaging.target_group_size", "2", wait_for=3))
+    for name in names:
+        assert processes.wait(name, timeout=360) == 0, processes.log(name)[-3000:]
+    last = [applied(tmp_path, name)[-1] for name in names]
+    assert [e["applied_round"] for e in last] == [rounds - 1] * 3
+    assert max(e["group_size"] for e in last) <= 2, [rounds_told(tmp_path, name) for name in names]
+    # the last round left the swarm on at least two anchors...
+    assert len({e["anchor_sha256"] for e in last}) >= 2, [rounds_told(tmp_path, name) for name in names]
+    # ...and it ends on one
+    finals = {name: summary(tmp_path, name)["anchor_sha256"] for name in names}
+    assert len(set(finals.values())) == 1, finals
+    at_end = [e for name in names for e in events(tmp_path, name, "sync")
+              if e["action"] == "resync" and e["inner_step"] == rounds * h]
+    assert at_end, [events(tmp_path, name, "sync") for name in names]
+
+
 def test_killed_peer_does_not_stop_the_other(tmp_path, processes, bootstrap):
     """2 peers; one is killed (SIGKILL) after its first round: the survivor finishes every round, falling back
     to its own pseudo-gradient, without crashing or hanging past the configured timeouts."""

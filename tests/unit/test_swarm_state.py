@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 
 import pytest
@@ -602,3 +603,75 @@ def test_streamed_fragments_reload_to_one_step_inside_each_fragments_round():
     group.at_start(resumed=False)
     assert [(s.round_index, s.inner_step) for s in peer] == [(6, 290), (5, 290)]
     assert peer[1].averager.downloads == 2 and peer[0].round_first_step == 290
+
+
+def test_at_the_runs_end_the_peers_off_the_canonical_final_anchor_take_it():
+    """A run's last round split into two groups (or failed here): no round is left to resync, so at the end the peers
+    off the canonical anchor after the last round download it, and those holding it say when everyone does."""
+    num_rounds = 5
+    last = num_rounds - 1
+    donor = make_stage(seed=1)
+    donor.round_index, donor.applied_round = num_rounds, last
+    donor.inner_step = num_rounds * donor.diloco_cfg.inner_steps
+    state = donor.shareable_state("run")
+    theirs = anchor_fingerprint(donor.anchor)
+
+    def finished_peer():
+        peer = make_stage()
+        peer.round_index, peer.applied_round = num_rounds, last
+        peer.inner_step = donor.inner_step
+        return peer
+
+    # the other pair of a split last group (smaller node ids: their anchor wins the tie of two votes each)
+    others = [Record(num_rounds, last, theirs, node="a"), Record(num_rounds, last, theirs, node="b")]
+    peer = finished_peer()
+    sync = make_sync(peer, [*others, Record(num_rounds, last, "mine", node="m")], state, num_rounds=num_rounds)
+    sync.remember("mine")
+    assert not sync.agreed_at_end()
+    sync.at_end(deadline=time.monotonic() + 5)
+    assert [e["action"] for e in sync.events] == ["resync"]
+    assert all(torch.equal(a, b) for a, b in zip(peer.anchor, donor.anchor))
+    sync.remember(anchor_fingerprint(peer.anchor))
+    assert peer.round_index == num_rounds and peer.inner_step == donor.inner_step  # its progress is kept
+
+    # everyone on the same final anchor (a calm run): nothing to agree on, nothing downloaded
+    peer = finished_peer()
+    sync = make_sync(peer, [Record(num_rounds, last, "mine", node="a")], state, num_rounds=num_rounds)
+    sync.remember("mine")
+    sync.at_end(deadline=time.monotonic() + 5)
+    assert not sync.events and peer.averager.downloads == 0 and sync.agreed_at_end()
+
+    # a round failed for the whole group before the last one: every peer on its own anchor, one vote each; the
+    # tie goes to the smallest node id ("a"), and the others take its anchor
+    peer = finished_peer()
+    sync = make_sync(peer, [Record(num_rounds, last, theirs, node="a"), Record(num_rounds, last, "z1", node="z")],
+                     state, num_rounds=num_rounds)
+    sync.remember("mine")
+    sync.at_end(deadline=time.monotonic() + 5)
+    assert [e["action"] for e in sync.events] == ["resync"]
+
+    # holding the canonical anchor: no download; agreed once the others' records hold it too
+    peer = finished_peer()
+    records = [Record(num_rounds, last, theirs, node="a"), Record(num_rounds, last, "other", node="z")]
+    sync = make_sync(peer, records, state, num_rounds=num_rounds)
+    sync.remember(theirs)
+    sync.at_end(deadline=time.monotonic() + 5)
+    assert not sync.events and peer.averager.downloads == 0
+    assert not sync.agreed_at_end()  # "z" has not taken it yet
+    sync.swarm.records[1] = Record(num_rounds, last, theirs, node="z")
+    assert sync.agreed_at_end()
+
+    # a peer still averaging the last round is waited for (here: until the deadline), then the votes decide
+    peer = finished_peer()
+    still = [Record(num_rounds, last - 1, "", node="a")]
+    sync = make_sync(peer, still, state, num_rounds=num_rounds)
+    sync.remember("mine")
+    started = time.monotonic()
+    sync.at_end(deadline=started + 0.6)
+    assert time.monotonic() - started >= 0.5 and not sync.events
+
+    # before the run's end a finished donor's state is still refused (a reload must not jump past the end)
+    behind = make_stage()
+    behind.round_index, behind.applied_round = 3, 2
+    sync = make_sync(behind, others, state, num_rounds=num_rounds)
+    assert "past the run's end" in sync.refusal(*state)

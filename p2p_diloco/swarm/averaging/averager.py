@@ -349,8 +349,10 @@ class PseudoGradientAverager(GuardedAverager, DecentralizedAverager):
 
     # ---- called from the training process -----------------------------------------------------------
     def set_expected_group_size(self, size: Optional[int]) -> None:
-        """Assemble the group as soon as ``size`` peers joined (the live peers of this stage), else wait."""
-        size = self.cfg.target_group_size if size is None or size < 2 else size
+        """Assemble the group as soon as ``size`` peers joined (the live peers of this stage), else wait. A set
+        ``averaging.target_group_size`` caps it (groups of k in a larger swarm, as hivemind's own target)."""
+        target = self.cfg.target_group_size
+        size = target if size is None or size < 2 else size if target is None else min(size, target)
         future = MPFuture()
         self._outer_pipe.send(("_set_target_group_size", [], dict(size=size, future=future)))
         future.result(timeout=10)
@@ -556,6 +558,9 @@ class PseudoGradientAverager(GuardedAverager, DecentralizedAverager):
                                  f"{list(shapes[len(tensors)])}")
             chunks.append(part.buffer)
         if header is not None:
+            if size < 4 * math.prod(shapes[len(tensors)]):  # the donor left (or stopped) inside a tensor
+                raise ValueError(f"the donor's stream ended inside tensor {len(tensors)} ({size} of "
+                                 f"{4 * math.prod(shapes[len(tensors)])} bytes)")
             finish_tensor()
         if not isinstance(metadata, dict):
             logger.debug(f"Peer {peer_id} did not send its state")
