@@ -23,7 +23,8 @@ every 20 ms (``netns.WireCounter``). The table then adds, per run (the largest o
   more than ``--idle-fraction`` of the link rate, with gaps under ``--gap-s`` joined: what one round end puts on the
   link at once (the averaging payloads, framing, the DHT and matchmaking traffic around them);
 - peak 1 s: the most bytes in any 1-second window (at 10 Mbit/s the link carries 1.25 MB in one);
-- saturated: the longest stretch at 80% of the link rate or more (in 0.1 s bins), the time a round end holds the link full;
+- saturated: the longest stretch at 80% of the link rate or more (in 0.1 s bins), the time a round end holds the
+  link full;
 - mean rate over the run, and utilization: the share of each peer's training time not spent waiting for the network
   (1 - network_wait_s / train_s), the lowest over the peers.
 
