@@ -17,7 +17,9 @@ overlap; ``--h`` sets how far apart they start (H / F steps).
 
 With ``--wan MBIT`` (root) the peers and the bootstrap node run on hosts of an emulated WAN (network namespaces, every
 link shaped with tc tbf, ``benchmarks/netns.py``) and the bytes each peer puts on its link are counted **on the wire**
-every 20 ms (``netns.WireCounter``). The table then adds, per run (the largest over the peers):
+every 20 ms (``netns.WireCounter``). The table then adds, per run (the largest over the peers), once for the
+steady state (everything before the run's last round end, where every fragment's last round ends on the run's last
+step, all at once by design) and once for the whole run:
 
 - peak burst: the most bytes of one burst of traffic on a peer's link, a burst being a stretch whose samples carry
   more than ``--idle-fraction`` of the link rate, with gaps under ``--gap-s`` joined: what one round end puts on the
@@ -216,31 +218,48 @@ def report(results: list[dict], args) -> str:
         wire = None
         if result.get("wire"):
             rate = args.wan * 1e6 / 8
-            per_peer = [wire_figures(samples, rate, args.idle_fraction, args.gap_s)
-                        for samples in result["wire"].values()]
+            # the run's last round ends on its last step for every fragment (all at once, by design: no fragment's
+            # last steps are left out of the final model), so the steady state is what comes before it
+            last_end = min(a["start"] for a in averagings if a["round"] == args.rounds - 1)
+            per_peer, steady = [], []
+            for samples in result["wire"].values():
+                per_peer.append(wire_figures(samples, rate, args.idle_fraction, args.gap_s))
+                steady.append(wire_figures([x for x in samples if x[0] < last_end], rate, args.idle_fraction,
+                                           args.gap_s))
             wire = {key: max(f[key] for f in per_peer) for key in per_peer[0]}
+            wire["steady"] = {key: max(f[key] for f in steady) for key in steady[0]}
             wire["utilization"] = min(p["utilization"] for p in result["peers"].values())
             wire_rows.append((name, wire))
+        # the same before the run's last round end (every fragment's last round ends on the last step)
+        steady = max(peak_in_flight([a for a in p["averagings"] if a["round"] < args.rounds - 1])
+                     for p in result["peers"].values())
+        lines[-1] += f"   (before the last round end: peak in flight {steady / 1e6:.3f} MB)"
         if base is None:
-            base = (peak, loss, wire)
+            base = (peak, loss, wire, steady)
         else:
-            lines.append(f"staggered / all at once: peak in flight {base[0] / max(1, peak):.2f}x lower, eval loss "
+            lines.append(f"staggered / all at once: peak in flight {base[0] / max(1, peak):.2f}x lower "
+                         f"({base[3] / max(1, steady):.2f}x before the last round end), eval loss "
                          f"{100 * (loss - base[1]) / base[1]:+.2f}%")
             if wire is not None and base[2] is not None:
-                lines.append(f"on the wire: peak burst {base[2]['peak_burst'] / max(1, wire['peak_burst']):.2f}x "
-                             f"lower, peak 1 s {base[2]['peak_1s'] / max(1, wire['peak_1s']):.2f}x lower, longest "
-                             f"saturated stretch {base[2]['saturated_s']:.2f} s -> {wire['saturated_s']:.2f} s")
+                for label, a, b in (("before the last round end", base[2]["steady"], wire["steady"]),
+                                    ("whole run", base[2], wire)):
+                    lines.append(f"on the wire, {label}: peak burst {a['peak_burst'] / max(1, b['peak_burst']):.2f}x "
+                                 f"lower, peak 1 s {a['peak_1s'] / max(1, b['peak_1s']):.2f}x lower, longest "
+                                 f"saturated stretch {a['saturated_s']:.2f} s -> {b['saturated_s']:.2f} s")
     if wire_rows:
         lines += ["", f"On the wire (bytes each peer put on its link, sampled every 20 ms; the largest over the peers; "
                       f"bursts: samples above {100 * args.idle_fraction:g}% of the link rate, gaps < {args.gap_s:g} s "
                       f"joined)",
                   f"{'schedule':<12} {'peak burst':>11} {'bursts':>7} {'peak 1 s':>9} {'saturated':>10} "
                   f"{'mean rate':>13} {'on the wire':>12} {'utilization':>12}"]
-        for name, wire in wire_rows:
-            lines.append(f"{name:<12} {wire['peak_burst'] / 1e6:>8.3f} MB {wire['bursts']:>7} "
-                         f"{wire['peak_1s'] / 1e6:>6.3f} MB {wire['saturated_s']:>8.2f} s "
-                         f"{wire['mean_rate'] * 8 / 1e6:>7.3f} Mbit/s {wire['bytes'] / 1e6:>9.2f} MB "
-                         f"{100 * wire['utilization']:>11.1f}%")
+        for label, part in (("before the last round end (steady state)", "steady"), ("whole run", None)):
+            lines.append(f"-- {label}")
+            for name, wire in wire_rows:
+                w = wire[part] if part else wire
+                lines.append(f"{name:<12} {w['peak_burst'] / 1e6:>8.3f} MB {w['bursts']:>7} "
+                             f"{w['peak_1s'] / 1e6:>6.3f} MB {w['saturated_s']:>8.2f} s "
+                             f"{w['mean_rate'] * 8 / 1e6:>7.3f} Mbit/s {w['bytes'] / 1e6:>9.2f} MB "
+                             f"{100 * wire['utilization']:>11.1f}%")
     return "\n".join(lines)
 
 
@@ -258,7 +277,12 @@ def main() -> None:
     parser.add_argument("--idle-fraction", type=float, default=0.05,
                         help="with --wan: a 20 ms sample is part of a burst above this share of the link rate")
     parser.add_argument("--gap-s", type=float, default=0.2, help="with --wan: shorter gaps do not end a burst")
+    parser.add_argument("--report-only", action="store_true",
+                        help="print the report of the results.json already in --out, without running anything")
     args = parser.parse_args()
+    if args.report_only:
+        print(report(json.loads((args.out / "results.json").read_text()), args))
+        return
     if args.fragments < 2 or args.h < args.fragments:
         parser.error("--fragments must be >= 2 and --h >= --fragments (one fragment per step at most)")
     if args.wan is not None and args.wan <= 0:
