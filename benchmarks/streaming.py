@@ -89,7 +89,7 @@ def run_swarm(out: Path, args, streaming: bool, wan: EmulatedWAN | None = None) 
                        str(out / name), "--train.num_rounds", str(args.rounds), "--diloco.inner_steps", str(args.h),
                        "--diloco.fragments", str(args.fragments), "--diloco.streaming", str(streaming).lower(),
                        "--train.wait_for_peers", str(len(PEERS)), "--data.seed", str(args.seed + i),
-                       *split, *TINY, *AVERAGING]
+                       *split, *TINY, *AVERAGING, *args.peer_args]
             (out / name).mkdir(parents=True, exist_ok=True)
             log = open(out / name / "console.log", "w")
             procs[name] = launch(i, command, stdout=log, stderr=subprocess.STDOUT)
@@ -277,6 +277,9 @@ def main() -> None:
     parser.add_argument("--idle-fraction", type=float, default=0.05,
                         help="with --wan: a 20 ms sample is part of a burst above this share of the link rate")
     parser.add_argument("--gap-s", type=float, default=0.2, help="with --wan: shorter gaps do not end a burst")
+    parser.add_argument("--peer-args", nargs=argparse.REMAINDER, default=[],
+                        help="options given to every peer after the benchmark's own, to the end of the command line "
+                             "(e.g. --peer-args --averaging.compression none)")
     parser.add_argument("--report-only", action="store_true",
                         help="print the report of the results.json already in --out, without running anything")
     args = parser.parse_args()
