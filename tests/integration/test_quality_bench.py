@@ -21,6 +21,18 @@ def quality(*args: str) -> subprocess.CompletedProcess:
                           timeout=240)
 
 
+def refusals(*commands: list[str]) -> list[subprocess.CompletedProcess]:
+    """Invocations that must stop at their arguments, started together (each imports torch first: seconds on a busy
+    machine, one after the other)."""
+    procs = [subprocess.Popen([sys.executable, str(SCRIPT), *SETTING, *args], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for args in commands]
+    out = []
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=240)
+        out.append(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
+    return out
+
+
 def test_a_second_seed_is_added_to_an_earlier_table_without_running_the_first_again(tmp_path):
     first = quality("--rows", "alone,none/none,delayed/none~2", "--seeds", "0", "--out", str(tmp_path / "a"))
     assert first.returncode == 0, first.stderr[-3000:]
@@ -32,8 +44,15 @@ def test_a_second_seed_is_added_to_an_earlier_table_without_running_the_first_ag
     assert whole["peak_bytes"] == whole["bytes_per_round"] > 0
     assert 0 < streamed["peak_bytes"] < 0.6 * whole["peak_bytes"]
     assert "delayed/none~2" in first.stdout and "peak/averaging" in first.stdout
-    for bad in ("none/none~0", "none/none~3"):  # F >= 1, and F <= H (2 here)
-        assert quality("--rows", bad, "--out", str(tmp_path / "z")).returncode == 2
+    # F >= 1, and F <= H (2 here); a resumed table of another setting; a resumed folder that is not there
+    bad_f0, bad_f3, other, missing = refusals(
+        ["--rows", "none/none~0", "--out", str(tmp_path / "z")],
+        ["--rows", "none/none~3", "--out", str(tmp_path / "y")],
+        ["--rows", "alone", "--h", "3", "--resume-from", str(tmp_path / "a"), "--out", str(tmp_path / "c")],
+        ["--rows", "alone", "--resume-from", str(tmp_path / "nowhere"), "--out", str(tmp_path / "d")])
+    assert bad_f0.returncode == 2 and bad_f3.returncode == 2, (bad_f0.stderr[-500:], bad_f3.stderr[-500:])
+    assert other.returncode == 2 and "another setting (h 2 there, 3 here)" in other.stderr
+    assert missing.returncode == 2 and "cannot read" in missing.stderr
 
     more = quality("--rows", "alone,none/none", "--seeds", "0,1", "--resume-from", str(tmp_path / "a"),
                    "--out", str(tmp_path / "b"))
@@ -48,8 +67,3 @@ def test_a_second_seed_is_added_to_an_earlier_table_without_running_the_first_ag
     report = (tmp_path / "b" / "quality_report.txt").read_text()
     assert "seeds [0, 1]" in report and "none/none" in report
 
-    other = quality("--rows", "alone", "--h", "3", "--resume-from", str(tmp_path / "a"), "--out",
-                    str(tmp_path / "c"))
-    assert other.returncode == 2 and "another setting (h 2 there, 3 here)" in other.stderr
-    missing = quality("--rows", "alone", "--resume-from", str(tmp_path / "nowhere"), "--out", str(tmp_path / "d"))
-    assert missing.returncode == 2 and "cannot read" in missing.stderr
