@@ -18,6 +18,9 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
+import time
+from pathlib import Path
 
 PREFIX = "p2pw"
 SUBNET = "10.88.0"
@@ -180,11 +183,57 @@ class WireCounter:
         return series
 
 
+_BARE_AVERAGER = """
+import sys, time, torch, hivemind
+from hivemind.compression import NoCompression
+first, host, maddrs, megabytes = sys.argv[1] == "first", sys.argv[2], sys.argv[3], float(sys.argv[4])
+if first:
+    dht = hivemind.DHT(host_maddrs=[f"/ip4/{host}/tcp/0"], start=True)
+    open(maddrs, "w").write(" ".join(str(m) for m in dht.get_visible_maddrs()))
+else:
+    dht = hivemind.DHT(initial_peers=open(maddrs).read().split(), host_maddrs=[f"/ip4/{host}/tcp/0"], start=True)
+averager = hivemind.averaging.DecentralizedAverager(
+    [torch.randn(int(megabytes * 1e6 / 4))], dht, prefix="bare", target_group_size=2, min_matchmaking_time=5,
+    request_timeout=3, compression=NoCompression(), start=True)
+time.sleep(3)
+assert averager.step(timeout=120) is not None, "the averaging failed"
+time.sleep(3)
+"""
+
+
+def bare_averaging_bytes(wan: EmulatedWAN, megabytes: float, folder) -> dict[int, int]:
+    """Two stock hivemind averagers (hosts 0 and 1) average one fp32 tensor of ``megabytes`` once; the bytes each
+    host put on its link (DHT start and matchmaking included). Its parts and replies are ``megabytes`` per peer."""
+    maddrs = Path(folder) / "bare.maddrs"
+    maddrs.unlink(missing_ok=True)
+    with WireCounter(wan, [0, 1], Path(folder) / "bare-wire.txt") as counter:
+        first = wan.popen(0, [sys.executable, "-c", _BARE_AVERAGER, "first", wan.ip(0), str(maddrs), str(megabytes)])
+        while not (maddrs.exists() and maddrs.read_text().strip()):
+            if first.poll() is not None:
+                raise RuntimeError("the first averager did not start")
+            time.sleep(0.2)
+        second = wan.popen(1, [sys.executable, "-c", _BARE_AVERAGER, "second", wan.ip(1), str(maddrs),
+                               str(megabytes)])
+        if first.wait(timeout=300) != 0 or second.wait(timeout=300) != 0:
+            raise RuntimeError("a bare averager failed")
+    return {host: samples[-1][1] - samples[0][1] for host, samples in counter.samples().items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cleanup", action="store_true", help="remove namespaces a killed run left behind")
     parser.add_argument("--selftest", type=float, metavar="MBIT", help="shape two hosts and measure the rate")
+    parser.add_argument("--bare-averaging", type=float, metavar="MB",
+                        help="on two hosts at --rate Mbit/s, stock hivemind averagers average MB of fp32 once: the "
+                             "bytes on each link against the MB of parts and replies (the wire's own overhead)")
+    parser.add_argument("--rate", type=float, default=10.0, help="link rate for --bare-averaging, Mbit/s")
     args = parser.parse_args()
+    if args.bare_averaging:
+        with tempfile.TemporaryDirectory() as folder, EmulatedWAN(2, args.rate) as wan:
+            sent = bare_averaging_bytes(wan, args.bare_averaging, folder)
+        for host, count in sent.items():
+            print(f"host {host}: {count / 1e6:.3f} MB on the wire for {args.bare_averaging:g} MB of parts and "
+                  f"replies ({count / (args.bare_averaging * 1e6):.3f}x)")
     if args.cleanup:
         cleanup()
         print("removed", PREFIX, "namespaces")

@@ -37,6 +37,7 @@ step, all at once by design) and once for the whole run:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -80,28 +81,25 @@ def run_swarm(out: Path, args, streaming: bool, wan: EmulatedWAN | None = None) 
     counter = WireCounter(wan, list(range(len(PEERS))), out / "wire.txt") if wan is not None else None
     procs = {}
     started = time.monotonic()
-    try:
-        if counter is not None:
-            counter.__enter__()
-        for i, (name, split) in enumerate(PEERS.items()):
-            command = [sys.executable, "-m", "p2p_diloco", "peer", "--initial-peers", *maddrs,
-                       "--host-maddrs", f"/ip4/{address(i)}/tcp/0", "--run-id", "streaming", "--output-dir",
-                       str(out / name), "--train.num_rounds", str(args.rounds), "--diloco.inner_steps", str(args.h),
-                       "--diloco.fragments", str(args.fragments), "--diloco.streaming", str(streaming).lower(),
-                       "--train.wait_for_peers", str(len(PEERS)), "--data.seed", str(args.seed + i),
-                       *split, *TINY, *AVERAGING, *args.peer_args]
-            (out / name).mkdir(parents=True, exist_ok=True)
-            log = open(out / name / "console.log", "w")
-            procs[name] = launch(i, command, stdout=log, stderr=subprocess.STDOUT)
-        for proc in procs.values():
-            proc.wait(timeout=args.timeout_s)
-    finally:
-        if counter is not None:
-            counter.__exit__(None, None, None)
-        for proc in [*procs.values(), bootstrap]:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+    with counter if counter is not None else contextlib.nullcontext():
+        try:
+            for i, (name, split) in enumerate(PEERS.items()):
+                command = [sys.executable, "-m", "p2p_diloco", "peer", "--initial-peers", *maddrs,
+                           "--host-maddrs", f"/ip4/{address(i)}/tcp/0", "--run-id", "streaming", "--output-dir",
+                           str(out / name), "--train.num_rounds", str(args.rounds), "--diloco.inner_steps",
+                           str(args.h), "--diloco.fragments", str(args.fragments), "--diloco.streaming",
+                           str(streaming).lower(), "--train.wait_for_peers", str(len(PEERS)), "--data.seed",
+                           str(args.seed + i), *split, *TINY, *AVERAGING, *args.peer_args]
+                (out / name).mkdir(parents=True, exist_ok=True)
+                log = open(out / name / "console.log", "w")
+                procs[name] = launch(i, command, stdout=log, stderr=subprocess.STDOUT)
+            for proc in procs.values():
+                proc.wait(timeout=args.timeout_s)
+        finally:
+            for proc in [*procs.values(), bootstrap]:
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
     wall_s = time.monotonic() - started
     failed = [name for name, proc in procs.items() if proc.returncode != 0]
     if failed:
@@ -291,17 +289,13 @@ def main() -> None:
     if args.wan is not None and args.wan <= 0:
         parser.error("--wan must be a rate in Mbit/s above 0")
     results = []
-    wan = EmulatedWAN(len(PEERS) + 1, args.wan).__enter__() if args.wan else None
-    try:
+    with EmulatedWAN(len(PEERS) + 1, args.wan) if args.wan else contextlib.nullcontext() as wan:
         for streaming in (False, True):
             print(f"running {'staggered' if streaming else 'all at once'} ...", flush=True)
             results.append(run_swarm(args.out / ("staggered" if streaming else "all-at-once"), args, streaming,
                                      wan))
             if wan is not None:
                 wan.stop_processes()
-    finally:
-        if wan is not None:
-            wan.close()
     text = report(results, args)
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -323,7 +323,7 @@ class SwarmSync:
         self.holds_canonical = self.missed_round is None
         self._record("reload", reason, meta)
 
-    def at_end(self, deadline: float, poll_s: float = 0.25) -> None:
+    def at_end(self, deadline: float) -> None:
         """The run's end, with the last round applied: one final anchor for every peer.
 
         Before, a run's last round could leave the swarm on several anchors with no round left to resync them: a
@@ -338,14 +338,12 @@ class SwarmSync:
         last = (self.num_rounds or 0) - 1
         if self.num_rounds is None or self.stage.applied_round != last or self.stage.averager is None:
             return
-        while True:
-            # every signed record, not only the believed ones: the peer still averaging may be one this peer never
-            # met (the odd one out of every round, in the test); only the votes below are the believed peers'
-            records = self.swarm.others()
-            if not any(r.round >= last and r.applied_round < last for r in records) or time.monotonic() >= deadline:
-                break
-            time.sleep(poll_s)
-        if self._diverged_round(self.counted(records)) == last:
+        # every signed record, not only the believed ones: the peer still averaging may be one this peer never met
+        # (the odd one out of every round, in the test); only the votes below are the believed peers'
+        finishing = [r.node for r in self.swarm.others() if r.round >= last and r.applied_round < last]
+        if finishing:
+            self.swarm.wait_for_groupmates(finishing, last, timeout_s=max(0.0, deadline - time.monotonic()))
+        if self._diverged_round(self.counted(self.swarm.others())) == last:
             self._resync(last)
 
     def agreed_at_end(self) -> bool:

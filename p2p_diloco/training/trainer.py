@@ -381,7 +381,7 @@ class Trainer:
             if waiting:
                 logger.info(f"{unit.stage.label}: leaving before {len(waiting)} groupmate(s) of the last "
                             f"round said they had its result")
-        if self.syncs is None or self.round_index < self.cfg.train.num_rounds:
+        if self.syncs is None:
             return
         deadline = started + self.cfg.averaging.round_timeout_s
         self.syncs.at_end(deadline)

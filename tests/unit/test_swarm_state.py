@@ -115,6 +115,13 @@ class FakeSwarm:
     def others(self):
         return self.records
 
+    def wait_for_groupmates(self, nodes, applied_round, timeout_s, poll_s=0.05):
+        """As SwarmLink's: until each of ``nodes`` with a record has applied ``applied_round``, or the timeout."""
+        deadline = time.monotonic() + timeout_s
+        while any(r.node in nodes and r.applied_round < applied_round for r in self.records) \
+                and time.monotonic() < deadline:
+            time.sleep(poll_s)
+
 
 class FakeAverager:
     def __init__(self, state, result=None):
