@@ -36,6 +36,21 @@ def fragment_rounds(tmp_path: Path, name: str) -> dict[int, list[dict]]:
     return out
 
 
+def sync_events(tmp_path: Path, name: str) -> list[dict]:
+    return [e for stage in range(len(HELD[name])) for e in events(tmp_path, name, "sync", stage)]
+
+
+def told_all(tmp_path: Path) -> str:
+    """A failed assertion's message: every round end and sync action of every peer, one line each."""
+    keys = ("time", "fragment", "round_index", "applied_round", "tokens", "averaged", "group_size",
+            "fallback_reason", "waited_s", "action", "reason")
+    lines = []
+    for name, stages in HELD.items():
+        for stage in range(len(stages)):
+            for e in events(tmp_path, name, "round", stage) + events(tmp_path, name, "sync", stage):
+                lines.append(f"{name} s{stage} {e['kind']} " + str({k: e[k] for k in keys if k in e}))
+    return "\n".join(lines)
+
 def test_peers_of_three_splits_average_every_fragment_together(tmp_path, processes, bootstrap):
     """A P = 1, a P = 2 and a P = 3 peer in one run averaged by fragment (F = 3): while the swarm is calm, every round
     every fragment is averaged by all three (each stage process averages the fragments it holds), and each
@@ -44,7 +59,8 @@ def test_peers_of_three_splits_average_every_fragment_together(tmp_path, process
     hold it (the swarm's anchor, bit for bit), reloads all its fragments together and averages with them in groups
     of 4; the whole model is read from any peer's checkpoints (what ``export`` writes), and it is the same model on
     all four. (The arrival may fail one fragment-round for the group: hivemind's leader/follower race under the load
-    of 21 processes on 2 cores, docs/design.md 2.11; the anchors agree again after the resync that follows.)"""
+    of 21 processes on 2 cores, docs/design.md 2.11; the anchors agree again after the resync that follows. Its load
+    may leave a stage process of the others behind the swarm: it then catches up by one reload.)"""
     # the newcomer's two stage processes took 12 to 35 s to start next to the three peers (up to 10 of their rounds)
     rounds = 16
     common = ["--diloco.fragments", str(F), *CROWDED]
@@ -55,6 +71,7 @@ def test_peers_of_three_splits_average_every_fragment_together(tmp_path, process
     while not [e for e in events(tmp_path, "p1", "round") if e["applied_round"] is not None]:
         assert time.monotonic() < deadline, processes.log("p1")[-3000:]
         time.sleep(0.2)
+    calm_until = time.time()  # the newcomer's start (two imports of torch, three averagers) ends the calm
     processes.start("new", *pipeline_peer(tmp_path, "new", *common, *NEWCOMER, maddrs=bootstrap, rounds=rounds))
     status, = run_clis(["status", "--initial-peers", *bootstrap, "--run-id", "p2p-diloco-demo", "--json"])
     assert status.returncode == 0, status.stderr
@@ -70,17 +87,27 @@ def test_peers_of_three_splits_average_every_fragment_together(tmp_path, process
     for stage, fragments in enumerate(HELD["new"]):
         assert {e["fragment"] for e in reloads[stage]} == set(fragments), (stage, reloads)  # every fragment, once
         assert len(reloads[stage]) == len(fragments) and summary(tmp_path, "new", stage)["reloads"] == 1
-    arrival = min(e["time"] for rows in reloads.values() for e in rows)
     by_peer = {name: fragment_rounds(tmp_path, name) for name in SPLITS}
+    told = told_all(tmp_path)
     for f in range(F):
         rows = {name: by_peer[name][f] for name in SPLITS}
-        for name, mine in rows.items():
-            assert [e["applied_round"] for e in mine] == list(range(rounds)), (name, f, mine)
-        calm = min(sum(1 for e in mine if e["time"] < arrival) for mine in rows.values())
-        assert calm >= 1, (f, arrival)  # the newcomer came after the swarm's first average at least
+        # calm: every round that all three ended before the newcomer started is averaged by all three, bit-identical
+        calm = min(sum(1 for e in mine if e["time"] < calm_until) for mine in rows.values())
+        assert calm >= 1, (f, told)  # the newcomer came after the swarm's first average at least
         for r in range(calm):
-            assert all(rows[name][r]["averaged"] and rows[name][r]["group_size"] == 3 for name in SPLITS), (f, r)
-            assert len({rows[name][r]["anchor_sha256"] for name in SPLITS}) == 1, (f, r)
+            assert [rows[name][r]["applied_round"] for name in SPLITS] == [r] * 3, (f, r, told)
+            assert all(rows[name][r]["averaged"] and rows[name][r]["group_size"] == 3 for name in SPLITS), (f, r, told)
+            assert len({rows[name][r]["anchor_sha256"] for name in SPLITS}) == 1, (f, r, told)
+        # then every round is applied, to the run's last; the only exception: a stage process that the arrival's
+        # load (21 processes and two busy loops on 2 cores) left behind the swarm catches up by one reload (seen
+        # once in CI: the P = 3 peer's first stage, 6 rounds behind after the newcomer started), never more
+        for name, mine in rows.items():
+            done = [e["applied_round"] for e in mine]
+            assert done[0] == 0 and done[-1] == rounds - 1 and done == sorted(set(done)), (name, f, told)
+            caught_up = [e for e in sync_events(tmp_path, name) if e["action"] == "reload" and e["fragment"] == f]
+            assert len(caught_up) <= 1 and all(e["time"] > calm_until for e in caught_up), (name, f, caught_up, told)
+            gaps = [(a, b) for a, b in zip(done, done[1:]) if b > a + 1]
+            assert all(any(a < e["applied_round"] < b for e in caught_up) for a, b in gaps), (name, f, gaps, told)
     last = summary(tmp_path, "p1")
     assert last["eval_loss_final"] < last["eval_loss_start"] - 1.0
 
