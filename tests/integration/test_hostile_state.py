@@ -7,6 +7,8 @@ trickles its bytes is dropped for the next donor within the download's bound. Th
 from __future__ import annotations
 
 import asyncio
+import logging
+import sys
 import time
 import typing
 
@@ -14,7 +16,7 @@ import pytest
 import torch
 from hivemind.compression import serialize_torch_tensor
 from hivemind.p2p import P2PContext
-from hivemind.proto import averaging_pb2
+from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.streaming import split_for_streaming
 
 from p2p_diloco.swarm import PseudoGradientAverager
@@ -91,3 +93,44 @@ def test_a_donor_that_trickles_is_abandoned_within_the_bound(network):  # noqa: 
     started = time.monotonic()
     assert newcomer.download_state([peer_id(slow)], timeout_s=6) is None
     assert 6 - 1 < time.monotonic() - started < 6 + 2
+
+
+class Truncating(PseudoGradientAverager):
+    """A donor that stops half-way through its second tensor (it left, or it means to waste the newcomer's time)."""
+
+    async def rpc_download_state(self, request: averaging_pb2.DownloadRequest,
+                                 context: P2PContext) -> typing.AsyncIterator[averaging_pb2.DownloadData]:
+        first, second = (serialize_torch_tensor(tensor) for tensor in HONEST_STATE[:2])
+        yield averaging_pb2.DownloadData(tensor_part=first, metadata=self.serializer.dumps({"served_by": "truncating"}))
+        half = runtime_pb2.Tensor()
+        half.CopyFrom(second)
+        half.buffer = second.buffer[:len(second.buffer) // 2]
+        yield averaging_pb2.DownloadData(tensor_part=half)
+
+
+Truncating.__name__ = PseudoGradientAverager.__name__
+
+
+def test_a_donor_whose_stream_ends_inside_a_tensor_is_named_for_it_and_dropped(network, capfd):  # noqa: F811
+    """A stream that ends part-way through a tensor is reported as what it is (not as a shape that does not fit),
+    and the next donor serves the state. (The download runs in the newcomer's averager process: its warning reaches
+    the captured stderr through a handler of the test's own, pytest's log capture stays in the parent.)"""
+    handler = logging.StreamHandler(sys.stderr)
+    downloads = logging.getLogger(PseudoGradientAverager.__module__)
+    downloads.addHandler(handler)
+    try:
+        downloaded, logged = truncated_download(network, capfd)
+    finally:
+        downloads.removeHandler(handler)
+    assert downloaded is not None and downloaded[0] == {"served_by": "honest"}
+    size = 4 * HONEST_STATE[1].numel()
+    assert f"the donor's stream ended inside tensor 1 ({size // 2} of {size} bytes)" in logged, logged[-3000:]
+
+
+def truncated_download(network, capfd):  # noqa: F811
+    truncating = Truncating(TEMPLATES, network.dht(), run_id="run", stage_index=0, num_stages=1, cfg=CFG)
+    network.averagers.append(truncating)
+    honest, newcomer = network.averager(), network.averager()
+    honest.state_provider = lambda: ({"served_by": "honest"}, HONEST_STATE)
+    downloaded = newcomer.download_state([peer_id(truncating), peer_id(honest)], timeout_s=20)
+    return downloaded, capfd.readouterr().err
