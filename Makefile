@@ -10,6 +10,9 @@ TORCH_VERSION ?= 2.13.0
 TORCH_INDEX_URL ?=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.p2p-diloco-installed
+# make test runs two tests at a time (pytest-xdist): most integration tests wait on their swarm's timers, not on the
+# CPU; TEST_WORKERS=0 runs them one after the other in one process
+TEST_WORKERS ?= 2
 
 .PHONY: demo test test-unit test-integration lint bench-overhead bench-quick clean install
 
@@ -28,7 +31,7 @@ demo: $(STAMP)
 	$(VENV)/bin/p2p-diloco swarm
 
 test: $(STAMP)
-	$(PY) -m pytest -q -ra --durations=50 tests
+	$(PY) -m pytest -q -ra --durations=50 -n $(TEST_WORKERS) --dist worksteal tests
 
 test-unit: $(STAMP)
 	$(PY) -m pytest -q tests/unit
