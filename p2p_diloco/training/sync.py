@@ -45,6 +45,9 @@ from p2p_diloco.training.summary import anchor_fingerprint
 
 logger = logging.getLogger(__name__)
 REMEMBERED_ROUNDS = 4
+# a peer's stage processes agree on one reload point this many times at most, downloading again the states a round
+# behind the others' in between; then they train the round and try again after it
+RELOAD_ATTEMPTS = 3
 TRUSTED_ROUNDS = 8  # the groups of this many recent rounds are the peers whose records count
 
 
@@ -432,20 +435,28 @@ class SyncGroup:
         behind = any(b for b, _, _ in decisions)
         if not self.executor.any_stage(behind):
             return False
-        states = self._download_all([swarm_round for _, _, swarm_round in decisions])
-        local = None if None in states else \
-            (*self._window(zip(self.syncs, states)), max(state[0]["inner_step"] for state in states))
-        points = self.executor.common_value(local)
-        lo = None if None in points else max(p[0] for p in points)
-        hi = None if None in points else min(p[1] for p in points)
-        if lo is None or lo > hi:
-            # a peer's stages and fragments change rounds together or not at all
-            where = ", ".join(f"{s.stage.label}: " + ("none" if st is None else
-                                                      f"round {st[0]['round']} at step {st[0]['inner_step']}")
-                              for s, st in zip(self.syncs, states))
-            logger.warning(f"Behind the swarm, but no usable state for every fragment and stage of this peer could be "
-                           f"downloaded now ({where}); trying again after the next round")
-            return True
+        swarm_rounds = [swarm_round for _, _, swarm_round in decisions]
+        states = self._download_all(swarm_rounds)
+        for attempt in range(RELOAD_ATTEMPTS):
+            local = None if None in states else \
+                (*self._window(zip(self.syncs, states)), max(state[0]["inner_step"] for state in states))
+            points = self.executor.common_value(local)
+            lo = None if None in points else max(p[0] for p in points)
+            hi = None if None in points else min(p[1] for p in points)
+            if lo is not None and lo <= hi:
+                break
+            if lo is None or attempt == RELOAD_ATTEMPTS - 1:
+                # a peer's stages and fragments change rounds together or not at all
+                where = ", ".join(f"{s.stage.label}: " + ("none" if st is None else
+                                                          f"round {st[0]['round']} at step {st[0]['inner_step']}")
+                                  for s, st in zip(self.syncs, states))
+                logger.warning(f"Behind the swarm, but no usable state for every fragment and stage of this peer could "
+                               f"be downloaded now ({where}); trying again after the next round")
+                return True
+            # another stage process of this peer got states of a later round (the swarm moved on while they came,
+            # seen with a newcomer next to a fast swarm: it then trained a whole round alone before trying again):
+            # the states that end before the peer's common window begins are downloaded again, from its round
+            states = self._download_again(states, swarm_rounds, lo)
         step = max(lo, min(hi, max(p[2] for p in points)))
         for sync, state, (b, reason, _) in zip(self.syncs, states, decisions):
             sync.take_reload(state, reason if b else "another stage or fragment of this peer is reloading", step)
@@ -459,6 +470,19 @@ class SyncGroup:
         lo = max(sync.stage.round_start_step(state[0]["round"]) for sync, state in pairs)
         hi = min(sync.stage.round_end_step(state[0]["round"]) - 1 for sync, state in pairs)
         return lo, hi
+
+    def _download_again(self, states: list, swarm_rounds: list[int], lo: int) -> list:
+        """``states`` with those whose round ends before inner step ``lo`` downloaded again, at least from the round
+        that holds ``lo`` (each unit from its own donors, at the same time)."""
+        late = [i for i, (sync, state) in enumerate(zip(self.syncs, states))
+                if sync.stage.round_end_step(state[0]["round"]) - 1 < lo]
+        floors = {i: self.syncs[i].stage.round_at(lo) for i in late}
+        with ThreadPoolExecutor(max(len(late), 1), thread_name_prefix="reload") as pool:
+            again = list(pool.map(lambda i: self.syncs[i].reload_state(swarm_rounds[i], floors[i]), late))
+        states = list(states)
+        for i, state in zip(late, again):
+            states[i] = state
+        return states
 
     def _download_all(self, swarm_rounds: list[int]) -> list:
         """Every unit's state for a reload, downloaded at the same time (each from its own donors); a unit whose

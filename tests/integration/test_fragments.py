@@ -61,8 +61,9 @@ def test_peers_of_three_splits_average_every_fragment_together(tmp_path, process
     all four. (The arrival may fail one fragment-round for the group: hivemind's leader/follower race under the load
     of 21 processes on 2 cores, docs/design.md 2.11; the anchors agree again after the resync that follows. Its load
     may leave a stage process of the others behind the swarm: it then catches up by one reload.)"""
-    # the newcomer's two stage processes took 12 to 35 s to start next to the three peers (up to 10 of their rounds)
-    rounds = 16
+    # the newcomer's two stage processes took 12 to 35 s to start next to the three peers (up to 10 of their rounds),
+    # and up to 45 s with another test beside them (make test's two workers): it reached the swarm on round 13 of 16
+    rounds = 20
     common = ["--diloco.fragments", str(F), *CROWDED]
     for name, split in SPLITS.items():
         processes.start(name, *pipeline_peer(tmp_path, name, *common, *split, "--train.wait_for_peers", "3",
@@ -113,7 +114,8 @@ def test_peers_of_three_splits_average_every_fragment_together(tmp_path, process
 
     newcomer = fragment_rounds(tmp_path, "new")
     for f in range(F):
-        assert newcomer[f][-1]["applied_round"] == rounds - 1
+        # (its last applied round is checked on the whole model below: a round it missed while it reloaded is
+        # made up by a resync, or by the agreement at the run's end, neither of which is a round row)
         assert any(e["averaged"] and e["group_size"] == 4 for e in newcomer[f]), newcomer[f]
         # its reload gave it the swarm's anchor, bit for bit
         theirs = {(e["applied_round"], e["anchor_sha256"]) for name in SPLITS for e in by_peer[name][f]}

@@ -577,6 +577,44 @@ def test_the_fragments_of_a_stage_process_reload_together_or_not_at_all():
     assert stuck[1].averager.downloads == 3  # tried again twice, then given up until the next round
 
 
+class TwoStages(OneStage):
+    """This stage process and another of the same peer, whose reload points (window and step) are given in turn."""
+
+    def __init__(self, theirs):
+        super().__init__()
+        self.theirs, self.agreements = list(theirs), 0
+
+    def common_value(self, value):
+        self.agreements += 1
+        return [value, self.theirs.pop(0)]
+
+
+def test_a_stage_process_whose_states_are_a_round_behind_its_other_stages_downloads_them_again():
+    """The peer's other stage process got a state of round 6 while this one's came from round 5 (the swarm moved on
+    while they travelled): this one downloads again from round 6 and both reload, instead of training a whole round
+    alone before trying again (seen with a newcomer next to a fast swarm). A state that does not catch up (both
+    donors still serve round 5, refused when round 6 is needed): the peer trains on, unchanged, and tries again
+    after its round."""
+    donor, peer = fragment_stages(seed=1), fragment_stages()
+    H = peer[1].diloco_cfg.inner_steps
+    early, late = served(donor[1], 5, 4, step_in_round=3), served(donor[1], 6, 5, step_in_round=4)
+    theirs = (6 * H, 7 * H - 1, 6 * H + 4)  # the other stage's fragment 0: round 6, the donor at its step 4
+    records = [[Record(5, 4, "x", node="a"), Record(6, 5, "x", node="b")]]
+    group, syncs = group_of([peer[1]], [[early, late]], records)
+    group.executor = TwoStages([theirs] * 3)
+    group.at_start(resumed=False)
+    assert (peer[1].round_index, peer[1].applied_round, peer[1].inner_step) == (6, 5, 6 * H + 4)
+    assert peer[1].averager.downloads == 2 and group.executor.agreements == 2
+    assert [e["action"] for e in syncs[0].events] == ["reload"]
+
+    stuck = fragment_stages()
+    group, syncs = group_of([stuck[1]], [[early]], records)
+    group.executor = TwoStages([theirs] * 3)
+    group.at_start(resumed=False)
+    assert (stuck[1].round_index, stuck[1].inner_step) == (0, 0) and not syncs[0].events
+    assert stuck[1].averager.downloads == 3 and group.executor.agreements == 2  # 1 + each donor once more
+
+
 def test_a_fragment_takes_only_its_own_state():
     """A state is checked by run, fragment and fragment count (peers of any split serve it), not by stage."""
     donor, peer = fragment_stages(seed=1), fragment_stages()
