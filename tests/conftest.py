@@ -1,6 +1,11 @@
 """Test-wide set-up: the same torch sharing strategy that p2p_diloco uses, set before hivemind is imported."""
 
+import fcntl
 import os
+import tempfile
+from pathlib import Path
+
+import pytest
 
 os.environ.setdefault("HIVEMIND_MEMORY_SHARING_STRATEGY", "file_descriptor")
 
@@ -39,3 +44,37 @@ def pytest_collection_modifyitems(session, config, items):
         return len(LONGEST_FIRST)
 
     items.sort(key=rank)  # stable: the rest keep their order (integration, then unit)
+
+
+# Tests that run alone even under two workers: the mixed-split test's four peers are 21 processes, and next to
+# another worker's test (and CI's busy loops) a `status` call inside it took over 90 s to start and answer
+ALONE = ["test_fragments.py::test_peers_of_three_splits_average_every_fragment_together"]
+_locks: dict[str, object] = {}
+
+
+def _lock_file(run: str, name: str):
+    if name not in _locks:
+        _locks[name] = open(Path(tempfile.gettempdir()) / f"p2p-diloco-tests-{run}.{name}", "a")
+    return _locks[name]
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Under pytest-xdist, every test holds the run's lock file shared, a test of ALONE exclusively: it waits for the
+    other worker's test to end, and that worker waits for it. A gate taken on the way in keeps the other worker
+    from taking the shared lock again and again while an ALONE test waits (flock does not queue). Outside
+    pytest-timeout's timer (tryfirst: the outer wrapper), so waiting is not counted in a test's timeout."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run is None:  # one process: nothing to share
+        yield
+        return
+    gate, machine = _lock_file(run, "gate"), _lock_file(run, "lock")
+    fcntl.flock(gate, fcntl.LOCK_EX)
+    try:
+        fcntl.flock(machine, fcntl.LOCK_EX if any(name in item.nodeid for name in ALONE) else fcntl.LOCK_SH)
+    finally:
+        fcntl.flock(gate, fcntl.LOCK_UN)
+    try:
+        yield
+    finally:
+        fcntl.flock(machine, fcntl.LOCK_UN)
