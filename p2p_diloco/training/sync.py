@@ -456,7 +456,7 @@ class SyncGroup:
             # another stage process of this peer got states of a later round (the swarm moved on while they came,
             # seen with a newcomer next to a fast swarm: it then trained a whole round alone before trying again):
             # the states that end before the peer's common window begins are downloaded again, from its round
-            states = self._download_again(states, swarm_rounds, lo)
+            states = self._download_again(states, swarm_rounds, self._late(states, lo), lo)
         step = max(lo, min(hi, max(p[2] for p in points)))
         for sync, state, (b, reason, _) in zip(self.syncs, states, decisions):
             sync.take_reload(state, reason if b else "another stage or fragment of this peer is reloading", step)
@@ -471,11 +471,14 @@ class SyncGroup:
         hi = min(sync.stage.round_end_step(state[0]["round"]) - 1 for sync, state in pairs)
         return lo, hi
 
-    def _download_again(self, states: list, swarm_rounds: list[int], lo: int) -> list:
-        """``states`` with those whose round ends before inner step ``lo`` downloaded again, at least from the round
-        that holds ``lo`` (each unit from its own donors, at the same time)."""
-        late = [i for i, (sync, state) in enumerate(zip(self.syncs, states))
-                if sync.stage.round_end_step(state[0]["round"]) - 1 < lo]
+    def _late(self, states: list, lo: int) -> list[int]:
+        """The units whose state is missing or of a round that ends before inner step ``lo``."""
+        return [i for i, (sync, state) in enumerate(zip(self.syncs, states))
+                if state is None or sync.stage.round_end_step(state[0]["round"]) - 1 < lo]
+
+    def _download_again(self, states: list, swarm_rounds: list[int], late: list[int], lo: int) -> list:
+        """``states`` with the ``late`` ones downloaded again, at least from the round that holds inner step ``lo``
+        (each unit from its own donors, at the same time)."""
         floors = {i: self.syncs[i].stage.round_at(lo) for i in late}
         with ThreadPoolExecutor(max(len(late), 1), thread_name_prefix="reload") as pool:
             again = list(pool.map(lambda i: self.syncs[i].reload_state(swarm_rounds[i], floors[i]), late))
@@ -492,17 +495,13 @@ class SyncGroup:
             return [self.syncs[0].reload_state(swarm_rounds[0])]
         with ThreadPoolExecutor(len(self.syncs), thread_name_prefix="reload") as pool:
             states = list(pool.map(lambda i: self.syncs[i].reload_state(swarm_rounds[i]), range(len(self.syncs))))
-            for _ in range(2):
-                got = [(sync, state) for sync, state in zip(self.syncs, states) if state is not None]
-                if not got:
-                    break
-                lo, _ = self._window(got)
-                late = [i for i, (sync, state) in enumerate(zip(self.syncs, states))
-                        if state is None or sync.stage.round_end_step(state[0]["round"]) - 1 < lo]
-                if not late:
-                    break
-                needed = {i: self.syncs[i].stage.round_at(lo) for i in late}
-                again = pool.map(lambda i, floors=needed: self.syncs[i].reload_state(swarm_rounds[i], floors[i]), late)
-                for i, state in zip(late, again):
-                    states[i] = state
+        for _ in range(2):
+            got = [(sync, state) for sync, state in zip(self.syncs, states) if state is not None]
+            if not got:
+                break
+            lo, _ = self._window(got)
+            late = self._late(states, lo)
+            if not late:
+                break
+            states = self._download_again(states, swarm_rounds, late, lo)
         return states
