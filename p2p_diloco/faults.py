@@ -26,6 +26,9 @@ An honest averager has the :class:`Honest` behaviour, whose hooks change nothing
   times larger, and as a reducer returns averages K times too large, default 1000), ``forge-round`` (relays to
   the first follower in group order the next follower's record on the previous round: that follower alone sees
   the member excluded, and the group reads two different partitions of the vector);
+- as a follower: ``miss-begin:N`` (ignores the first N BEGIN_ALLREDUCE messages of each round from its leaders, who
+  have counted it into their groups, and goes on looking for the round's group: what a follower whose wait for its
+  leader timed out on a busy machine does, default 1);
 - in the all-reduce: ``stall:S`` (joins groups, then neither sends its parts nor answers for S seconds before it
   leaves the group and looks for the next one, default 30);
 - to the swarm's sync: ``false-state:K`` (its progress records claim K rounds more than it has trained and
@@ -49,7 +52,7 @@ HOSTILITY_OPTION = "--test-hostility"
 # kind -> default value (None: the kind takes no value)
 HOSTILE_KINDS = {"scale": 1000.0, "noise": 100.0, "nan": None, "inf": None, "shape": None, "tokens": 1000.0,
                  "stale": 1.0, "metadata": None, "lowball": None, "reply-nan": None, "reply-scale": 1000.0,
-                 "forge-tokens": 1000.0, "forge-round": None, "stall": 30.0, "false-state": 1000.0}
+                 "forge-tokens": 1000.0, "forge-round": None, "miss-begin": 1.0, "stall": 30.0, "false-state": 1000.0}
 _passes: dict[str, int] = {}
 
 
@@ -101,6 +104,11 @@ class Honest:
         ``follower`` (a hivemind ``MessageFromLeader`` with BEGIN_ALLREDUCE, changed in place; ``serializer`` reads
         and writes its records)."""
 
+    def takes_group(self, round_index: Optional[int]) -> bool:
+        """As a follower: whether this peer takes the group its leader has just formed with it (for ``round_index``,
+        the round it is averaging)."""
+        return True
+
     async def join_allreduce(self) -> None:
         """Called once this peer's group has formed, right before it averages with it (in the averager process)."""
 
@@ -123,6 +131,7 @@ class Hostility(Honest):
         self.kind, self.value = kind, value
         self._sent: dict[int, list[torch.Tensor]] = {}  # stale: contributions of the last rounds
         self.follows_others = not kind.startswith("forge-")
+        self._missed: dict[Optional[int], int] = {}  # miss-begin: the round's BEGIN_ALLREDUCE messages ignored
 
     def __repr__(self) -> str:
         return f"Hostility({self.kind}{'' if self.value is None else f':{self.value:g}'})"
@@ -202,6 +211,15 @@ class Hostility(Honest):
             half = len(tensors) // 2
             return meta, [t + 1.0 for t in tensors[:half]] + list(tensors[half:])
         return meta, tensors
+
+    def takes_group(self, round_index: Optional[int]) -> bool:
+        if self.kind != "miss-begin":
+            return True
+        missed = self._missed.get(round_index, 0)
+        if missed >= self.value:
+            return True
+        self._missed = {round_index: missed + 1}
+        return False
 
     async def join_allreduce(self) -> None:
         if self.kind == "stall":

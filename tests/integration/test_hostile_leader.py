@@ -139,6 +139,24 @@ def test_a_groupmate_that_leaves_every_all_reduce_it_joins_is_left_out_of_the_ro
     assert not results[2].averaged and not results[0].banned  # left out of the round, not banned
 
 
+def test_a_follower_that_gave_up_on_its_leader_is_met_again_in_the_same_round(network):
+    """The leader counts a follower into its group of 3, but the follower ignores the group's start (as one whose wait
+    for its leader timed out on a busy machine does: seen in a busy CI run) and goes on looking for the round's
+    group. The parts its groupmates send it are answered "in no group" within a request timeout (1 s), where they
+    waited out their reducer timeout (10 s, past the round's 8 s) and the round fell back for all three; the group
+    re-forms with it and all three average the round, naming nobody."""
+    honest = [network.averager() for _ in range(2)]
+    late = network.averager("miss-begin")
+    group = [*honest, late]
+    contributions, results = led_round(honest[0], group[1:], round_index=0)
+    assert_honest_agree(results, contributions)
+    assert all(set(result.group_peers) == {peer_id(a) for a in group} for result in results)
+    assert all(result.averaging_s < CFG.round_timeout_s for result in results)
+    named = named_by(results)
+    assert not {p for p, reasons in named.items() if reasons & UNAMBIGUOUS}, named
+    assert not any(result.banned for result in results)
+
+
 def test_a_hostile_member_of_a_pair_cannot_scale_the_average_far(network):
     """Two peers, one sending its contribution times 1000: no majority to tell which is honest, so the larger part
     is scaled to pair_ratio (3) times the smaller, never dropped, and named as clipped, not as an offence. The

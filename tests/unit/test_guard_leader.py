@@ -216,3 +216,21 @@ def test_lowball_and_stall_hooks():
     for spec in ("forge-round:2", "lowball:1", "forge-tokens:-1"):
         with pytest.raises(ValueError):
             parse_hostility(spec)
+
+
+def test_a_groupmate_in_no_group_is_met_again_once_a_round_then_left_out():
+    guard = PeerGuard(ban_after=3)
+    guard.absent(4, LEADER)
+    assert guard.refuses(LEADER, 4) is None  # the first time: the group re-forms with it
+    guard.absent(5, LEADER)
+    assert guard.refuses(LEADER, 5) is None  # a new round starts the count again
+    guard.absent(5, LEADER)
+    assert "returned no average" in guard.refuses(LEADER, 5)
+    assert guard.refuses(LEADER, 6) is None and not guard.banned  # for the rest of that round only
+
+
+def test_the_miss_begin_hook_ignores_the_first_groups_of_each_round():
+    miss = parse_hostility("miss-begin:2")
+    assert [miss.takes_group(3) for _ in range(3)] == [False, False, True]
+    assert [miss.takes_group(4) for _ in range(3)] == [False, False, True]
+    assert parse_hostility("miss-begin").value == 1 and HONEST.takes_group(3)

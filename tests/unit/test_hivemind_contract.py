@@ -170,6 +170,19 @@ def test_hivemind_holds_parts_for_an_unknown_group_so_guarded_averagers_refuse_f
     assert "group.rpc_aggregate_part(achain(as_aiter(request), stream), context)" in source
 
 
+def test_a_follower_that_gave_up_on_its_leader_follows_nobody_and_keeps_looking():
+    """What GuardedAverager._await_registered reads: a follower sets current_leader when its leader accepts it and
+    clears it when it gives up (a timeout) or is done, a leader's group is its assembled_group future, each request
+    is bounded by request_timeout, and the averager clears _pending_groups_registered while it looks for a group."""
+    join = _source(Matchmaking._request_join_group)
+    assert "self.current_leader = leader" in join and "except asyncio.TimeoutError:" in join
+    assert "message = await asyncio.wait_for(anext(stream), timeout=self.request_timeout)" in join
+    assert "self.assembled_group.set_result(group_info)" in _source(Matchmaking.leader_assemble_group)
+    assert "self.assembled_group = asyncio.Future()" in _source(Matchmaking.look_for_group)
+    step = _source(DecentralizedAverager._step)
+    assert "self._pending_groups_registered.clear()" in step
+
+
 class _Matchmaking:
     """hivemind's Matchmaking as far as the hooks go: a follower's group comes from follower_assemble_group, called
     through self, inside _request_join_group, inside look_for_group."""

@@ -19,7 +19,9 @@ broken connections are not stalls: a reducer that read the group differently, or
 such finding lands in ``runner.flags`` as (peer id, reason). A reducer that is gone, or whose handler failed,
 before returning any average of this peer's parts lands in ``runner.silent``: the averager leaves it out of the
 round's retry (a staller that joined every retry of a round failed them all). A reducer that refuses the parts as
-sent under another view of the group lands in ``runner.refused_by``: the averager leaves out the group's leader.
+sent under another view of the group lands in ``runner.refused_by``: the averager leaves out the group's leader. One
+that says it is in no group at all (it gave up on the leader, who had counted it in) lands in ``runner.absent``: the
+group re-forms with it, and leaves it out after its second time in a round (``PeerGuard.absent``).
 
 A reducer's stream of averages can break half-way through while the reducer and the others finish the all-reduce
 (seen on busy machines: the stream to one member ends a few parts short, as if closed, and only that member falls
@@ -45,7 +47,7 @@ import torch
 
 from p2p_diloco.compression.codecs import decode_tensor
 from p2p_diloco.faults import HONEST, Honest
-from p2p_diloco.swarm.averaging.guard import BAD_AVERAGE, MALFORMED, STALL
+from p2p_diloco.swarm.averaging.guard import BAD_AVERAGE, MALFORMED, NOT_IN_GROUP, STALL
 from p2p_diloco.swarm.averaging.hivemind_api import (
     AllreduceException,
     AllReduceRunner,
@@ -143,6 +145,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         self.flags: list[tuple[PeerID, str]] = []
         self.silent: list[PeerID] = []  # reducers that took this peer's parts and returned no average
         self.refused_by: list[PeerID] = []  # reducers that refused this peer's parts as of another view of the group
+        self.absent: list[PeerID] = []  # reducers that are in no group: they gave up on its leader (guard.absent)
         container = self.tensor_part_container
         container.return_deltas = False  # a failed reducer's parts fall back to our own values, not zeros
         my_index = self.ordered_peer_ids.index(self.peer_id)
@@ -209,6 +212,8 @@ class ExactAllReduceRunner(AllReduceRunner):
         def decode(message):
             if message.code == averaging_pb2.BAD_GROUP_ID:  # it read the group differently, or has left it
                 self.refused_by.append(peer_id)
+            if message.code == NOT_IN_GROUP:  # it gave up on the group's leader, which counted it in
+                self.absent.append(peer_id)
             if message.code != averaging_pb2.AVERAGED_PART:
                 raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(message.code)}")
             return _decode_part(message, largest)

@@ -300,6 +300,8 @@ class PseudoGradientAverager(GuardedAverager, DecentralizedAverager):
                 self.guard.record(view.round_index, peer_id, reason)
             for peer_id in runner.silent:
                 self.guard.leave_out(view.round_index, peer_id)
+            for peer_id in runner.absent:
+                self.guard.absent(view.round_index, peer_id)
             if runner.refused_by:
                 # groupmates read the group's records differently: what the leader relayed differed between them
                 # (or one of them has left the group). Not proof (see guard.py), but the round's retry does

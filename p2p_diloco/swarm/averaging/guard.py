@@ -56,6 +56,11 @@ from p2p_diloco.swarm.averaging.robust import MALFORMED, NONFINITE, TOO_LARGE, c
 
 logger = logging.getLogger(__name__)
 
+NOT_IN_GROUP = averaging_pb2.GROUP_DISBANDED
+"""A reducer's reply to parts sent for a group it is not in (it gave up on the group's leader; see
+:meth:`GuardedAverager._await_registered`)."""
+REGISTERED_POLL_S = 0.1
+
 # why a groupmate is flagged, besides the reducer's reasons (robust.MALFORMED, NONFINITE, TOO_LARGE, CLIPPED)
 WRONG_ROUND, METADATA, BAD_AVERAGE = "round", "metadata", "bad average"
 FORGED, STALL = "forged record", "stall"
@@ -85,6 +90,7 @@ class PeerGuard:
         self.banned: set[str] = set()
         self.flags: dict[int, dict[str, set[str]]] = {}  # round -> peer -> reasons
         self.left_out: dict[str, int] = {}  # peer -> the round whose all-reduce it broke (see leave_out)
+        self.absences: dict[str, tuple[int, int]] = {}  # peer -> (round, times it was in no group: see absent)
 
     def outsider(self, peer_id) -> bool:
         return bool(self.allowlist) and str(peer_id) not in self.allowlist
@@ -107,6 +113,18 @@ class PeerGuard:
             logger.info(f"Round {round_index}: groupmate {peer_id} returned no average; the round's retry goes on "
                         "without it")
         self.left_out[str(peer_id)] = round_index
+
+    def absent(self, round_index: int, peer_id) -> None:
+        """``peer_id`` said it was in no group when this peer sent it parts in ``round_index`` (a follower that gave
+        up on the leader after the leader had counted it in). The group re-forms with it (it is still looking for
+        the round's group); the second time in a round it is left out of the round's retry (one that did so on
+        purpose would fail every retry)."""
+        name = str(peer_id)
+        round_seen, times = self.absences.get(name, (round_index, 0))
+        times = times + 1 if round_seen == round_index else 1
+        self.absences[name] = (round_index, times)
+        if times >= 2:
+            self.leave_out(round_index, peer_id)
 
     def record(self, round_index: int, peer_id, reason: str, counted: bool = True) -> None:
         """Note that ``peer_id`` was flagged for ``reason`` in a round; ban it if that makes one offence (or stall)
@@ -375,8 +393,9 @@ class GuardedAverager:
         if self.group_views.refuses(request.group_id):
             yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
             return
-        if request.group_id not in self._running_groups:
-            await self._pending_groups_registered.wait()  # the group's all-reduce may not be registered yet
+        if not await self._await_registered(request.group_id):
+            yield averaging_pb2.AveragingData(code=NOT_IN_GROUP)
+            return
         future = self._running_groups.get(request.group_id)
         if future is None:
             yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
@@ -384,6 +403,29 @@ class GuardedAverager:
         runner = await asyncio.shield(future)
         async for message in runner.rpc_aggregate_part(achain(as_aiter(request), stream), context):
             yield message
+
+    async def _await_registered(self, allreduce_id: bytes) -> bool:
+        """hivemind's wait for an all-reduce this peer has not registered (its leader may have begun it before its
+        BEGIN_ALLREDUCE reached this peer): until a group of this peer registers. But False once this peer has
+        followed no leader and assembled no group for one request timeout: a follower that gave up waiting for its
+        leader (on a busy machine) after the leader had counted it in is in no group, and the senders waited out
+        their reducer timeout for its averages while it went on looking for the round's group, and the round fell
+        back for every member (seen in a busy CI run). Told at once, they re-form and meet it again."""
+        matchmaking, loop = self._matchmaking, asyncio.get_event_loop()
+        alone_since = None
+        while allreduce_id not in self._running_groups and not self._pending_groups_registered.is_set():
+            now = loop.time()
+            if matchmaking.current_leader is not None or matchmaking.assembled_group.done():
+                alone_since = None
+            elif alone_since is None:
+                alone_since = now
+            elif now - alone_since >= matchmaking.request_timeout:
+                return False
+            try:
+                await asyncio.wait_for(self._pending_groups_registered.wait(), timeout=REGISTERED_POLL_S)
+            except TimeoutError:
+                pass
+        return True
 
     async def rpc_download_state(self, request: averaging_pb2.DownloadRequest,
                                  context: P2PContext) -> typing.AsyncIterator[averaging_pb2.DownloadData]:
@@ -428,6 +470,9 @@ class GuardedAverager:
             return await request_join_group(leader)
 
         async def assemble_as_follower(leader, msg):
+            if not self.behaviour.takes_group(self._round_averaged()):
+                logger.info(f"Ignored the group {leader} formed with this peer (a test hook)")
+                return None
             views.followed(msg.group_id, leader)
             return await follower_assemble_group(leader, msg)
 
