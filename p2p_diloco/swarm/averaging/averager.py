@@ -34,6 +34,7 @@ import time
 import typing
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
 from typing import Optional
 
@@ -166,6 +167,7 @@ class PseudoGradientAverager(GuardedAverager, DecentralizedAverager):
     # base was collected first: ours are collected on their own (rpc_fetch_averages is ours alone)
     _rpc_handlers = None
     _stub_type = None
+    _workers_niced = False  # in the background process: its executor's threads run at a lower priority (_step)
 
     def __init__(self, templates: Sequence[torch.Tensor], dht, *, run_id: str, stage_index: int, num_stages: int,
                  cfg: AveragingConfig, behaviour: Honest = HONEST, fragment: Optional[tuple[int, int]] = None):
@@ -211,8 +213,19 @@ class PseudoGradientAverager(GuardedAverager, DecentralizedAverager):
     def run(self) -> None:
         die_with_parent(signal.SIGKILL)  # a peer killed with SIGKILL leaves no averager behind
         leave_signals_to_parent()  # a signal to the whole group is for the training process to handle
-        lower_priority()  # averaging in the background must not slow the inner steps down
         super().run()
+
+    async def _step(self, **kwargs):
+        """hivemind's step, with the event loop's work of compression and reduction (all of it in the loop's default
+        executor) on threads at a lower CPU priority than training, so that averaging in the background does not
+        slow the inner steps down; the loop itself keeps training's priority, as it answers the swarm's
+        matchmaking and all-reduce messages (at a lower priority, on a busy machine, a leader answered a join
+        request too late for the follower to wait, and groups formed without members that had joined them)."""
+        if not self._workers_niced:
+            self._workers_niced = True
+            asyncio.get_event_loop().set_default_executor(
+                ThreadPoolExecutor(thread_name_prefix="averaging", initializer=lower_priority))
+        return await super()._step(**kwargs)
 
     @contextlib.contextmanager
     def _register_allreduce_group(self, group_info):

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 import hivemind
 
 from p2p_diloco.config import DHTConfig
-from p2p_diloco.process import die_with_parent, leave_signals_to_parent, lower_priority
+from p2p_diloco.process import die_with_parent, leave_signals_to_parent
 from p2p_diloco.swarm.discovery.identity import IdentityLock, ensure_identity, load_signing_key
 from p2p_diloco.swarm.discovery.records import bind_signer, with_signer
 from p2p_diloco.swarm.errors import SwarmError
@@ -24,16 +24,16 @@ logger = logging.getLogger(__name__)
 
 
 class _DHT(hivemind.DHT):
-    """hivemind's DHT process, which dies with the process that started it (no orphans) and runs at a lower CPU
-    priority than training, as does the p2pd daemon it starts. It holds the lock on its identity (if any) until
-    it is shut down."""
+    """hivemind's DHT process, which dies with the process that started it (no orphans). It and the p2pd daemon it
+    starts run at training's CPU priority: they use little CPU, but every message of the swarm waits for them (at a
+    lower priority, on a busy machine, matchmaking requests timed out and groups formed without their members). It
+    holds the lock on its identity (if any) until it is shut down."""
 
     identity_lock = None
 
     def run(self) -> None:
         die_with_parent(signal.SIGKILL)
         leave_signals_to_parent(own_group=True)  # a signal to the peer's group is for the peer to handle
-        lower_priority()  # this process and its p2pd daemon yield the CPU to training
         logging.getLogger("hivemind.dht.dht").addFilter(_not_a_vanished_sender)
         super().run()
 
