@@ -68,9 +68,15 @@ def test_peers_of_three_splits_average_every_fragment_together(tmp_path, process
     for name, split in SPLITS.items():
         processes.start(name, *pipeline_peer(tmp_path, name, *common, *split, "--train.wait_for_peers", "3",
                                              maddrs=bootstrap, rounds=rounds))
+    def applied(name):  # the fragments a peer has applied an average of, from any of its stage processes
+        return {e["fragment"] for stage in range(len(HELD[name])) for e in events(tmp_path, name, "round", stage)
+                if e["applied_round"] is not None}
+
+    # the calm part below needs one round of every fragment applied by all three before the newcomer starts (only
+    # p1's first was waited for: p2's stage of fragment 1 wrote its row after the newcomer started, in a busy run)
     deadline = time.monotonic() + 240
-    while not [e for e in events(tmp_path, "p1", "round") if e["applied_round"] is not None]:
-        assert time.monotonic() < deadline, processes.log("p1")[-3000:]
+    while any(applied(name) != set(range(F)) for name in SPLITS):
+        assert time.monotonic() < deadline, {name: processes.log(name)[-1500:] for name in SPLITS}
         time.sleep(0.2)
     calm_until = time.time()  # the newcomer's start (two imports of torch, three averagers) ends the calm
     processes.start("new", *pipeline_peer(tmp_path, "new", *common, *NEWCOMER, maddrs=bootstrap, rounds=rounds))
