@@ -8,6 +8,10 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("HIVEMIND_MEMORY_SHARING_STRATEGY", "file_descriptor")
+# One torch thread for what tests compute in pytest's own process (the peers they start get --run.num_threads 1):
+# with torch's default of one thread per core, next to busy loops and the other test worker, the in-process
+# trainer runs of tests/unit/test_diloco_reference.py took 70-86 s each under make test's two workers (0.6 s idle)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # The longest tests (seconds under `make test`'s two workers beside two busy loops), started first: with
 # `--dist worksteal` the workers then end together instead of one of them running a 90 s test alone at the end.
