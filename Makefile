@@ -10,10 +10,9 @@ TORCH_VERSION ?= 2.13.0
 TORCH_INDEX_URL ?=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.p2p-diloco-installed
-# make test runs the tests one after the other; TEST_WORKERS=2 runs two at a time (pytest-xdist): about 21-22 min
-# instead of 28-32 on 2 cores beside two busy loops, but there it failed timing-sensitive tests that pass one at a
-# time (a hostile leader's 0.5 s request timeout, a newcomer 45 s late), so CI runs them one at a time
-TEST_WORKERS ?= 0
+# make test runs two tests at a time (pytest-xdist; the longest first and the mixed-split test alone:
+# tests/conftest.py); TEST_WORKERS=0 runs them one after the other (28-32 min on 2 busy cores), TEST_WORKERS=N for N
+TEST_WORKERS ?= 2
 
 .PHONY: demo test test-unit test-integration lint bench-overhead bench-quick clean install
 
