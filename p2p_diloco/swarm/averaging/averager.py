@@ -420,7 +420,7 @@ class PseudoGradientAverager(GuardedAverager, DecentralizedAverager):
         while control is not None and control.stage != AveragingStage.FINISHED:
             if time.monotonic() >= deadline:
                 logger.warning("The previous round's averaging step has not ended after "
-                               f"{timeout_s:.0f} s; starting the next round anyway")
+                               f"{timeout_s:.0f} s (it is at {control.stage.name}); starting the next round anyway")
                 return
             time.sleep(0.01)
 
