@@ -10,7 +10,7 @@ TORCH_VERSION ?= 2.13.0
 TORCH_INDEX_URL ?=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.p2p-diloco-installed
-# make test runs the tests one after the other (28-32 min on 2 busy cores); TEST_WORKERS=2 runs two at a time
+# make test runs the tests one after the other (25-32 min on 2 busy cores); TEST_WORKERS=2 runs two at a time
 # (pytest-xdist; the longest first and the mixed-split test alone: tests/conftest.py): 17-19 min there, but in 5
 # fresh-clone busy runs it failed 4 times (3 test defects, fixed; 2 product flakes of a late or restarted peer, open:
 # BENCHMARKS.md, "The test suite on 2 busy cores"), so CI runs them one at a time until those are fixed
