@@ -217,13 +217,18 @@ class SwarmSync:
         self.holds_canonical = True  # nobody to compare with
         return None
 
-    def donors(self, others) -> list[str]:
+    def donors(self, others, own_round: int | None = None) -> list[str]:
         """Nodes to download from: the counted peers whose anchor is the agreed one after their applied round and
         whose round is not beyond the swarm's (a record far ahead of the others' is not believed), the most advanced
-        first (ties in random order, so that newcomers spread over them)."""
+        first (ties in random order, so that newcomers spread over them).
+
+        ``own_round``: this stage's round, where it trains with the swarm (a resync): it counts in the swarm's round.
+        Left out, a dead peer's record (it stays in the DHT for its TTL) was the lower median of a survivor's two
+        others, and the live survivor looked too far ahead to be a donor: two survivors of a broken round averaged
+        onto their two anchors to the run's end (seen in CI)."""
         if not others:
             return []
-        swarm_round = lower_median([r.round for r in others])
+        swarm_round = lower_median([r.round for r in others] + ([own_round] if own_round is not None else []))
         holding = [r for r in others if r.anchor and r.round <= swarm_round + 1
                    and r.anchor == canonical_of(anchor_votes(others, r.applied_round))]
         random.shuffle(holding)
@@ -273,7 +278,7 @@ class SwarmSync:
         started = time.monotonic()
         deadline = started + self.download_timeout_s
         others = self._others()
-        donors = self.donors(others)
+        donors = self.donors(others, own_round=at_most_round)
         if at_most_round is not None:
             early = {r.node for r in others if r.round <= at_most_round}
             donors = [d for d in donors if d in early]

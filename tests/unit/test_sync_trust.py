@@ -107,7 +107,7 @@ def test_a_donor_serving_another_anchor_than_it_announced_is_refused_and_the_nex
     sync.at_start(resumed=False)
     assert not sync.events and newcomer.round_index == 0 and sorted(newcomer.averager.asked) == ["a", "b"]
     sync = sync_of(make_stage(), records, {"a": poisoned, "b": honest})
-    sync.donors = lambda others: ["a", "b"]  # the liar first
+    sync.donors = lambda others, own_round=None: ["a", "b"]  # the liar first
     sync.at_start(resumed=False)
     assert [e["action"] for e in sync.events] == ["reload"] and sync.stage.averager.asked == ["a", "b"]
     assert all(torch.equal(a, b) for a, b in zip(sync.stage.anchor, honest[1]))
@@ -203,3 +203,24 @@ def test_a_resync_asks_only_donors_not_on_a_later_round():
     sync.after_round()
     assert "b" not in peer.averager.asked
     assert [e["action"] for e in sync.events] == ["resync"] and anchor_fingerprint(peer.anchor) == agreed
+
+
+def test_a_dead_peers_record_does_not_keep_the_survivor_off_the_tie_break_from_resyncing():
+    """As in CI (test_churn's restarted peer): of 3 peers, one was killed during round 2's averaging; the two
+    survivors each applied round 2 alone (two anchors, one vote each) and averaged every later round with each
+    other, pseudo-gradients onto their two anchors, so they stayed apart to the run's end: the one off the
+    tie-break's anchor asked only the dead peer for a state. The dead peer's record (round 2, still in the DHT for
+    its TTL) made the lower median of the two others' rounds 2, and the live survivor on round 5 looked too far
+    ahead of the swarm to be a donor. The resyncing stage is on the swarm's round itself: its round counts."""
+    peer = make_stage()
+    peer.round_index, peer.applied_round, peer.inner_step = 5, 4, 5 * peer.diloco_cfg.inner_steps
+    with torch.no_grad():
+        peer.anchor[0].view(-1)[0] += 1.0  # its round 2 fell back alone: its anchor differs from a's since
+    at_a = state_at(5, 4)
+    dead = state_at(2, 1)
+    records = [Record(5, 4, fingerprint(at_a), node="a"), Record(2, 1, fingerprint(dead), node="dead")]
+    sync = sync_of(peer, records, {"a": at_a})  # the dead peer serves nothing
+    sync.remember(anchor_fingerprint(peer.anchor))  # one vote each after round 4: the tie goes to "a" < "me"
+    sync.after_round()
+    assert [e["action"] for e in sync.events] == ["resync"], peer.averager.asked
+    assert peer.averager.asked[0] == "a" and anchor_fingerprint(peer.anchor) == fingerprint(at_a)
