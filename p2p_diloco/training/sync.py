@@ -21,7 +21,8 @@ live stage process); states come from other peers through hivemind's state shari
 Whom it believes (a public swarm holds hostile peers; records are signed by their writer's libp2p identity, see
 ``swarm.discovery.records``): the records that count are those of the peers on ``averaging.allowlist``, else of
 the peers met in this stage's groups of the last :data:`TRUSTED_ROUNDS` rounds, else (a newcomer) all. Being behind
-takes a majority of them, not one record with a high round. A state is downloaded only from peers whose record
+takes a majority of them, not one record with a high round. When the peers met give no usable state (a hostile
+groupmate that alone shared a group with this stage), every signed record counts for that download. A state is downloaded only from peers whose record
 holds the agreed anchor (self-declared donor priorities are ignored), and taken only if its anchor's sha256 is the
 one the counted records agree on for its round, vouched for by two of them (one in a swarm of one other peer),
 its round is not behind this stage's nor the swarm's, and it is below the run's end.
@@ -106,6 +107,9 @@ class SwarmSync:
         # vote from that round on: where only one other peer has published a round yet, the tie-break must not
         # make the anchor known to be off the canonical one (seen in CI: the reloaded peer never resynced)
         self.missed_round: int | None = None
+        # while set, every signed record counts, as for a newcomer: a download from the peers met in recent groups
+        # gave no usable state (see _download)
+        self._trust_all = False
 
     def remember(self, fingerprint: str) -> None:
         """Note this stage's anchor fingerprint after its last applied round."""
@@ -127,6 +131,8 @@ class SwarmSync:
         """The records whose word counts (see the module docstring)."""
         if self.allowlist:
             return [r for r in records if r.node in self.allowlist]
+        if self._trust_all:
+            return records
         trusted = self.recently_met()
         chosen = [r for r in records if r.node in trusted]
         return chosen or records  # none of them live (or none met yet): every signed record
@@ -277,12 +283,34 @@ class SwarmSync:
             return None
         started = time.monotonic()
         deadline = started + self.download_timeout_s
-        others = self._others()
+        asked: set[str] = set()
+        state = self._download_from(self._others(), at_least_round, at_most_round, started, deadline, asked)
+        records = self.swarm.others() if state is None and not self.allowlist else []
+        if state is None and len(self.counted(records)) < len(records):
+            # Trust narrowed to the peers met in recent groups (against made-up identities) gave nothing: a hostile
+            # groupmate that alone shared a group with this stage would otherwise be the only record it believes,
+            # it says "behind" and serves states that are refused, and the stage never reloads. Every signed
+            # record counts then, as for a newcomer, for the donors and the anchor check alike.
+            logger.warning(f"{self.stage.label}: no usable state from the peers met in recent groups; asking the "
+                           "swarm's other peers")
+            self._trust_all = True
+            try:
+                state = self._download_from(self._others(), at_least_round, at_most_round, started, deadline, asked)
+            finally:
+                self._trust_all = False
+        return state
+
+    def _download_from(self, others, at_least_round: int, at_most_round: int | None, started: float,
+                       deadline: float, asked: set[str]):
+        """:meth:`_download` from the donors among ``others`` not yet ``asked``."""
         donors = self.donors(others, own_round=at_most_round)
         if at_most_round is not None:
             early = {r.node for r in others if r.round <= at_most_round}
             donors = [d for d in donors if d in early]
         for donor in donors:
+            if donor in asked:
+                continue
+            asked.add(donor)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break

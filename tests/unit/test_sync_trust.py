@@ -224,3 +224,23 @@ def test_a_dead_peers_record_does_not_keep_the_survivor_off_the_tie_break_from_r
     sync.after_round()
     assert [e["action"] for e in sync.events] == ["resync"], peer.averager.asked
     assert peer.averager.asked[0] == "a" and anchor_fingerprint(peer.anchor) == fingerprint(at_a)
+
+
+def test_a_hostile_groupmate_met_alone_does_not_keep_a_peer_from_the_swarms_state():
+    """A peer whose only group of recent rounds was with a hostile one (``false-state``: records a round ahead,
+    poisoned states) believed only that peer's records: "behind" at every round end, its state refused, and no
+    honest donor asked, to the run's end (the shape of a newcomer's failure in a busy two-at-a-time make test).
+    When the met peers give no usable state, every signed record counts, as for a newcomer."""
+    honest = state_at(7, 6)
+    liar = Record(8, 7, fingerprint(honest), node="liar", prior_anchor="c" * 64)  # a round ahead of where it is
+    records = [Record(7, 6, fingerprint(honest), node=n) for n in ("a", "b")] + [liar]
+    peer = make_stage()
+    peer.round_index, peer.applied_round, peer.inner_step = 6, 5, 6 * peer.diloco_cfg.inner_steps
+    sync = sync_of(peer, records, {"a": honest, "b": honest, "liar": state_at(7, 6, poison=1.0)})
+    sync.met_group(["me", "liar"])
+    assert [r.node for r in sync.counted(records)] == ["liar"]
+    sync.after_round()
+    assert [e["action"] for e in sync.events] == ["reload"], peer.averager.asked
+    assert peer.averager.asked[0] == "liar" and peer.round_index == 7
+    assert all(torch.equal(x, y) for x, y in zip(peer.anchor, honest[1][:len(peer.anchor)]))
+    assert [r.node for r in sync.counted(records)] == ["liar"]  # the widening lasts one download
