@@ -22,10 +22,11 @@ Whom it believes (a public swarm holds hostile peers; records are signed by thei
 ``swarm.discovery.records``): the records that count are those of the peers on ``averaging.allowlist``, else of
 the peers met in this stage's groups of the last :data:`TRUSTED_ROUNDS` rounds, else (a newcomer) all. Being behind
 takes a majority of them, not one record with a high round. When the peers met give no usable state (a hostile
-groupmate that alone shared a group with this stage), every signed record counts for that download. A state is downloaded only from peers whose record
-holds the agreed anchor (self-declared donor priorities are ignored), and taken only if its anchor's sha256 is the
-one the counted records agree on for its round, vouched for by two of them (one in a swarm of one other peer),
-its round is not behind this stage's nor the swarm's, and it is below the run's end.
+groupmate that alone shared a group with this stage), every signed record counts for that download. A state is
+downloaded only from peers whose record holds the agreed anchor (self-declared donor priorities are ignored), and
+taken only if its anchor's sha256 is the one the counted records agree on for its round, vouched for by two of
+them (one in a swarm of one other peer), its round is not behind this stage's nor the swarm's, and it is below
+the run's end.
 
 The stages of a pipelined peer change rounds together or not at all. Called by the trainer.
 """

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from p2p_diloco.swarm.averaging.guard import FORGED, OFFENCES, STALL
+from p2p_diloco.swarm.averaging.hivemind_api import AveragingStage
 from tests.integration.test_byzantine import (
     CFG,
     TEMPLATES,
@@ -191,3 +192,27 @@ def test_a_lowball_compression_proposal_does_not_lower_the_groups_precision(netw
     for result in results[:3]:
         assert result.group_size == 4 and result.compression["rank"] == 8
         assert "int4" not in result.compression["codecs"], result.compression
+
+
+def test_a_step_cancelled_in_its_all_reduce_ends_at_once(network):
+    """A peer gives up on a round (its hopeless check or its bound) just as the round's group formed: hivemind sees a
+    cancel only while a step is matching, so the step ran its all-reduce on (here with a groupmate that stalls it,
+    up to the 20 s all-reduce timeout), and the next round's step waited for it (10 s at most, then started anyway:
+    a restarted peer's next averaging began 10 s late in a busy CI run). The cancel now ends the all-reduce too."""
+    cfg = dataclasses.replace(CFG, round_timeout_s=20, allreduce_timeout_s=20, next_chunk_timeout_s=15)
+    honest = network.averager(cfg=cfg)
+    staller = network.averager("stall:30", cfg=cfg)
+    g = torch.Generator().manual_seed(0)
+    for averager in (honest, staller):
+        averager.set_expected_group_size(2)
+        averager.start_round([torch.randn(t.shape, generator=g) for t in TEMPLATES], 0, TOKENS)
+    deadline = time.monotonic() + 30
+    while honest._pending.control.stage != AveragingStage.RUNNING_ALLREDUCE:
+        assert time.monotonic() < deadline, honest._pending.control.stage
+        time.sleep(0.05)
+    result = honest.finish_round(timeout=0.5)  # gives up: cancels the step
+    assert not result.averaged
+    started = time.monotonic()
+    honest.start_round([torch.zeros_like(t) for t in TEMPLATES], 1, TOKENS)  # waits for round 0's step to end
+    assert time.monotonic() - started < 3.0
+    assert not honest.finish_round(timeout=1.0).averaged  # alone in round 1

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import math
 import signal
@@ -69,6 +70,9 @@ logger = logging.getLogger(__name__)
 MAX_STATE_METADATA_BYTES = 1 << 16  # an honest donor's metadata is a few hundred bytes
 ROUND_BITS = 16  # rounds are told apart modulo 2**16 by the group key, exactly by the gathered metadata
 PHASES = (b"", b".P", b".Q")  # group id suffixes of a round's all-reduces (whole tensors; low-rank P; low-rank Q)
+# the step (hivemind's StepControl) that the running task of the averager's background process serves: each step
+# runs in its own task, so the all-reduce of that step can see its cancel (see _unless_cancelled)
+_STEP: contextvars.ContextVar = contextvars.ContextVar("p2p_diloco_step", default=None)
 SERVED_ALLREDUCES = 8  # the last all-reduces whose averages (this peer's slice) are kept for groupmates to ask again
 
 
@@ -225,7 +229,32 @@ class PseudoGradientAverager(GuardedAverager, DecentralizedAverager):
             self._workers_niced = True
             asyncio.get_event_loop().set_default_executor(
                 ThreadPoolExecutor(thread_name_prefix="averaging", initializer=lower_priority))
+        _STEP.set(kwargs.get("step"))
         return await super()._step(**kwargs)
+
+    @staticmethod
+    async def _unless_cancelled(work: typing.Awaitable, round_index: int):
+        """``work`` (the all-reduce of this task's step), ended at once if the training process cancels the step.
+
+        hivemind sees a cancel only while a step is matching: a step cancelled just as its group formed (its round
+        found hopeless a moment before) ran its all-reduce to the end or to the timeout, and the next round's step
+        waited for it (a restarted peer's next averaging started 10 s late, off the swarm's anchor: busy CI)."""
+        step = _STEP.get()
+        work = asyncio.ensure_future(work)
+        if step is None:
+            return await work
+        cancelled = asyncio.ensure_future(step.wait_for_cancel())
+        try:
+            await asyncio.wait({work, cancelled}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (work, cancelled):
+                if not task.done():
+                    task.cancel()
+        if work.done() and not work.cancelled():
+            return work.result()
+        with contextlib.suppress(BaseException):
+            await work  # its own clean-up (streams, the reducer's state) runs before this step ends
+        raise AllreduceException(f"round {round_index}'s averaging step was cancelled by this peer")
 
     @contextlib.contextmanager
     def _register_allreduce_group(self, group_info):
@@ -265,9 +294,9 @@ class PseudoGradientAverager(GuardedAverager, DecentralizedAverager):
                     raise AllreduceException(f"round {my_round} was abandoned by this peer")
                 # bounded here rather than by hivemind's timeout, whose expiry is not retried: a group whose
                 # all-reduce stalls (a member stopped sending) re-forms and averages again within the round's budget
-                outcome = await asyncio.wait_for(
+                outcome = await self._unless_cancelled(asyncio.wait_for(
                     self._reducer.reduce([b.clone() for b in buffers], plan, my_round, allreduce),
-                    timeout=self.cfg.allreduce_timeout_s)
+                    timeout=self.cfg.allreduce_timeout_s), my_round)
                 for buffer, residual, average, error in zip(buffers, self._residuals, outcome.averaged,
                                                             outcome.residuals):
                     buffer.copy_(average)
@@ -279,7 +308,11 @@ class PseudoGradientAverager(GuardedAverager, DecentralizedAverager):
             stats = dict(outcome.stats, bandwidth_mbit=measured)
             return {"gathered": view.infos, "tokens": view.tokens, "stats": stats, "next": proposal}
         except BaseException as e:
-            if isinstance(e, Exception):  # hivemind retries the round's matchmaking (within its budget) after this
+            step = _STEP.get()
+            if step is not None and step.cancelled():
+                logger.info(f"Left the all-reduce of a group of {len(group_info.peer_ids)}: this peer cancelled the "
+                            "round's averaging step")
+            elif isinstance(e, Exception):  # hivemind retries the round's matchmaking (within its budget) after this
                 logger.warning(f"The all-reduce of a group of {len(group_info.peer_ids)} failed ({e!r}); looking for "
                                "the round's group again")
                 logger.debug("The all-reduce's failure", exc_info=True)
