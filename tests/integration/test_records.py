@@ -327,3 +327,22 @@ def test_a_node_without_an_identity_path_leaves_no_key_behind(swarm, run, monkey
         assert wait_for(lambda: by_node(fetch_progress(swarm[1], run)).get(node.peer_id.to_base58()))
     finally:
         node.shutdown()
+
+
+def test_a_round_end_uses_the_watchs_fresh_read_of_the_records(swarm, run, monkeypatch):
+    """``SwarmLink.expected_group_size`` at a round end takes the records that the watch of ``others_ended_round``
+    (a read every 0.5 s, asked at every inner step) read less than ``fresh_read_s`` ago, instead of a DHT search of
+    its own (up to 2.7 s on a busy machine: the peer came late to its round's group); an older read is read again."""
+    from p2p_diloco.swarm import SwarmLink
+    from p2p_diloco.swarm.discovery import progress
+
+    a, b, _ = swarm
+    link = SwarmLink(a, run, "QmPeerA")
+    publish_progress(b, run, record(4, peer="QmPeerB", applied_round=2), ttl_s=60)
+    assert wait_for(lambda: link.others_ended_round(3))  # the watch has read b's record (b is on round 4)
+    searches = []
+    monkeypatch.setattr(progress, "fetch_progress", lambda *args, **kwargs: searches.append(args) or [])
+    link.fresh_read_s = 30.0
+    assert link.expected_group_size(4) == 2 and searches == []  # b counted, from the watch's read
+    link.fresh_read_s = 0.0
+    assert link.expected_group_size(4) is None and len(searches) == 1  # a read of its own (here: nobody, unknown)

@@ -246,13 +246,15 @@ class PseudoGradientAverager(GuardedAverager, DecentralizedAverager):
         cancelled = asyncio.ensure_future(step.wait_for_cancel())
         try:
             await asyncio.wait({work, cancelled}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # this task was cancelled (hivemind's own all-reduce timeout)
+            work.cancel()
+            raise
         finally:
-            for task in (work, cancelled):
-                if not task.done():
-                    task.cancel()
-        if work.done() and not work.cancelled():
-            return work.result()
-        with contextlib.suppress(BaseException):
+            cancelled.cancel()
+        if work.done() or not step.cancelled():  # (the wait for the cancel cannot end otherwise; if it did, the
+            return await work  # all-reduce goes on as hivemind's would)
+        work.cancel()
+        with contextlib.suppress(Exception, asyncio.CancelledError):
             await work  # its own clean-up (streams, the reducer's state) runs before this step ends
         raise AllreduceException(f"round {round_index}'s averaging step was cancelled by this peer")
 

@@ -185,6 +185,11 @@ class SwarmLink:
         self._watch = None  # the read in flight (a future of the DHT's answer)
         self._watch_at = float("-inf")
         self._rounds_seen: set[int] = set()  # the rounds other peers of this stage train in, as last read
+        # the watch's last answer, with the time its read started: a round end uses it while it is this fresh
+        # instead of reading the records again (a read is a DHT search: up to 2.7 s on a busy machine, and the
+        # peer came late to its round's group, which formed without it: a busy two-at-a-time make test)
+        self.fresh_read_s = 1.0
+        self._last_read: tuple[float, list[ProgressRecord]] | None = None
         self._others_seen_at = float("-inf")  # when expected_group_size last saw another live peer
 
     def publish(self, position: Position, loss: float, tokens_per_s: float, force: bool = False) -> None:
@@ -229,7 +234,9 @@ class SwarmLink:
         A peer more than a round ahead is not expected, unless it is one of ``met`` (the nodes of this stage's
         recent groups): a groupmate whose records claim rounds it is not on still joins the groups, and left
         uncounted it made the group form one peer short, without the last honest peer to arrive, every round."""
-        read = fetch_progress(self.dht, self.records_run)
+        read = self._recent_read()
+        if read is None:
+            read = fetch_progress(self.dht, self.records_run)
         records = [r for r in read if not self.finished(r)]
         size = live_group_size(records, self.stage_index, self.num_stages, self.node,
                                max_round_lag=1, my_round=round_index)
@@ -314,6 +321,7 @@ class SwarmLink:
                 logger.debug(f"Could not read progress records: {e!r}")
             else:
                 self._rounds_seen = {r.round for r in self._of_stage(records)}
+                self._last_read = (self._watch_at, records)
         if self._watch is None and time.monotonic() - self._watch_at >= self.watch_every_s:
             self._watch_at = time.monotonic()
             try:
@@ -321,6 +329,13 @@ class SwarmLink:
             except Exception as e:  # the DHT process may be shutting down
                 logger.debug(f"Could not read progress records: {e!r}")
         return round_index + 1 in self._rounds_seen
+
+    def _recent_read(self) -> list[ProgressRecord] | None:
+        """The records the watch of :meth:`others_ended_round` read, if that read started at most ``fresh_read_s``
+        ago (they are as fresh as a new read, less its latency); else None."""
+        if self._last_read is None or time.monotonic() - self._last_read[0] > self.fresh_read_s:
+            return None
+        return self._last_read[1]
 
     def others(self) -> list[ProgressRecord]:
         """Live records of the same stage of other peers."""
