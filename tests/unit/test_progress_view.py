@@ -17,6 +17,7 @@ def link(joined: bool = True, num_rounds: int | None = None) -> SwarmLink:
     swarm.records_run = "run"
     swarm.num_rounds = num_rounds
     swarm.joined_swarm, swarm.ttl_s, swarm._others_seen_at = joined, 120.0, float("-inf")
+    swarm.fresh_read_s, swarm._last_read = 1.0, None  # no watch has read the records: each read is a new one
     return swarm
 
 
