@@ -11,9 +11,9 @@ TORCH_INDEX_URL ?=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.p2p-diloco-installed
 # make test runs the tests one after the other (25-32 min on 2 busy cores); TEST_WORKERS=2 runs two at a time
-# (pytest-xdist; the longest first and the mixed-split test alone: tests/conftest.py): 17-19 min there, but in 5
-# fresh-clone busy runs it failed 4 times (3 test defects, fixed; 2 product flakes of a late or restarted peer, open:
-# BENCHMARKS.md, "The test suite on 2 busy cores"), so CI runs them one at a time until those are fixed
+# (pytest-xdist; the longest first and the mixed-split test alone: tests/conftest.py): 17-21 min there, but its
+# fresh-clone busy runs still fail now and then on a peer late to a fast swarm under the extra load (BENCHMARKS.md,
+# "The test suite on 2 busy cores"), so CI runs them one at a time
 TEST_WORKERS ?= 0
 
 .PHONY: demo test test-unit test-integration lint bench-overhead bench-quick clean install
