@@ -296,7 +296,7 @@ class SwarmSync:
                            "swarm's other peers")
             self._trust_all = True
             try:
-                state = self._download_from(self._others(), at_least_round, at_most_round, started, deadline, asked)
+                state = self._download_from(records, at_least_round, at_most_round, started, deadline, asked)
             finally:
                 self._trust_all = False
         return state
