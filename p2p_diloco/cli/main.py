@@ -31,15 +31,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def user_errors() -> tuple[type[BaseException], ...]:
-    from p2p_diloco.config import ConfigError
-    from p2p_diloco.data import DataError
-    from p2p_diloco.model.export import ExportError
-    from p2p_diloco.pipeline import PipelineError
-    from p2p_diloco.swarm import SwarmError
-    from p2p_diloco.training import CheckpointError
+# the errors that mean a user's mistake, by the module that defines each: told in one line, never a traceback
+USER_ERRORS = (("p2p_diloco.config.errors", "ConfigError"), ("p2p_diloco.data.errors", "DataError"),
+               ("p2p_diloco.swarm.errors", "SwarmError"), ("p2p_diloco.training.state.checkpoint", "CheckpointError"),
+               ("p2p_diloco.pipeline.context", "PipelineError"), ("p2p_diloco.model.export", "ExportError"))
 
-    return ConfigError, DataError, SwarmError, CheckpointError, PipelineError, ExportError
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """The classes of USER_ERRORS whose modules are imported: an error of a module never imported cannot have been
+    raised, and importing them all here (torch, hivemind) cost every early exit seconds, ``--help-config`` too."""
+    return tuple(getattr(sys.modules[module], name) for module, name in USER_ERRORS if module in sys.modules)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

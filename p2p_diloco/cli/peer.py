@@ -52,12 +52,14 @@ def pipeline_overrides(args: argparse.Namespace) -> list[tuple[str, str]]:
 def run(args: argparse.Namespace, overrides: list[tuple[str, str]]) -> int:
     from p2p_diloco.config import dump_config
     from p2p_diloco.monitoring.sinks import check_sinks
-    from p2p_diloco.pipeline import launched_as_stage
-    from p2p_diloco.pipeline.launch import LAUNCHED_BY_US
 
     cfg = config_from_args(args, overrides, extra=pipeline_overrides(args))
     behaviour = _hostility(args.test_hostility, cfg)
     check_sinks(cfg.metrics)  # TensorBoard or W&B asked for but not installed: say so before anything starts
+    # (torch is imported only now: a mistyped option is told in a fraction of a second, not after torch's import)
+    from p2p_diloco.pipeline import launched_as_stage
+    from p2p_diloco.pipeline.launch import LAUNCHED_BY_US
+
     configure_logging(cfg.run.log_level)
     if cfg.run.num_threads:
         import torch

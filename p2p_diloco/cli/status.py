@@ -12,9 +12,12 @@ import json
 import logging
 import math
 import time
+from typing import TYPE_CHECKING
 
 from p2p_diloco.cli.logs import configure_logging
-from p2p_diloco.swarm.discovery.progress import ProgressRecord
+
+if TYPE_CHECKING:  # (imported when used: it imports torch and hivemind, which `p2p-diloco --help` does not need)
+    from p2p_diloco.swarm.discovery.progress import ProgressRecord
 
 logger = logging.getLogger(__name__)
 

@@ -57,7 +57,6 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace, overrides: list[tuple[str, str]]) -> int:
-    from p2p_diloco.cli.summary import summarize_swarm
     from p2p_diloco.monitoring.sinks import check_sinks
 
     if args.peers < 1:
@@ -67,6 +66,8 @@ def run(args: argparse.Namespace, overrides: list[tuple[str, str]]) -> int:
     root = args.output_dir or Path("runs") / time.strftime("swarm-%Y%m%d-%H%M%S")
     cfg = _swarm_config(args, overrides)
     check_sinks(cfg.metrics)  # every peer would stop on it: say so once, before anything starts
+    from p2p_diloco.cli.summary import summarize_swarm  # (imports torch: after the checks, which are then at once)
+
     configure_logging(cfg.run.log_level)
     root.mkdir(parents=True, exist_ok=True)
     config_path = root / "swarm.toml"
