@@ -64,7 +64,7 @@ def test_peers_of_three_splits_average_every_fragment_together(tmp_path, process
     # the newcomer's two stage processes took 12 to 35 s to start next to the three peers (up to 10 of their rounds),
     # and up to 45 s with another test beside them (make test's two workers): it reached the swarm on round 13 of 16
     rounds = 20
-    common = ["--diloco.fragments", str(F), *CROWDED]
+    common = ["--diloco.fragments", str(F), "--data.seq_len", "64", *CROWDED]
     for name, split in SPLITS.items():
         processes.start(name, *pipeline_peer(tmp_path, name, *common, *split, "--train.wait_for_peers", "3",
                                              maddrs=bootstrap, rounds=rounds))
@@ -105,18 +105,20 @@ def test_peers_of_three_splits_average_every_fragment_together(tmp_path, process
             assert [rows[name][r]["applied_round"] for name in SPLITS] == [r] * 3, (f, r, told)
             assert all(rows[name][r]["averaged"] and rows[name][r]["group_size"] == 3 for name in SPLITS), (f, r, told)
             assert len({rows[name][r]["anchor_sha256"] for name in SPLITS}) == 1, (f, r, told)
-        # then every round is applied, to the run's last, by a round row or by a state taken from the swarm: a
+        # then every round is applied, to the run's last, by a round row or by a state taken from the swarm (the
+        # last round too: in a busy run the P = 1 peer came late to its last group of fragment 0, fell back and
+        # resynced to the swarm's final state, the one the model check below requires of every peer): a
         # resync after a round the arrival failed for this peer (it drops the round in flight when the donor has
         # applied it: seen in the fresh-clone busy CI, the P = 1 peer's round 12), or one reload by a stage process
         # that the arrival's load (21 processes and two busy loops on 2 cores) left behind (seen once in CI: the
         # P = 3 peer's first stage, 6 rounds behind after the newcomer started); never more than one reload
         for name, mine in rows.items():
             done = [e["applied_round"] for e in mine]
-            assert done[0] == 0 and done[-1] == rounds - 1 and done == sorted(set(done)), (name, f, told)
+            assert done[0] == 0 and done[-1] <= rounds - 1 and done == sorted(set(done)), (name, f, told)
             states = [e for e in sync_events(tmp_path, name) if e["fragment"] == f]
             assert all(e["time"] > calm_until for e in states), (name, f, states, told)
             assert sum(e["action"] == "reload" for e in states) <= 1, (name, f, states, told)
-            gaps = [(a, b) for a, b in zip(done, done[1:]) if b > a + 1]
+            gaps = [(a, b) for a, b in zip(done, [*done[1:], rounds]) if b > a + 1]  # (to the end: rounds)
             assert all(any(a < e["applied_round"] < b for e in states) for a, b in gaps), (name, f, gaps, told)
     last = summary(tmp_path, "p1")
     assert last["eval_loss_final"] < last["eval_loss_start"] - 1.0

@@ -81,7 +81,8 @@ def test_a_mistake_or_a_help_is_told_before_torch_is_imported(argv, code):
     import sys
 
     script = ("import sys\nfrom p2p_diloco.cli.main import main\ntry:\n    code = main(sys.argv[1:])\n"
-              "except SystemExit as e:\n    code = e.code\nprint('exit', code, 'torch' in sys.modules, file=sys.stderr)")
+              "except SystemExit as e:\n    code = e.code\n"
+              "print('exit', code, 'torch' in sys.modules, file=sys.stderr)")
     result = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, timeout=120)
     last = result.stderr.strip().splitlines()[-1]
     if code is None:  # a mistake found by reading the data: torch is there by then, and the error is one line
