@@ -14,7 +14,7 @@ STAMP := $(VENV)/.p2p-diloco-installed
 # (pytest-xdist; the longest first and the mixed-split test alone: tests/conftest.py): 17-21 min there, but its
 # fresh-clone busy runs still fail now and then on a peer late to a fast swarm under the extra load (BENCHMARKS.md,
 # "The test suite on 2 busy cores"), so CI runs them one at a time
-TEST_WORKERS ?= 0
+TEST_WORKERS ?= 2
 
 .PHONY: demo test test-unit test-integration lint bench-overhead bench-quick clean install
 
