@@ -234,3 +234,45 @@ def test_the_miss_begin_hook_ignores_the_first_groups_of_each_round():
     assert [miss.takes_group(3) for _ in range(3)] == [False, False, True]
     assert [miss.takes_group(4) for _ in range(3)] == [False, False, True]
     assert parse_hostility("miss-begin").value == 1 and HONEST.takes_group(3)
+
+
+class _CancelledStep:
+    """A step cancelled by the training process as StepControl.cancel() does it: the cancel's signal first, the
+    step's cancelled state ``lag`` reads later (the training process descheduled in between on a busy machine)."""
+
+    def __init__(self, signal: bool, lag: int):
+        self.signal, self.reads_left = signal, lag
+
+    async def wait_for_cancel(self):
+        if not self.signal:
+            await asyncio.sleep(3600)
+
+    def cancelled(self) -> bool:
+        self.reads_left -= 1
+        return self.signal and self.reads_left < 0
+
+
+@pytest.mark.parametrize("lag", [0, 5, 1000])
+def test_a_cancel_ends_the_all_reduce_even_before_the_step_reads_as_cancelled(lag):
+    """The cancel's signal ends the all-reduce at once, whether or not the step already reads as cancelled: only
+    step.cancelled() was read, and between StepControl.cancel()'s two writes it let the all-reduce run on to its
+    timeout (a two-at-a-time busy make test)."""
+    from p2p_diloco.swarm.averaging.averager import _STEP, PseudoGradientAverager, _StepCancelled
+
+    async def run(step):
+        _STEP.set(step)
+        work = asyncio.ensure_future(asyncio.sleep(30, result="averaged"))
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        with pytest.raises(_StepCancelled):
+            await PseudoGradientAverager._unless_cancelled(work, round_index=3)
+        return work, loop.time() - started
+
+    work, took = asyncio.run(run(_CancelledStep(signal=True, lag=lag)))
+    assert work.cancelled() and took < 1.5  # (at most 1 s of waiting for the step to read as cancelled)
+
+    async def uncancelled():  # no signal: the work's own result
+        _STEP.set(_CancelledStep(signal=False, lag=0))
+        return await PseudoGradientAverager._unless_cancelled(asyncio.sleep(0.05, result="averaged"), round_index=3)
+
+    assert asyncio.run(uncancelled()) == "averaged"

@@ -73,6 +73,15 @@ PHASES = (b"", b".P", b".Q")  # group id suffixes of a round's all-reduces (whol
 # the step (hivemind's StepControl) that the running task of the averager's background process serves: each step
 # runs in its own task, so the all-reduce of that step can see its cancel (see _unless_cancelled)
 _STEP: contextvars.ContextVar = contextvars.ContextVar("p2p_diloco_step", default=None)
+
+
+class _StepCancelled(AllreduceException):
+    """The all-reduce was left because this peer cancelled the round's step."""
+
+
+def _was_signalled(wait: asyncio.Future) -> bool:
+    """Whether a step's ``wait_for_cancel()`` ended because the step was cancelled (its signal is set only then)."""
+    return wait.done() and not wait.cancelled() and wait.exception() is None
 SERVED_ALLREDUCES = 8  # the last all-reduces whose averages (this peer's slice) are kept for groupmates to ask again
 
 
@@ -251,12 +260,19 @@ class PseudoGradientAverager(GuardedAverager, DecentralizedAverager):
             raise
         finally:
             cancelled.cancel()
-        if work.done() or not step.cancelled():  # (the wait for the cancel cannot end otherwise; if it did, the
-            return await work  # all-reduce goes on as hivemind's would)
+        # the cancel's own signal decides, not step.cancelled(): StepControl.cancel() sends the signal before it
+        # marks the step cancelled, and a training process descheduled between the two (a busy machine) left the
+        # all-reduce running to its timeout (the step's test failed so in a two-at-a-time busy make test)
+        if work.done() or not _was_signalled(cancelled):
+            return await work
         work.cancel()
         with contextlib.suppress(Exception, asyncio.CancelledError):
             await work  # its own clean-up (streams, the reducer's state) runs before this step ends
-        raise AllreduceException(f"round {round_index}'s averaging step was cancelled by this peer")
+        for _ in range(100):  # until the step reads as cancelled (at most 1 s): then hivemind's step loop ends it
+            if step.cancelled():  # rather than looking for a group again
+                break
+            await asyncio.sleep(0.01)
+        raise _StepCancelled(f"round {round_index}'s averaging step was cancelled by this peer")
 
     @contextlib.contextmanager
     def _register_allreduce_group(self, group_info):
@@ -310,8 +326,7 @@ class PseudoGradientAverager(GuardedAverager, DecentralizedAverager):
             stats = dict(outcome.stats, bandwidth_mbit=measured)
             return {"gathered": view.infos, "tokens": view.tokens, "stats": stats, "next": proposal}
         except BaseException as e:
-            step = _STEP.get()
-            if step is not None and step.cancelled():
+            if isinstance(e, _StepCancelled):
                 logger.info(f"Left the all-reduce of a group of {len(group_info.peer_ids)}: this peer cancelled the "
                             "round's averaging step")
             elif isinstance(e, Exception):  # hivemind retries the round's matchmaking (within its budget) after this
