@@ -247,3 +247,27 @@ def test_hivemind_buffers_the_length_a_peer_declares_so_the_message_cap_replaces
         asyncio.run(receive(theirs))
     with pytest.raises(MessageTooLargeError):  # ours refuses at once
         asyncio.run(receive(installed))
+
+
+def test_hivemind_signals_a_cancel_before_the_step_reads_cancelled_so_cancel_step_marks_it_first():
+    """hivemind's StepControl.cancel() sends the cancel's signal before the step reads as cancelled, and the averager
+    process decides on step.cancelled() when the signal arrives: the window a descheduled training process left a
+    cancelled step matching in. cancel_step marks the step first; the signal is still sent, once."""
+    from hivemind.averaging.control import StepControl
+
+    from p2p_diloco.swarm.averaging.hivemind_api import MPFuture, cancel_step
+
+    def step_seen_at_signal(cancel) -> list[bool]:
+        trigger, signal = MPFuture(), MPFuture()  # (first: a StepControl cannot start hivemind's MPFuture backend)
+        control = StepControl(scheduled_time=0.0, deadline=float("inf"), allow_retries=True, weight=1.0,
+                              data_for_gather=b"")
+        control.attach(trigger, signal)
+        seen = []
+        original = signal.set_result
+        signal.set_result = lambda result: (seen.append(control.cancelled()), original(result))
+        cancel(control)
+        assert control.cancelled() and signal.done() and trigger.cancelled()
+        return seen
+
+    assert step_seen_at_signal(StepControl.cancel) == [False]  # hivemind's order: the window is there
+    assert step_seen_at_signal(cancel_step) == [True]  # ours: cancelled before the signal, which is sent once

@@ -59,6 +59,7 @@ from p2p_diloco.swarm.averaging.hivemind_api import (
     PeerID,
     PerTensorCompression,
     averaging_pb2,
+    cancel_step,
     enter_asynchronously,
     load_balance_peers,
 )
@@ -521,7 +522,7 @@ class PseudoGradientAverager(GuardedAverager, DecentralizedAverager):
             found["group_tokens"] = float(outcome["tokens"])  # claims capped as in the average
             found["group_peers"] = tuple(sorted(str(peer_id) for peer_id in gathered))
         except Exception as e:  # network failures of every kind end in a fallback, never in a crash
-            pending.control.cancel()
+            cancel_step(pending.control)
             found = {"fallback_reason": f"{type(e).__name__}: {e}" if str(e) else type(e).__name__}
         suspects, banned = self._flags_of(pending.round_index)
         return RoundOutcome(**found, suspects=suspects, banned=tuple(banned),
@@ -666,17 +667,17 @@ class PseudoGradientAverager(GuardedAverager, DecentralizedAverager):
         timeouts; normally long over), cancel it if it is still matching."""
         abandoned, self._abandoned = self._abandoned, None
         if abandoned is not None and abandoned.control.stage in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP):
-            abandoned.control.cancel()  # a round a round ago that is still matching will not find its group
+            cancel_step(abandoned.control)  # a round a round ago that is still matching will not find its group
         elif abandoned is not None:
             bound = abandoned.timeout_s + self.cfg.allreduce_timeout_s + 5
             try:
                 abandoned.control.result(timeout=max(0.1, bound - (time.monotonic() - abandoned.started_at)))
             except Exception:
-                abandoned.control.cancel()
+                cancel_step(abandoned.control)
 
     def cancel_round(self) -> None:
         """Cancel the round in flight, if any (shutdown path)."""
         if self._pending is not None:
             self._buffered_round[0] = -1  # no lock: a reduce already under way may finish, unread
-            self._pending.control.cancel()
+            cancel_step(self._pending.control)
             self._pending = None

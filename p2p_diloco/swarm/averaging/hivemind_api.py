@@ -24,6 +24,9 @@ Replaced on the class, for the whole process: ``P2P.receive_raw_data``
 (:func:`~p2p_diloco.swarm.averaging.limits.install_message_cap`): a message whose header declares more bytes
 than the cap is refused before they are read (hivemind buffers whatever length a peer declares).
 
+Wrapped, not replaced: ``StepControl.cancel`` (:func:`cancel_step`): the step reads as cancelled before the cancel's
+signal reaches the averager process (hivemind sends the signal first).
+
 Called, not replaced: ``DecentralizedAverager.get_stub`` and the ``rpc_download_state`` stream it opens
 (:meth:`~p2p_diloco.swarm.averaging.averager.PseudoGradientAverager.download_state` asks the donors the caller chose,
 checking what arrives as it arrives, instead of hivemind's ``load_state_from_peers``, which orders donors by the
@@ -35,7 +38,7 @@ from __future__ import annotations
 import hivemind
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner, AveragingMode
-from hivemind.averaging.control import AveragingStage
+from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.averaging.key_manager import GroupKeyManager
 from hivemind.averaging.load_balancing import load_balance_peers
 from hivemind.averaging.matchmaking import Matchmaking, MatchmakingException
@@ -83,12 +86,24 @@ def check_version(version: str) -> None:
 
 check_version(hivemind.__version__)
 
+
+def cancel_step(control: StepControl) -> None:
+    """Cancel an averaging step so that the averager process reads it as cancelled when the cancel's signal arrives.
+
+    hivemind's ``StepControl.cancel()`` sends the signal to the averager process, then marks the step cancelled, and
+    the averager decides on ``step.cancelled()`` when the signal arrives: a training process descheduled between the
+    two (a busy machine) left the step looking for its group (or averaging) to its timeout, and the next round of a
+    restarted peer started 10 s late, off the swarm's anchor (a two-at-a-time busy ``make test``). The step's state
+    is shared memory, written here first; hivemind's own cancel then sends the signal."""
+    MPFuture.cancel(control)  # (this process made the step: the shared state, no message)
+    control.cancel()
+
 __all__ = [
     "CALLED", "P2P",
     "AllReduceRunner", "AllreduceException", "AveragingMode", "AveragingStage", "BannedException", "CompressionInfo",
     "DecentralizedAverager", "GroupKeyManager", "HIVEMIND_BASES", "MPFuture", "Matchmaking", "MatchmakingException",
     "P2PContext", "P2PDaemonError", "P2PHandlerError", "PeerID", "PerTensorCompression", "REPLACED",
-    "SUPPORTED_VERSION",
+    "SUPPORTED_VERSION", "StepControl",
     "TensorPartReducer", "achain", "aiter_with_timeout", "amap_in_executor", "as_aiter", "attach_event_on_finished",
-    "averaging_pb2", "check_version", "enter_asynchronously", "get_logger", "load_balance_peers",
+    "averaging_pb2", "cancel_step", "check_version", "enter_asynchronously", "get_logger", "load_balance_peers",
 ]
