@@ -10,10 +10,10 @@ TORCH_VERSION ?= 2.13.0
 TORCH_INDEX_URL ?=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.p2p-diloco-installed
-# make test runs the tests one after the other (25-32 min on 2 busy cores); TEST_WORKERS=2 runs two at a time
-# (pytest-xdist; the longest first and the mixed-split test alone: tests/conftest.py): 17-21 min there, but its
-# fresh-clone busy runs still fail now and then on a peer late to a fast swarm under the extra load (BENCHMARKS.md,
-# "The test suite on 2 busy cores"), so CI runs them one at a time
+# make test runs two tests at a time (pytest-xdist, --dist worksteal; the longest first and the mixed-split test
+# alone: tests/conftest.py): 15-17 min of pytest on 2 busy cores (BENCHMARKS.md, "The test suite on 2 busy cores").
+# TEST_WORKERS=0 runs them one after the other (about 25 min there before the cuts that brought two at a time
+# under 20 min)
 TEST_WORKERS ?= 2
 
 .PHONY: demo test test-unit test-integration lint bench-overhead bench-quick clean install
