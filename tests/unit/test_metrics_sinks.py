@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import struct
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -106,10 +107,27 @@ def wandb_records(path: Path) -> Iterator:
             pending = b""
 
 
+def finished_records(log: Path, timeout: float = 60.0) -> list:
+    """The records of a finished W&B run's transaction log, once its writer has written them all (the run's "exit"
+    record, the last): W&B's service process writes the file after ``finish()`` returns, and beside two busy loops a
+    test read it before the run's own records were in (a two-at-a-time busy make test)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            records = list(wandb_records(log))
+        except Exception:  # a file still being written: its header or its last record not complete yet
+            if time.monotonic() >= deadline:
+                raise
+            records = []
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() >= deadline:
+            return records
+        time.sleep(0.2)
+
+
 def wandb_history(log: Path) -> list[dict]:
-    """The rows a W&B run logged, from its transaction log: plotted name -> value."""
+    """The rows a W&B run logged, from its (finished) transaction log: plotted name -> value."""
     return [{(item.key or "/".join(item.nested_key)): json.loads(item.value_json) for item in record.history.item}
-            for record in wandb_records(log) if record.WhichOneof("record_type") == "history"]
+            for record in finished_records(log) if record.WhichOneof("record_type") == "history"]
 
 
 @pytest.fixture
@@ -128,7 +146,7 @@ def test_wandb_offline_run_holds_the_metrics(tmp_path, offline_wandb):
         write_events(writer)
     (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")
     (log,) = run_dir.glob("run-*.wandb")
-    records = list(wandb_records(log))
+    records = finished_records(log)
     (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
     assert (run.display_name, run.run_group, run.project) == ("sinks-test-eAYr91ND-stage0", "sinks-test",
                                                           "p2p-diloco-test")

@@ -74,6 +74,7 @@ PHASES = (b"", b".P", b".Q")  # group id suffixes of a round's all-reduces (whol
 # the step (hivemind's StepControl) that the running task of the averager's background process serves: each step
 # runs in its own task, so the all-reduce of that step can see its cancel (see _unless_cancelled)
 _STEP: contextvars.ContextVar = contextvars.ContextVar("p2p_diloco_step", default=None)
+SERVED_ALLREDUCES = 8  # the last all-reduces whose averages (this peer's slice) are kept for groupmates to ask again
 
 
 class _StepCancelled(AllreduceException):
@@ -83,7 +84,6 @@ class _StepCancelled(AllreduceException):
 def _was_signalled(wait: asyncio.Future) -> bool:
     """Whether a step's ``wait_for_cancel()`` ended because the step was cancelled (its signal is set only then)."""
     return wait.done() and not wait.cancelled() and wait.exception() is None
-SERVED_ALLREDUCES = 8  # the last all-reduces whose averages (this peer's slice) are kept for groupmates to ask again
 
 
 def decode_state_tensor(header, buffer: bytes, shape: tuple) -> torch.Tensor:
