@@ -11,7 +11,7 @@ import threading
 import time
 from pathlib import Path
 
-from p2p_diloco.cli.common import CONFIG_HELP, add_config_arguments, config_from_args
+from p2p_diloco.cli.common import CONFIG_HELP, JOIN_BOUND_HELP, add_config_arguments, config_from_args
 from p2p_diloco.cli.logs import configure_logging
 
 logger = logging.getLogger(__name__)
@@ -26,7 +26,7 @@ def register(subparsers) -> None:
         "--identity-path says otherwise, permissions 0600) and reused after, so its peer id and addresses stay "
         "the same across restarts; a second node of this machine on the same identity is refused. Several "
         "bootstrap nodes of one swarm know each other through --initial-peers. With --metrics.port N it serves "
-        "/health and /metrics (Prometheus) over HTTP. Runs until SIGINT or SIGTERM (exit code 0).",
+        "/health and /metrics (Prometheus) over HTTP. Runs until SIGINT or SIGTERM (exit code 0). " + JOIN_BOUND_HELP,
         epilog=CONFIG_HELP,
     )
     add_config_arguments(parser)
@@ -43,7 +43,7 @@ def run(args: argparse.Namespace, overrides: list[tuple[str, str]]) -> int:
     from p2p_diloco.monitoring import serve_bootstrap_metrics
     from p2p_diloco.monitoring.nodes import PeerCounts
     from p2p_diloco.swarm import start_dht, visible_maddrs
-    from p2p_diloco.swarm.discovery.records import run_record_validators
+    from p2p_diloco.swarm.discovery.records import swarm_validators
 
     extra = [] if args.identity_path or any(k == "dht.identity_path" for k, _ in overrides) \
         else [("dht.identity_path", DEFAULT_IDENTITY)]
@@ -53,7 +53,9 @@ def run(args: argparse.Namespace, overrides: list[tuple[str, str]]) -> int:
     if cfg.dht.client_mode:
         raise ConfigError("dht.client_mode: a bootstrap node must accept incoming connections; drop --client-mode")
     configure_logging(cfg.run.log_level)
-    dht = start_dht(cfg.dht, record_validators=run_record_validators(cfg.run.run_id))  # signatures: any run
+    # signatures: any run; schemas and the averagers' keys: the run of its config (its stages or fragments)
+    dht = start_dht(cfg.dht, record_validators=swarm_validators(cfg.run.run_id, cfg.pipeline.stages,
+                                                                cfg.diloco.fragments))
     server = None
     # handlers go in after the DHT process is forked: a child must keep the default (die on SIGTERM)
     stop = threading.Event()

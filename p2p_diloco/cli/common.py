@@ -10,6 +10,7 @@ import sys
 from collections.abc import Callable
 
 from p2p_diloco.config import Config, describe_config, load_config
+from p2p_diloco.config.sections import JOIN_MARGIN_S
 
 logger = logging.getLogger(__name__)
 
@@ -17,6 +18,12 @@ CONFIG_HELP = (
     "Every config key can be set on the command line as --section.field VALUE (lists: comma-separated), "
     "for example --diloco.inner_steps 100 --inner.lr 1e-3. Keys given later win: file < shortcut options "
     "< --section.field overrides. `--help-config` lists every key with its default and meaning."
+)
+
+JOIN_BOUND_HELP = (
+    "Joining the swarm is bounded: when the DHT node cannot start or reach an initial peer within "
+    f"dht.startup_timeout_s (default 30) plus {JOIN_MARGIN_S:g} s, the command exits with code 1 and says which "
+    "peers it could not reach."
 )
 
 

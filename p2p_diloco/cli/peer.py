@@ -7,7 +7,7 @@ import json
 import logging
 import os
 
-from p2p_diloco.cli.common import CONFIG_HELP, GracefulStop, add_config_arguments, config_from_args
+from p2p_diloco.cli.common import CONFIG_HELP, JOIN_BOUND_HELP, GracefulStop, add_config_arguments, config_from_args
 from p2p_diloco.cli.logs import configure_logging
 
 logger = logging.getLogger(__name__)
@@ -20,7 +20,8 @@ def register(subparsers) -> None:
         "AdamW steps on local data, then average pseudo-gradients with the peers found through the DHT and "
         "take an outer Nesterov step. Progress goes to the console and to <run.output_dir>/metrics-*.jsonl; with "
         "--metrics.port N each stage process j also serves /health and /metrics (Prometheus) on port N + j; "
-        "--metrics.tensorboard_dir DIR and --metrics.wandb_project NAME also log to TensorBoard and W&B.",
+        "--metrics.tensorboard_dir DIR and --metrics.wandb_project NAME also log to TensorBoard and W&B. "
+        + JOIN_BOUND_HELP,
         epilog=CONFIG_HELP,
     )
     add_config_arguments(parser)

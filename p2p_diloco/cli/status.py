@@ -11,6 +11,10 @@ import argparse
 import json
 import logging
 import math
+import os
+import signal
+import sys
+import threading
 import time
 from typing import TYPE_CHECKING
 
@@ -39,43 +43,135 @@ def register(subparsers) -> None:
                         help="take the run id and initial peers from a peer's config file (the options above win)")
     parser.add_argument("--json", action="store_true", help="print one JSON document (for scripts)")
     parser.add_argument("--timeout", type=float, default=20.0, metavar="SECONDS",
-                        help="give up joining the swarm and reading the records after this long (default 20)")
+                        help="give up after this long, counted from the command's start: joining the swarm and "
+                        "reading the records share it, and the command exits within SECONDS + 10 whatever the "
+                        "network does (exit code 1, saying how many peers it reached; default 20)")
     parser.set_defaults(run=run)
 
 
-def run(args: argparse.Namespace, overrides: list[tuple[str, str]]) -> int:
-    from p2p_diloco.config import ConfigError
-    from p2p_diloco.swarm import SwarmError, fetch_progress, start_dht
-    from p2p_diloco.swarm.discovery.fingerprint import run_fragments
-    from p2p_diloco.swarm.discovery.progress import records_run
+WATCHDOG_GRACE_S = 8.0
+"""How long past its deadline ``status`` may still be busy (a read answering late, the node's shutdown) before its
+watchdog reports what it has and ends the process: ``--timeout T`` exits within T + 10 s of the process start."""
 
+
+class _Progress:
+    """What ``status`` has so far, for the message of a run that ends at its deadline."""
+
+    def __init__(self, run_id: str, timeout_s: float):
+        self.run_id, self.timeout_s = run_id, timeout_s
+        self.phase = "joining the swarm"
+        self.reachable: int | None = None
+        self.dht = None
+
+    def give_up_message(self, with_phase: bool = False) -> str:
+        if self.reachable is not None:
+            reachable = f"{self.reachable} peer(s) reachable"
+        else:
+            reachable = "no peer reached yet" if self.dht is None else "joined the swarm (peers not counted in time)"
+        phase = f" (still {self.phase})" if with_phase else ""
+        return f"no records of run {self.run_id} within {self.timeout_s:g} s{phase}; {reachable}"
+
+
+def run(args: argparse.Namespace, overrides: list[tuple[str, str]]) -> int:
+    if not args.timeout > 0 or not math.isfinite(args.timeout):
+        from p2p_diloco.config import ConfigError
+
+        raise ConfigError(f"--timeout: a positive number of seconds, not {args.timeout!r}")
+    deadline = time.monotonic() - seconds_since_process_start() + args.timeout
     cfg = status_config(args)
     if not cfg.dht.initial_peers:
+        from p2p_diloco.config import ConfigError
+
         raise ConfigError("dht.initial_peers: status needs the multiaddr of a running bootstrap node or peer "
                           "(--initial-peers)")
     configure_logging("WARNING")
-    through = ", ".join(cfg.dht.initial_peers)
-    dht = start_dht(cfg.dht, check_identity_free=False)
+    progress = _Progress(cfg.run.run_id, args.timeout)
+    watchdog = threading.Timer(max(0.0, deadline + WATCHDOG_GRACE_S - time.monotonic()), _give_up,
+                               args=(progress, args.json))
+    watchdog.daemon = True
+    watchdog.start()
     try:
-        deadline = time.monotonic() + args.timeout
-        fragments = run_fragments(dht, cfg.run.run_id, timeout_s=max(1.0, deadline - time.monotonic()))
-        if fragments:  # a run averaged by fragment: each fragment's records under its own key
-            records = [r for f in range(fragments) for r in _read_records(
-                dht, records_run(cfg.run.run_id, (f, fragments)), fetch_progress, deadline=deadline)]
-        else:
-            records = _read_records(dht, cfg.run.run_id, fetch_progress, deadline=deadline)
-        from hivemind.utils import get_dht_time
-
-        now = get_dht_time()
+        records, fragments, now = _read_status(cfg, progress, deadline)
     finally:
-        dht.shutdown()
+        watchdog.cancel()
     report = build_report(cfg.run.run_id, records, now, num_fragments=fragments)
     if records or args.json:  # scripts get a document either way, and the exit code
+        if not records:
+            report["error"] = progress.give_up_message()
         print(json.dumps(report, indent=2) if args.json else format_report(report), flush=True)
     if not records:
-        raise SwarmError(f"no peers of run {cfg.run.run_id} found through {through}: check --run-id and that "
-                         "peers are running")
+        from p2p_diloco.swarm import SwarmError
+
+        raise SwarmError(f"{progress.give_up_message()} through {', '.join(cfg.dht.initial_peers)}: check --run-id "
+                         "and that peers are running")
     return 0
+
+
+def _read_status(cfg, progress: _Progress, deadline: float) -> tuple[list, int, float]:
+    """(records, number of fragments or 0, DHT time) of the run, read before ``deadline`` (monotonic)."""
+    from hivemind.utils import get_dht_time
+
+    from p2p_diloco.monitoring.nodes import PeerCounts
+    from p2p_diloco.swarm import SwarmError, fetch_progress, start_dht
+    from p2p_diloco.swarm.discovery.fingerprint import run_fragments
+    from p2p_diloco.swarm.discovery.progress import records_run
+    from p2p_diloco.swarm.discovery.records import run_record_validators
+
+    def left() -> float:
+        return max(1.0, deadline - time.monotonic())
+
+    try:
+        dht = start_dht(cfg.dht, record_validators=run_record_validators(cfg.run.run_id), check_identity_free=False,
+                        ready_timeout_s=left())
+    except SwarmError:
+        if time.monotonic() < deadline:
+            raise
+        return [], 0, get_dht_time()  # out of time while joining: told as "no records within T s"
+    progress.dht = dht
+    try:
+        progress.phase = "reading the run's records"
+        progress.reachable = (PeerCounts(dht, timeout_s=min(2.0, left())).get() or (None,))[0]
+        fragments = run_fragments(dht, cfg.run.run_id, timeout_s=left())
+        runs = [records_run(cfg.run.run_id, (f, fragments)) for f in range(fragments)] or [cfg.run.run_id]
+        records = []
+        for run_id in runs:  # (up to 1024 fragments, each read bounded by the deadline too)
+            if time.monotonic() >= deadline:
+                break
+            records += _read_records(dht, run_id, fetch_progress, deadline=deadline)
+        return records, fragments, get_dht_time()
+    finally:
+        progress.phase = "leaving the swarm"
+        dht.shutdown()
+
+
+def _give_up(progress: _Progress, as_json: bool) -> None:
+    """The watchdog: past the deadline and its grace, say what there is and end the process (exit code 1), with
+    the DHT node's process (its daemon ends with it)."""
+    message = progress.give_up_message(with_phase=True)
+    if as_json:
+        print(json.dumps({"run_id": progress.run_id, "num_peers": 0, "num_processes": 0, "peers": [],
+                          "error": message}, indent=2), flush=True)
+    print(f"error: {message}: status gave up {WATCHDOG_GRACE_S:g} s past its --timeout", file=sys.stderr, flush=True)
+    dht = progress.dht
+    if dht is not None and dht.pid is not None:
+        try:
+            os.kill(dht.pid, signal.SIGKILL)
+        except OSError:
+            pass
+    os._exit(1)
+
+
+def seconds_since_process_start() -> float:
+    """How long this process has run (interpreter start and imports included: a deadline counts from there); 0
+    where /proc cannot tell."""
+    try:
+        with open("/proc/self/stat") as f:
+            after_name = f.read().rsplit(")", 1)[1].split()
+        with open("/proc/uptime") as f:
+            uptime_s = float(f.read().split()[0])
+        return max(0.0, uptime_s - int(after_name[19]) / os.sysconf("SC_CLK_TCK"))  # field 22: start time
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 def status_config(args: argparse.Namespace):
@@ -84,7 +180,7 @@ def status_config(args: argparse.Namespace):
 
     overrides = [("dht.client_mode", "true"), ("dht.identity_path", "none"), ("dht.host_maddrs", "/ip4/0.0.0.0/tcp/0"),
                  ("dht.announce_maddrs", ""), ("metrics.port", "none"),
-                 ("dht.startup_timeout_s", str(args.timeout))]
+                 ("dht.startup_timeout_s", str(max(1.0, args.timeout)))]
     if args.initial_peers:
         overrides.append(("dht.initial_peers", ",".join(args.initial_peers)))
     if args.run_id:
@@ -97,13 +193,17 @@ def status_config(args: argparse.Namespace):
 
 
 def _read_records(dht, run_id: str, fetch, deadline: float, max_attempts: int = 3) -> list[ProgressRecord]:
-    """A node that has just joined may not reach the records' holders at once: a few bounded attempts."""
+    """A node that has just joined may not reach the records' holders at once: a few attempts, all before
+    ``deadline`` (monotonic)."""
+    records = []
     for attempt in range(max_attempts):
-        records = fetch(dht, run_id, timeout_s=max(1.0, deadline - time.monotonic()))
+        if time.monotonic() + 0.5 >= deadline:
+            return records
+        records = fetch(dht, run_id, timeout_s=max(0.5, deadline - time.monotonic()))
         if records or attempt == max_attempts - 1 or time.monotonic() + 1.0 >= deadline:
             return records
         time.sleep(1.0)
-    return []
+    return records
 
 
 def short_id(peer_id: str, keep: int = 8) -> str:

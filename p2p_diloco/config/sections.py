@@ -358,6 +358,11 @@ def _check_peer_ids(peer_ids: list[str], key: str) -> None:
             raise ConfigError(f"{key}: {peer_id!r} is not a peer id (base58, like 12D3KooW... or Qm...)")
 
 
+JOIN_MARGIN_S = 10.0
+"""How much longer than ``dht.startup_timeout_s`` a DHT node's start may take before it is given up: hivemind bounds
+the daemon's start and each ping, not the process's start or the rest of the bootstrap."""
+
+
 @dataclass
 class DHTConfig:
     initial_peers: list[str] = field(default_factory=list)
@@ -375,7 +380,8 @@ class DHTConfig:
     use_auto_relay: bool = False
     """Look for relays to become reachable when this node is itself behind NAT."""
     startup_timeout_s: float = 30.0
-    """Give up if the DHT cannot start or reach the initial peers within this many seconds."""
+    """Give up if the DHT cannot start or reach the initial peers within this many seconds (the node's whole start
+    is given up JOIN_MARGIN_S = 10 s later at most, with exit code 1)."""
 
     def validate(self) -> None:
         from p2p_diloco.swarm.discovery.maddrs import (

@@ -301,7 +301,9 @@ def test_status_and_metrics_of_a_running_swarm(tmp_path, processes, bootstrap):
 
     result = of_none
     assert result.returncode == 1 and result.stdout == ""
-    assert_one_line_error(result.stderr, f"no peers of run no-such-run found through {bootstrap[0]}: {NOT_FOUND}")
+    assert_one_line_error(result.stderr, "no records of run no-such-run within 20 s; ")
+    assert re.search(rf"; [1-9]\d* peer\(s\) reachable through {re.escape(bootstrap[0])}: {NOT_FOUND}",
+                     result.stderr), result.stderr
 
     for stage in (0, 1):
         code, _, body = http_get(f"http://127.0.0.1:{port + stage}/health")

@@ -39,6 +39,8 @@ def test_metrics_keys_on_the_command_line():
     (["status", "--run-id", "r1"], "dht.initial_peers: status needs the multiaddr of a running bootstrap node"),
     (["status", "--run-id", "r1", "--initial-peers", "/ip4/127.0.0.1/tcp/31337"], "has no /p2p/<peer id> part"),
     (["status", "--run-id", "bad id!", "--initial-peers", BOOT], "run.run_id: must be 1-64 letters"),
+    (["status", "--run-id", "r1", "--initial-peers", BOOT, "--timeout", "0"], "--timeout: a positive number"),
+    (["status", "--run-id", "r1", "--initial-peers", BOOT, "--timeout", "nan"], "--timeout: a positive number"),
 ])
 def test_refused_before_anything_starts(argv, expected, capsys):
     assert main(argv) == 2
@@ -90,3 +92,56 @@ def test_a_mistake_or_a_help_is_told_before_torch_is_imported(argv, code):
         assert "error: data.path: /nonexistent does not exist" in result.stderr
     else:
         assert last == f"exit {code} False", result.stderr
+
+
+WATCHDOG = """
+import subprocess, sys, time
+from p2p_diloco.cli import status
+
+child = subprocess.Popen(["sleep", "600"])
+print(child.pid, flush=True)
+progress = status._Progress("r1", 3.0)
+progress.phase, progress.reachable = "reading the run's records", 2
+progress.dht = child  # what the watchdog kills: anything with a pid
+status._give_up(progress, as_json=True)
+time.sleep(60)  # never reached: the watchdog ends the process
+"""
+
+
+def test_the_watchdog_says_what_it_has_kills_the_node_and_exits_1():
+    """`status`'s backstop past its deadline: a JSON document and a one-line error with the phase and the peers
+    reached, the DHT node's process killed, exit code 1 at once (not the 60 s the process would otherwise sleep)."""
+    import json
+    import subprocess
+    import sys
+    import time
+
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-c", WATCHDOG], capture_output=True, text=True, timeout=50)
+    assert result.returncode == 1 and time.monotonic() - started < 50
+    pid, document = result.stdout.split("\n", 1)
+    assert json.loads(document) == {"run_id": "r1", "num_peers": 0, "num_processes": 0, "peers": [],
+                                    "error": "no records of run r1 within 3 s (still reading the run's records); "
+                                             "2 peer(s) reachable"}
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: no records of run r1 within 3 s (still reading the run's records); 2 peer(s) reachable: "
+        "status gave up 8 s past its --timeout")
+    for _ in range(50):  # the killed child is reaped by init once its parent is gone
+        try:
+            if open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z":
+                break
+        except FileNotFoundError:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the node's process {pid} is still running")
+
+
+def test_a_deadline_counts_from_the_process_start():
+    import subprocess
+    import sys
+
+    code = "import time; time.sleep(1.5); from p2p_diloco.cli.status import seconds_since_process_start; " \
+           "print(seconds_since_process_start())"
+    took = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60).stdout)
+    assert 1.4 <= took < 30

@@ -11,16 +11,21 @@ import shutil
 import signal
 import tempfile
 from collections.abc import Iterable, Sequence
+from typing import Optional
 
 import hivemind
 
 from p2p_diloco.config import DHTConfig
+from p2p_diloco.config.sections import JOIN_MARGIN_S
 from p2p_diloco.process import die_with_parent, leave_signals_to_parent
 from p2p_diloco.swarm.discovery.identity import IdentityLock, ensure_identity, load_signing_key
 from p2p_diloco.swarm.discovery.records import bind_signer, with_signer
 from p2p_diloco.swarm.errors import SwarmError
 
 logger = logging.getLogger(__name__)
+
+_KILL_WAIT_S = 5.0  # how long a SIGKILLed node process may take to be reaped
+READY_MARGIN_S = JOIN_MARGIN_S  # see its docstring in config.sections
 
 
 class _DHT(hivemind.DHT):
@@ -38,8 +43,14 @@ class _DHT(hivemind.DHT):
         super().run()
 
     def shutdown(self) -> None:
+        """hivemind's shutdown, then SIGKILL if the node has not stopped within its grace period. hivemind falls back
+        to SIGTERM, which this process ignores (a signal to the peer's group is for the peer): the node would then
+        stay alive, and the interpreter's exit, which joins every child process, would wait for it without end."""
         try:
             super().shutdown()
+            if self.is_alive():
+                self.kill()
+                self.join(_KILL_WAIT_S)
         finally:
             if self.identity_lock is not None:
                 self.identity_lock.release()
@@ -53,7 +64,8 @@ def _not_a_vanished_sender(record: logging.LogRecord) -> bool:
     return not (record.funcName == "_run" and record.exc_info and isinstance(record.exc_info[1], OSError))
 
 
-def start_dht(cfg: DHTConfig, record_validators: Iterable = (), check_identity_free: bool = True):
+def start_dht(cfg: DHTConfig, record_validators: Iterable = (), check_identity_free: bool = True,
+              ready_timeout_s: Optional[float] = None):
     """Start a DHT node in a background process and wait until it is ready.
 
     Args:
@@ -61,6 +73,8 @@ def start_dht(cfg: DHTConfig, record_validators: Iterable = (), check_identity_f
         record_validators: hivemind record validators (schemas, e.g. ``run_record_validators(run_id)``) for this
             node; a signature validator with a key of this node's own is always added (see ``swarm.records``).
         check_identity_free: refuse an identity that a running node of the swarm already holds.
+        ready_timeout_s: give up when the node is not ready after this long (default: ``cfg.startup_timeout_s``
+            plus :data:`READY_MARGIN_S`); its process is then killed.
 
     Without ``cfg.identity_path`` the node gets a new identity, in a private folder removed at shutdown: its
     records are signed with its identity's key either way (see ``swarm.discovery.records``).
@@ -101,8 +115,10 @@ def start_dht(cfg: DHTConfig, record_validators: Iterable = (), check_identity_f
             check_if_identity_free=check_identity_free and ephemeral_dir is None,  # a new identity is free
             record_validators=list(record_validators),
             start=True,
-            await_ready=True,
+            await_ready=False,
         )
+        _wait_until_ready(dht, ready_timeout_s if ready_timeout_s is not None else
+                          cfg.startup_timeout_s + READY_MARGIN_S)
     except Exception as e:
         if lock is not None:
             lock.release()
@@ -116,10 +132,24 @@ def start_dht(cfg: DHTConfig, record_validators: Iterable = (), check_identity_f
     return dht
 
 
+def _wait_until_ready(dht, timeout_s: float) -> None:
+    """hivemind waits for a node's start without a bound (``await_ready=True``): this one gives up after ``timeout_s``
+    and kills the node's process (and so its daemon, which ends with it)."""
+    try:
+        dht.wait_until_ready(timeout=timeout_s)
+    except TimeoutError:
+        if dht.is_alive():
+            dht.kill()
+            dht.join(_KILL_WAIT_S)
+        raise TimeoutError(f"the DHT node did not join the swarm within {timeout_s:.0f} s") from None
+
+
 def _explain_start_failure(error: Exception, initial_peers: Sequence[str]) -> str:
     text = str(error).strip().splitlines()[-1] if str(error).strip() else repr(error)
-    # an initial peer that accepts connections but never answers shows up as the daemon's start timing out
-    if "bootstrap peers" in text or (initial_peers and "failed to start in" in text):
+    # an initial peer that accepts connections but never answers shows up as the daemon's start timing out, or as
+    # hivemind's "none of the initial_peers responded to a ping" when the daemon connected but the node is stopped
+    if "bootstrap peers" in text or "initial_peers responded" in text or \
+            (initial_peers and ("failed to start in" in text or "did not join" in text)):
         return (
             f"could not reach any initial peer ({', '.join(initial_peers)}): check the addresses, that the "
             "nodes are running and that their ports are reachable from here (a slow link may need a larger "

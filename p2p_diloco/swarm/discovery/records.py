@@ -17,7 +17,7 @@ applies to records too, and one machine writes one record per identity it runs, 
 its last refresh. :func:`record_owner` gives the subkey a node's records go under. Readers also parse every entry
 with the schemas, so a node that got its run's schemas late (``p2p-diloco status``) reads no malformed one either.
 Called by the DHT start, the progress and fingerprint records, and the commands that start DHT nodes (their run's
-schemas: :func:`run_record_validators`).
+schemas, and the shape of its averagers' unsigned keys: :func:`swarm_validators`).
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 from pydantic.v1 import BaseModel, Extra, Field, StrictBool, confloat, conint, conlist, constr, root_validator
 
+from p2p_diloco.swarm.discovery.averager_keys import AveragerKeys, averager_prefixes
 from p2p_diloco.swarm.errors import SwarmError
 
 # the base58 peer ids this project writes, or any other short printable name
@@ -45,6 +46,7 @@ _NAME = constr(strict=True, min_length=1, max_length=128, regex=r"^[A-Za-z0-9._-
 _COUNT = conint(strict=True, ge=0, le=2**62)
 _FINITE = confloat(strict=True, allow_inf_nan=False)
 MAX_STAGES = 1024
+ADD_VALIDATORS_TIMEOUT_S = 10.0  # a node that takes longer to add a schema is stuck (see _add_validators)
 MAX_RECORD_TTL_S = 600.0
 """No node stores or returns a run's record that expires further ahead than this (peers refresh their records with a
 lifetime of ``SwarmLink.ttl_s``, 120 s): a record published once with a far-future expiration would otherwise
@@ -186,6 +188,18 @@ def run_record_validators(run_id: str) -> list[RecordValidatorBase]:
             IdentityBinding(run_id)]
 
 
+def swarm_validators(run_id: str, num_stages: int = 1, fragments: int = 0) -> list[RecordValidatorBase]:
+    """What every node of run ``run_id`` checks from its start (peers and their averagers, bootstrap nodes): the run's
+    records (:func:`run_record_validators`), in a run averaged by ``fragments`` F each fragment's progress records
+    too (a bootstrap node never reads them, and without their schemas it kept a plain value under their key), and
+    the unsigned keys of the averagers of its ``num_stages`` stages or F fragments
+    (:class:`~p2p_diloco.swarm.discovery.averager_keys.AveragerKeys`). Give them to
+    :func:`~p2p_diloco.swarm.discovery.dht.start_dht`."""
+    prefixes = averager_prefixes(run_id, num_stages, fragments)
+    runs = [run_id] + (prefixes if fragments else [])  # a fragment's prefix is its records' run id
+    return [v for run in runs for v in run_record_validators(run)] + [AveragerKeys(prefixes)]
+
+
 def with_signer(validators: Iterable[RecordValidatorBase],
                 private_key: Optional[RSAPrivateKey] = None) -> list[RecordValidatorBase]:
     """``validators`` plus an ``RSASignatureValidator`` with ``private_key`` (the node's libp2p identity key; a fresh
@@ -233,9 +247,21 @@ def record_owner(dht, run_id: Optional[str] = None) -> bytes:
             raise SwarmError("this DHT node was not started by p2p_diloco.swarm.start_dht, so it does not check "
                              "record signatures; start it with start_dht to read or write a run's records")
         if run_id is not None and run_id not in signing.runs:
-            dht.add_validators(run_record_validators(run_id))
+            _add_validators(dht, run_record_validators(run_id))
             signing.runs.add(run_id)
         return signing.signer.local_public_key
+
+
+def _add_validators(dht, validators, timeout_s: float = ADD_VALIDATORS_TIMEOUT_S) -> None:
+    """hivemind's ``DHT.add_validators`` waits for the node's process without a bound; a node stuck on a busy
+    machine must not stop its caller (``status`` has a deadline to keep), so the call runs in a thread and is given
+    up after ``timeout_s``."""
+    worker = threading.Thread(target=dht.add_validators, args=(validators,), daemon=True,
+                              name="p2p-diloco-add-validators")
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive():
+        raise SwarmError(f"the DHT node did not take the run's record schemas within {timeout_s:.0f} s")
 
 
 def is_owner_subkey(subkey) -> bool:
