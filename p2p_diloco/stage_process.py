@@ -34,7 +34,7 @@ from p2p_diloco.model.fragments import (
 from p2p_diloco.training.executor import LocalExecutor
 from p2p_diloco.training.stage import Stage
 from p2p_diloco.training.summary import Reporter, TrainSummary
-from p2p_diloco.training.sync import SwarmSync
+from p2p_diloco.training.sync import SwarmSync, bootstrap_peer_ids
 from p2p_diloco.training.trainer import Held, Trainer
 
 logger = logging.getLogger(__name__)
@@ -195,7 +195,8 @@ def run_stage(cfg: Config, *, pipeline=None, reporter: Optional[Reporter] = None
                               joined_swarm=bool(cfg.dht.initial_peers), num_rounds=cfg.train.num_rounds,
                               behaviour=behaviour or HONEST, fragment=fragment)
             sync = SwarmSync(stage, swarm, executor, cfg.run.run_id, download_timeout_s=cfg.train.state_timeout_s,
-                             num_rounds=cfg.train.num_rounds, allowlist=cfg.averaging.allowlist)
+                             num_rounds=cfg.train.num_rounds, allowlist=cfg.averaging.allowlist,
+                             bootstrap=bootstrap_peer_ids(cfg.dht.initial_peers))
             held[-1].swarm, held[-1].sync = swarm, sync
         first = held[0]
         trainer = Trainer(cfg, first.stage, executor, sampler, eval_data, swarm=first.swarm, output_dir=output_dir,

@@ -6,13 +6,11 @@ Called by the trainer (which fills them) and the CLI (which reads them).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from dataclasses import dataclass, field
 from typing import Optional, Protocol
 
-import torch
-
 from p2p_diloco.training.stage import RoundReport
+from p2p_diloco.training.state.swarm_state import anchor_digest  # noqa: F401 (the metrics rows' digest)
 
 
 class Reporter(Protocol):
@@ -129,18 +127,3 @@ RESUMED_FIELDS = ("rounds_completed", "tokens", "averaged_rounds", "fallback_rou
                   "leaves", "last_group", "bytes_sent", "bytes_received",
                   "allreduce_bytes_equivalent", "first_loss", "eval_loss_start", "group_sizes", "network_wait_s",
                   "train_s")
-
-
-def anchor_digest(anchor: list[torch.Tensor]) -> str:
-    """sha256 of the anchor's exact bytes: equal digests mean bit-identical anchors."""
-    digest = hashlib.sha256()
-    for tensor in anchor:
-        digest.update(tensor.detach().cpu().contiguous().numpy().data)  # no copy of a CPU tensor's bytes
-    return digest.hexdigest()
-
-
-def anchor_fingerprint(anchor: list[torch.Tensor]) -> str:
-    """The anchor's fingerprint in progress records: its full sha256 (:func:`anchor_digest`). Peers vote on it and
-    a downloaded state is checked against it, so it covers every value: a sampled digest (it was, for models over
-    2**20 values) would let a donor change every value the sample skips."""
-    return anchor_digest(anchor)

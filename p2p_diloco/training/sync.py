@@ -19,14 +19,32 @@ live stage process); states come from other peers through hivemind's state shari
   vote from that round on, so it resyncs as soon as one other peer has published a later anchor.
 
 Whom it believes (a public swarm holds hostile peers; records are signed by their writer's libp2p identity, see
-``swarm.discovery.records``): the records that count are those of the peers on ``averaging.allowlist``, else of
-the peers met in this stage's groups of the last :data:`TRUSTED_ROUNDS` rounds, else (a newcomer) all. Being behind
-takes a majority of them, not one record with a high round. When the peers met give no usable state (a hostile
-groupmate that alone shared a group with this stage), every signed record counts for that download. A state is
-downloaded only from peers whose record holds the agreed anchor (self-declared donor priorities are ignored), and
-taken only if its anchor's sha256 is the one the counted records agree on for its round, vouched for by two of
-them (one in a swarm of one other peer), its round is not behind this stage's nor the swarm's, and it is below
-the run's end.
+``swarm.discovery.records``), in this order, the first that has a live record:
+
+1. in a private swarm, the peers on ``averaging.allowlist``, and nobody else, ever;
+2. the peers met in this stage's groups of the last :data:`TRUSTED_ROUNDS` rounds: averaging with this peer is
+   what an identity must have done to count;
+3. for a stage that has met nobody (a newcomer), the **bootstrap peers**, those of ``dht.initial_peers``: the user
+   chose them, and they already decide this peer's view of the DHT (a hostile bootstrap peer can eclipse it), so
+   believing their records adds no trust that was not already given;
+4. else every signed record. This is the residual risk, said plainly: identities are free, so a newcomer of a
+   public swarm whose bootstrap peers hold no record (a plain ``bootstrap`` node) believes a majority of
+   identities, which an attacker with many keys can be. What that buys: the newcomer may start from a state those
+   identities vouch for (the state must still be exactly the one they vouch for, and served by one of them) or be
+   kept from reloading; it then trains one round on it, averages with its first group (the robust combine bounds
+   its part), and from then on only its groupmates count: off their state, it resyncs. Honest peers' states are not
+   moved by it. A newcomer that wants no such round names a training peer as its initial peer (or uses an allowlist).
+
+When the peers of one level give no usable state (a hostile groupmate that alone shared a group with this stage),
+the next levels count for that download, in turn. Being behind takes a majority of the believed records, not one
+record with a high round. The state is the whole of it: records carry a fingerprint of anchor, outer momentum and
+counts (``StateSharing.state_fingerprint``), a downloaded state is taken only if its fingerprint is the one the
+believed records agree on for its applied round, vouched for by two of them (one where a single peer is believed),
+its round is not behind this stage's nor the swarm's, and it is below the run's end. Donors are the peers whose
+record holds the agreed state (self-declared donor priorities are ignored): the believed ones first, those that
+another believed peer vouches for before those only they vouch for (a record a round ahead with a state nobody else
+holds is asked last), then other signed records holding that same state (the bytes are checked all the same). Any
+exception while handling a donor's data is that donor's: its state is refused and the next donor asked.
 
 The stages of a pipelined peer change rounds together or not at all. Called by the trainer.
 """
@@ -34,7 +52,6 @@ The stages of a pipelined peer change rounds together or not at all. Called by t
 from __future__ import annotations
 
 import logging
-import math
 import random
 import time
 from collections import deque
@@ -43,14 +60,20 @@ from concurrent.futures import ThreadPoolExecutor
 from p2p_diloco.swarm.discovery.progress import moved_past
 from p2p_diloco.training.stage import Stage
 from p2p_diloco.training.state.swarm_state import StateError
-from p2p_diloco.training.summary import anchor_fingerprint
 
 logger = logging.getLogger(__name__)
 REMEMBERED_ROUNDS = 4
+TRUST_LEVELS = ("the peers met in recent groups", "the bootstrap peers", "every signed record")
 # a peer's stage processes agree on one reload point this many times at most, downloading again the states a round
 # behind the others' in between; then they train the round and try again after it
 RELOAD_ATTEMPTS = 3
 TRUSTED_ROUNDS = 8  # the groups of this many recent rounds are the peers whose records count
+
+
+def bootstrap_peer_ids(initial_peers) -> frozenset[str]:
+    """The peer ids in ``dht.initial_peers`` multiaddrs (``.../p2p/<peer id>``; the config requires one in each)."""
+    return frozenset(maddr.rstrip("/").rsplit("/p2p/", 1)[1].split("/")[0] for maddr in initial_peers
+                     if "/p2p/" in maddr)
 
 
 def lower_median(values: list[int]) -> int:
@@ -86,19 +109,21 @@ class SwarmSync:
         download_timeout_s: bound of one state download.
         num_rounds: the run's end (``train.num_rounds``): a state at or past it is refused.
         allowlist: ``averaging.allowlist`` (a private swarm's peer ids): only their records count.
+        bootstrap: the peer ids of ``dht.initial_peers``: what a stage that has met nobody believes, if they have
+            records (see the module docstring).
         verify_wait_s: how long a downloaded state may wait for the records that vouch for its anchor (a donor serves
             its anchor after an average it has not published yet; the records follow within a few steps).
     """
 
     def __init__(self, stage: Stage, swarm, executor, run_id: str, download_timeout_s: float,
-                 num_rounds: int | None = None, allowlist=(), verify_wait_s: float = 30.0):
+                 num_rounds: int | None = None, allowlist=(), verify_wait_s: float = 30.0, bootstrap=()):
         self.stage, self.swarm, self.executor, self.run_id = stage, swarm, executor, run_id
         self.download_timeout_s, self.num_rounds, self.verify_wait_s = download_timeout_s, num_rounds, verify_wait_s
-        self.allowlist = frozenset(allowlist)
+        self.allowlist, self.bootstrap = frozenset(allowlist), frozenset(bootstrap)
         self.met: deque[frozenset] = deque(maxlen=TRUSTED_ROUNDS)  # the groups of the last rounds
         # the anchor every peer starts from (the run's init seed): a state before any round is checked against it
-        self.initial_fingerprint = anchor_fingerprint(stage.anchor) if stage.applied_round < 0 else None
-        self.fingerprints: dict[int, str] = {}  # applied round -> this stage's anchor fingerprint after it
+        self.initial_fingerprint = stage.state_fingerprint()[0] if stage.applied_round < 0 else None
+        self.fingerprints: dict[int, str] = {}  # applied round -> this stage's state fingerprint after it
         self.events: list[dict] = []
         self.last_download: dict = {}  # duration and bytes of the last state download
         self.holds_canonical = True  # this stage's anchor is the one the swarm agrees on (see _diverged_round)
@@ -108,9 +133,9 @@ class SwarmSync:
         # vote from that round on: where only one other peer has published a round yet, the tie-break must not
         # make the anchor known to be off the canonical one (seen in CI: the reloaded peer never resynced)
         self.missed_round: int | None = None
-        # while set, every signed record counts, as for a newcomer: a download from the peers met in recent groups
+        # while above 0, the records of a later level of TRUST_LEVELS count: a download from the earlier levels
         # gave no usable state (see _download)
-        self._trust_all = False
+        self._widening = 0
 
     def remember(self, fingerprint: str) -> None:
         """Note this stage's anchor fingerprint after its last applied round."""
@@ -132,11 +157,14 @@ class SwarmSync:
         """The records whose word counts (see the module docstring)."""
         if self.allowlist:
             return [r for r in records if r.node in self.allowlist]
-        if self._trust_all:
-            return records
-        trusted = self.recently_met()
-        chosen = [r for r in records if r.node in trusted]
-        return chosen or records  # none of them live (or none met yet): every signed record
+        levels = self._levels(records)
+        return levels[min(self._widening, len(levels) - 1)][1] if levels else []
+
+    def _levels(self, records) -> list[tuple[str, list]]:
+        """The levels of :data:`TRUST_LEVELS` that have live records, in order: (name, their records)."""
+        met = self.recently_met()
+        chosen = ([r for r in records if r.node in met], [r for r in records if r.node in self.bootstrap], records)
+        return [(name, level) for name, level in zip(TRUST_LEVELS, chosen) if level]
 
     def _others(self) -> list:
         return self.counted(self.swarm.others())
@@ -224,10 +252,13 @@ class SwarmSync:
         self.holds_canonical = True  # nobody to compare with
         return None
 
-    def donors(self, others, own_round: int | None = None) -> list[str]:
-        """Nodes to download from: the counted peers whose anchor is the agreed one after their applied round and
-        whose round is not beyond the swarm's (a record far ahead of the others' is not believed), the most advanced
-        first (ties in random order, so that newcomers spread over them).
+    def donors(self, others, own_round: int | None = None, strangers=()) -> list[str]:
+        """Nodes to download from: the counted peers whose state is the agreed one after their applied round and
+        whose round is not beyond the swarm's (a record far ahead of the others' is not believed); those whose state
+        another counted peer vouches for first, the most advanced first (ties in random order, so that newcomers
+        spread over them), then those only they vouch for (a record one round ahead with a state nobody else
+        holds was asked first: the attacker's), then the ``strangers`` (other signed records) holding an agreed
+        state, in the same order.
 
         ``own_round``: this stage's round, where it trains with the swarm (a resync): it counts in the swarm's round.
         Left out, a dead peer's record (it stays in the DHT for its TTL) was the lower median of a survivor's two
@@ -236,18 +267,27 @@ class SwarmSync:
         if not others:
             return []
         swarm_round = lower_median([r.round for r in others] + ([own_round] if own_round is not None else []))
-        holding = [r for r in others if r.anchor and r.round <= swarm_round + 1
-                   and r.anchor == canonical_of(anchor_votes(others, r.applied_round))]
-        random.shuffle(holding)
-        return [r.node for r in sorted(holding, key=lambda r: -r.applied_round)]
+        counted = {r.node for r in others}
+        candidates = list(others) + [r for r in strangers if r.node not in counted]
+        ranked = []
+        for r in candidates:
+            votes = anchor_votes(others, r.applied_round)
+            if r.anchor and r.round <= swarm_round + 1 and votes and r.anchor == canonical_of(votes):
+                vouched = bool(set(votes[r.anchor]) - {r.node})
+                ranked.append((r.node not in counted, not vouched, -r.applied_round, random.random(), r.node))
+        return list(dict.fromkeys(node for *_, node in sorted(ranked)))
 
     def refusal(self, meta: dict, tensors) -> str | None:
         """Why a downloaded (well-formed) state cannot be taken, or None: its round is past the run's end, or its
         anchor is not the one the counted records agree on for its applied round.
 
-        Agreed: the canonical fingerprint for that round (most votes, a tie to the smallest node id, as the resync
-        decides), confirmed by a second record where two or more peers vouch for some anchor of that round. A tie of
-        single votes decides only for a stage that holds an anchor of that round itself: the survivors of a round
+        Agreed: the canonical fingerprint of the whole state (:meth:`StateSharing.state_fingerprint`: anchor,
+        momentum, counts) for that round (most votes, a tie to the smallest node id, as the resync decides),
+        confirmed by a second record unless this stage believes one peer only (a swarm of one other peer, one
+        bootstrap peer): one record alone, a round ahead of the others with a state only it holds, is what an
+        attacker publishes (the honest first peer to apply a round is confirmed by its groupmates within a few
+        steps: the wait below). A tie of single votes decides only for a stage that holds a state of that round
+        itself: the survivors of a round
         that every member had to apply alone converge on the tie-break's anchor (waiting for a second vote that never
         comes left a peer 30 s late, out of the next group: seen in make test); a newcomer there keeps waiting. Until
         some record gives one (a donor serves the anchor after an average it may not have published yet), it waits,
@@ -255,24 +295,25 @@ class SwarmSync:
         if self.num_rounds is not None and meta["round"] >= self.num_rounds > self.stage.round_index:
             # (a stage at the run's end itself takes a finished donor's anchor: the agreement at the end)
             return f"its round {meta['round']} is past the run's end ({self.num_rounds} rounds)"
-        fingerprint, applied = anchor_fingerprint(tensors[:len(self.stage.anchor)]), meta["applied_round"]
+        fingerprint, applied = self.stage.served_fingerprint(meta, tensors), meta["applied_round"]
         if applied < 0:
             return None if fingerprint == self.initial_fingerprint else \
-                "its anchor before any round is not the run's initial one"
+                "its state before any round is not the run's initial one"
         deadline = time.monotonic() + self.verify_wait_s
         while True:
-            votes = anchor_votes(self._others(), applied)
+            others = self._others()
+            votes = anchor_votes(others, applied)
             if votes:
                 canonical = canonical_of(votes)
-                if fingerprint not in votes or fingerprint != canonical and len(votes[canonical]) >= 2:
-                    return f"its anchor after round {applied} is not the one the swarm agrees on"
-                voters = len({node for nodes in votes.values() for node in nodes})
-                if fingerprint == canonical and (len(votes[canonical]) >= 2 or voters == 1
+                if fingerprint not in votes or fingerprint != canonical and len(set(votes[canonical])) >= 2:
+                    return f"its state after round {applied} is not the one the swarm agrees on"
+                alone = len({r.node for r in others}) == 1
+                if fingerprint == canonical and (len(set(votes[canonical])) >= 2 or alone
                                                  or applied in self.fingerprints):
                     return None
             if time.monotonic() >= deadline:
-                return f"no two peers agree on the anchor after round {applied}" if votes else \
-                    f"no peer vouches for its anchor after round {applied}"
+                return f"no two peers agree on the state after round {applied}" if votes else \
+                    f"no peer vouches for its state after round {applied}"
             time.sleep(0.5)
 
     def _download(self, at_least_round: int, at_most_round: int | None = None):
@@ -286,27 +327,33 @@ class SwarmSync:
         deadline = started + self.download_timeout_s
         asked: set[str] = set()
         state = self._download_from(self._others(), at_least_round, at_most_round, started, deadline, asked)
-        records = self.swarm.others() if state is None and not self.allowlist else []
-        if state is None and len(self.counted(records)) < len(records):
-            # Trust narrowed to the peers met in recent groups (against made-up identities) gave nothing: a hostile
-            # groupmate that alone shared a group with this stage would otherwise be the only record it believes,
-            # it says "behind" and serves states that are refused, and the stage never reloads. Every signed
-            # record counts then, as for a newcomer, for the donors and the anchor check alike.
-            logger.warning(f"{self.stage.label}: no usable state from the peers met in recent groups; asking the "
-                           "swarm's other peers")
-            self._trust_all = True
+        levels = [] if self.allowlist else self._levels(self.swarm.others())
+        for widening in range(1, len(levels)):
+            if state is not None or time.monotonic() >= deadline:
+                break
+            if {r.node for r in levels[widening][1]} == {r.node for r in levels[widening - 1][1]}:
+                continue  # (the bootstrap peers are every peer there is, say)
+            # Trust narrowed (against made-up identities) gave nothing: a hostile groupmate that alone shared a
+            # group with this stage would otherwise be the only record it believes, it says "behind" and serves
+            # states that are refused, and the stage never reloads. The next level counts then, for the donors and
+            # the state check alike, for this download only.
+            logger.warning(f"{self.stage.label}: no usable state from {levels[widening - 1][0]}; asking "
+                           f"{levels[widening][0]}")
+            self._widening = widening
             try:
-                state = self._download_from(records, at_least_round, at_most_round, started, deadline, asked)
+                state = self._download_from(self._others(), at_least_round, at_most_round, started, deadline, asked)
             finally:
-                self._trust_all = False
+                self._widening = 0
         return state
 
     def _download_from(self, others, at_least_round: int, at_most_round: int | None, started: float,
                        deadline: float, asked: set[str]):
-        """:meth:`_download` from the donors among ``others`` not yet ``asked``."""
-        donors = self.donors(others, own_round=at_most_round)
+        """:meth:`_download` from the donors among ``others`` (then other signed records holding the state they
+        agree on) not yet ``asked``."""
+        strangers = self.swarm.others()
+        donors = self.donors(others, own_round=at_most_round, strangers=strangers)
         if at_most_round is not None:
-            early = {r.node for r in others if r.round <= at_most_round}
+            early = {r.node for r in [*others, *strangers] if r.round <= at_most_round}
             donors = [d for d in donors if d in early]
         for donor in donors:
             if donor in asked:
@@ -322,23 +369,32 @@ class SwarmSync:
             self.last_download = {"download_s": round(time.monotonic() - started, 3),
                                   "state_bytes": sum(t.numel() * t.element_size() for t in tensors)}
             try:
-                self.stage.check_state(self.run_id, meta, tensors)
-            except StateError as e:
-                logger.warning(f"{self.stage.label}: refused the state of {donor}: {e}")
-                continue
-            if meta["round"] < at_least_round:
-                logger.warning(f"{self.stage.label}: refused the state of {donor}: its round "
-                               f"{meta['round']} is behind {at_least_round}")
-                continue
-            refusal = self.refusal(meta, tensors)
+                refusal = self._refusal_of(meta, tensors, at_least_round, started)
+            except Exception as e:  # noqa: BLE001 (whatever the donor's bytes make fail is the donor's offence)
+                refusal = f"its state could not be checked ({type(e).__name__}: {e})"
+                logger.debug("the check of a donor's state failed", exc_info=True)
             if refusal is not None:
                 logger.warning(f"{self.stage.label}: refused the state of {donor}: {refusal}")
                 continue
-            step_s = meta.get("seconds_per_step")
-            if isinstance(step_s, float) and math.isfinite(step_s) and step_s > 0:
-                travelled = int((time.monotonic() - started) / step_s)
-                meta["inner_step"] = min(meta["inner_step"] + travelled, self.stage.round_end_step(meta["round"]) - 1)
             return meta, tensors
+        return None
+
+    def _refusal_of(self, meta: dict, tensors, at_least_round: int, started: float) -> str | None:
+        """Why a downloaded state cannot be taken (None: it can; its inner step is then moved on by the steps the
+        donor trained while it travelled, so that a reloading peer reaches the round's end with it)."""
+        try:
+            self.stage.check_state(self.run_id, meta, tensors)  # every field in range before any arithmetic
+        except StateError as e:
+            return str(e)
+        if meta["round"] < at_least_round:
+            return f"its round {meta['round']} is behind {at_least_round}"
+        refusal = self.refusal(meta, tensors)
+        if refusal is not None:
+            return refusal
+        step_s = meta["seconds_per_step"]  # 0.0 (not measured yet) or within [1e-6, 86400] s: checked above
+        if step_s > 0:
+            travelled = int(min(time.monotonic() - started, self.download_timeout_s) / step_s)
+            meta["inner_step"] = min(meta["inner_step"] + travelled, self.stage.round_end_step(meta["round"]) - 1)
         return None
 
     def reload_state(self, swarm_round: int, at_least_round: int | None = None):

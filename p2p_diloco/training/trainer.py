@@ -33,7 +33,6 @@ from p2p_diloco.training.summary import (
     Reporter,
     TrainSummary,
     anchor_digest,
-    anchor_fingerprint,
     combined_report,
 )
 from p2p_diloco.training.sync import SwarmSync, SyncGroup
@@ -95,7 +94,7 @@ class Trainer:
         self._round_reports: list[RoundReport] = []  # fragments whose round ended early in this round (streaming)
         self._peer_round = 0  # the round _train_round trained
         self._reloaded_at: int | None = None  # the inner step a reload put the peer at, until its round is trained
-        self._fingerprints: list[str] = [""] * len(self.held)  # each unit's anchor fingerprint, as last noted
+        self._fingerprints: list[str] = [""] * len(self.held)  # each unit's anchor sha256, as last noted
         # a round ends when another peer has ended it (peers of unequal speed meet at the round end)
         self.follow_swarm = swarm is not None and cfg.diloco.round_end == "swarm"
         tag = f"stage{stage.stage_index}"
@@ -393,10 +392,11 @@ class Trainer:
 
     def _note_anchor(self, units: list[Held] | None = None) -> None:
         """Publish where each of ``units`` (default: all) stands, after its anchor changed (divergence checks, donor
-        choice, state checks). The fingerprint is the anchor's full sha256, also the metrics rows' digest: each
-        anchor is hashed once per change."""
+        choice, state checks). Records carry the fingerprint of the whole shared state (anchor, momentum, counts:
+        ``StateSharing.state_fingerprint``); the metrics rows carry the anchor's full sha256, one of its inputs: each
+        tensor is hashed once per change."""
         for unit in self.held if units is None else units:
-            fingerprint = self._fingerprints[self.held.index(unit)] = anchor_fingerprint(unit.stage.anchor)
+            fingerprint, self._fingerprints[self.held.index(unit)] = unit.stage.state_fingerprint()
             if unit.swarm is not None:
                 unit.swarm.anchor_fingerprint = fingerprint
             if unit.sync is not None:
@@ -443,7 +443,7 @@ class Trainer:
                                flush=flush)
 
     def _digest(self, unit: Held) -> str:
-        """The metrics rows' ``anchor_sha256`` of a unit (its fingerprint, already computed), if asked for."""
+        """The metrics rows' ``anchor_sha256`` of a unit (already computed with its fingerprint), if asked for."""
         return self._fingerprints[self.held.index(unit)] if self.cfg.train.anchor_digest else ""
 
     def _account(self, reports: list[RoundReport]) -> None:

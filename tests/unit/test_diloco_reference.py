@@ -23,7 +23,6 @@ from p2p_diloco.model import ModelArgs, Transformer, loss_fn
 from p2p_diloco.swarm.averaging.averager import RoundOutcome
 from p2p_diloco.swarm.discovery.progress import Position
 from p2p_diloco.training import LocalExecutor, Stage, Trainer, inner_lr, read_metrics
-from p2p_diloco.training.summary import anchor_fingerprint
 from tests.helpers import TINY_ARGS, make_shards
 
 K, ROUNDS, H, BATCH, SEQ = 3, 3, 5, 4, 16
@@ -186,7 +185,7 @@ class _FixedSwarm:
         return K
 
     def publish(self, position: Position, *args, **kwargs) -> None:
-        self.published.append((position.applied_round, self.anchor_fingerprint, anchor_fingerprint(self.stage.anchor)))
+        self.published.append((position.applied_round, self.anchor_fingerprint, self.stage.state_fingerprint()[0]))
         if self.rounds is not None:
             self.rounds[self.index] = position.round
 
@@ -249,7 +248,8 @@ def test_trainer_matches_plain_diloco_simulation(dataset, tmp_path, mode):
     cfg = config(tmp_path, overrides)
     seeds = [11, 22, 33]
     expected = reference_diloco(cfg, dataset, seeds)
-    stages = run_trainers(cfg, dataset, seeds, tmp_path)
+    swarms = [_FixedSwarm() for _ in range(K)]
+    stages = run_trainers(cfg, dataset, seeds, tmp_path, swarms)
     for stage in stages:
         assert stage.round_index == ROUNDS
         for theta, ref in zip(stage.anchor, expected):
@@ -257,6 +257,14 @@ def test_trainer_matches_plain_diloco_simulation(dataset, tmp_path, mode):
     first = stages[0].anchor
     for stage in stages[1:]:  # the exact average is the same on every worker: bit-identical anchors
         assert all(torch.equal(a, b) for a, b in zip(stage.anchor, first))
+    # ... and bit-identical momentum and counts: the state fingerprint every worker published for each applied round
+    # (what a downloaded state is checked against) is one per round
+    published = {}
+    for swarm in swarms:
+        for applied, _, actual in swarm.published:
+            published.setdefault(applied, set()).add(actual)
+    assert len(published) > ROUNDS and all(len(fps) == 1 for fps in published.values()), published
+    assert len({stage.state_fingerprint()[0] for stage in stages}) == 1
     # the simulation is not trivially satisfied: the anchor moved away from its init
     init = list(Transformer(ModelArgs(**ARGS)).parameters())
     assert max((a - b).abs().max().item() for a, b in zip(first, init)) > 1e-3

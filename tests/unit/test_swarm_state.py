@@ -15,7 +15,6 @@ from p2p_diloco.swarm.averaging.averager import RoundOutcome
 from p2p_diloco.training import Stage
 from p2p_diloco.training.stage import PendingRound
 from p2p_diloco.training.state.swarm_state import StateError
-from p2p_diloco.training.summary import anchor_fingerprint
 from p2p_diloco.training.sync import SwarmSync
 from tests.helpers import TINY_ARGS
 
@@ -157,7 +156,7 @@ def make_sync(peer: Stage, records, state, other_stage_flags: bool = False, node
     """A sync of ``peer`` whose swarm shows ``records`` (an anchor "x" stands for the anchor of ``state``) and whose
     averager serves ``state``."""
     if state is not None:
-        served = anchor_fingerprint(state[1][:len(peer.anchor)])
+        served = peer.served_fingerprint(*state)
         records = [dataclasses.replace(r, anchor=served) if r.anchor == "x" else r for r in records]
     peer.averager = FakeAverager(state)
     options.setdefault("verify_wait_s", 0.0)
@@ -214,7 +213,7 @@ def test_resync_only_when_the_others_agree_on_another_anchor():
     donor.round_index, donor.applied_round = 8, 7
     donor.inner_step = donor.round_index * donor.diloco_cfg.inner_steps
     state = donor.shareable_state("run")
-    theirs = anchor_fingerprint(donor.anchor)
+    theirs = donor.state_fingerprint()[0]
     peer = make_stage()
     peer.round_index, peer.applied_round = 8, 7
 
@@ -352,7 +351,7 @@ def test_two_peers_with_different_anchors_converge_on_the_canonical_one():
     donor.round_index, donor.applied_round = 8, 7
     donor.inner_step = donor.round_index * donor.diloco_cfg.inner_steps
     state = donor.shareable_state("run")
-    donors = anchor_fingerprint(donor.anchor)  # node-a holds the donor's anchor
+    donors = donor.state_fingerprint()[0]  # node-a holds the donor's anchor
     for off in ("0" * 32, "f" * 32):  # node-b's anchor sorts before node-a's, then after it
         outcomes = {}
         for me, mine, other, theirs in (("node-a", donors, "node-b", off), ("node-b", off, "node-a", donors)):
@@ -406,7 +405,7 @@ def test_a_reload_into_a_round_in_flight_resyncs_once_one_other_peer_published_p
     later = make_stage(seed=2)  # the swarm's state once round 7 is applied
     later.round_index, later.applied_round = 8, 7
     later.inner_step = later.round_index * later.diloco_cfg.inner_steps
-    theirs = anchor_fingerprint(later.anchor)
+    theirs = later.state_fingerprint()[0]
     for in_flight in (True, False):
         if not in_flight:
             donor.applied_round = 6
@@ -546,8 +545,11 @@ def group_of(peer: list[Stage], states: list[list], records: list[list[Record]])
     syncs = []
     for stage, served_states, recs in zip(peer, states, records):
         first = next(s for s in served_states if s is not None)
-        fingerprint = anchor_fingerprint(first[1][:len(stage.anchor)])
-        recs = [dataclasses.replace(r, anchor=fingerprint) if r.anchor == "x" else r for r in recs]
+        # "x": the served state of the record's applied round (else the first), the one before as its prior state
+        held = {s[0]["applied_round"]: stage.served_fingerprint(*s) for s in served_states if s is not None}
+        recs = [dataclasses.replace(r, anchor=held.get(r.applied_round, stage.served_fingerprint(*first)),
+                                    prior_anchor=held.get(r.applied_round - 1, "")) if r.anchor == "x" else r
+                for r in recs]
         stage.averager = ChangingAverager(served_states)
         syncs.append(SwarmSync(stage, FakeSwarm(recs), OneStage(), "run", download_timeout_s=5, verify_wait_s=0.0))
     return SyncGroup(syncs, OneStage()), syncs
@@ -561,7 +563,8 @@ def test_the_fragments_of_a_stage_process_reload_together_or_not_at_all():
     early = served(donor[1], 5, 4, step_in_round=3)
     state0, late = served(donor[0], 6, 5, step_in_round=2), served(donor[1], 6, 5, step_in_round=4)
     peer = fragment_stages()
-    ahead = [Record(5, 4, "x", node="a"), Record(6, 5, "x", node="b")]  # fragment 1's holders, one a round on
+    ahead = [Record(5, 4, "x", node="a"), Record(6, 5, "x", node="b"),  # fragment 1's holders, two a round on
+             Record(6, 5, "x", node="c")]
     group, syncs = group_of(peer, [[state0], [early, late]], [[Record(6, 5, "x")], ahead])
     group.at_start(resumed=False)
     H = peer[0].diloco_cfg.inner_steps
@@ -600,7 +603,7 @@ def test_a_stage_process_whose_states_are_a_round_behind_its_other_stages_downlo
     early, late = served(donor[1], 5, 4, step_in_round=3), served(donor[1], 6, 5, step_in_round=4)
     theirs = (6 * H, 7 * H - 1, 6 * H + 4)  # the other stage's fragment 0: round 6, the donor at its step 4
     records = [[Record(5, 4, "x", node="a"), Record(6, 5, "x", node="b")]]
-    group, syncs = group_of([peer[1]], [[early, late]], records)
+    group, syncs = group_of([peer[1]], [[early, late]], [records[0] + [Record(6, 5, "x", node="c")]])
     group.executor = TwoStages([theirs] * 3)
     group.at_start(resumed=False)
     assert (peer[1].round_index, peer[1].applied_round, peer[1].inner_step) == (6, 5, 6 * H + 4)
@@ -644,7 +647,8 @@ def test_streamed_fragments_reload_to_one_step_inside_each_fragments_round():
     old = served(donor[1], 4, 3, step_in_round=10)
     state1 = served(donor[1], 5, 4, step_in_round=40)  # step 290
     group, syncs = group_of(peer, [[state0], [old, state1]],
-                            [[Record(6, 5, "x")], [Record(4, 3, "x", node="a"), Record(5, 4, "x", node="b")]])
+                            [[Record(6, 5, "x")], [Record(4, 3, "x", node="a"), Record(5, 4, "x", node="b"),
+                                                   Record(5, 4, "x", node="c")]])
     group.at_start(resumed=False)
     assert [(s.round_index, s.inner_step) for s in peer] == [(6, 290), (5, 290)]
     assert peer[1].averager.downloads == 2 and peer[0].round_first_step == 290
@@ -659,7 +663,7 @@ def test_at_the_runs_end_the_peers_off_the_canonical_final_anchor_take_it():
     donor.round_index, donor.applied_round = num_rounds, last
     donor.inner_step = num_rounds * donor.diloco_cfg.inner_steps
     state = donor.shareable_state("run")
-    theirs = anchor_fingerprint(donor.anchor)
+    theirs = donor.state_fingerprint()[0]
 
     def finished_peer():
         peer = make_stage()
@@ -676,7 +680,7 @@ def test_at_the_runs_end_the_peers_off_the_canonical_final_anchor_take_it():
     sync.at_end(deadline=time.monotonic() + 5)
     assert [e["action"] for e in sync.events] == ["resync"]
     assert all(torch.equal(a, b) for a, b in zip(peer.anchor, donor.anchor))
-    sync.remember(anchor_fingerprint(peer.anchor))
+    sync.remember(peer.state_fingerprint()[0])
     assert peer.round_index == num_rounds and peer.inner_step == donor.inner_step  # its progress is kept
 
     # everyone on the same final anchor (a calm run): nothing to agree on, nothing downloaded

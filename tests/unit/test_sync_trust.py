@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from p2p_diloco.training.summary import anchor_fingerprint
+from p2p_diloco.training.state.swarm_state import anchor_digest
 from p2p_diloco.training.sync import SwarmSync
 from tests.unit.test_swarm_state import FakeSwarm, OneStage, Record, make_stage
 
@@ -37,7 +37,7 @@ def state_at(round_index: int, applied_round: int, seed: int = 1, poison: float 
 
 
 def fingerprint(state) -> str:
-    return anchor_fingerprint(state[1][:len(make_stage().anchor)])
+    return make_stage().served_fingerprint(*state)
 
 
 def sync_of(peer, records, states, **options) -> SwarmSync:
@@ -107,7 +107,7 @@ def test_a_donor_serving_another_anchor_than_it_announced_is_refused_and_the_nex
     sync.at_start(resumed=False)
     assert not sync.events and newcomer.round_index == 0 and sorted(newcomer.averager.asked) == ["a", "b"]
     sync = sync_of(make_stage(), records, {"a": poisoned, "b": honest})
-    sync.donors = lambda others, own_round=None: ["a", "b"]  # the liar first
+    sync.donors = lambda others, own_round=None, strangers=(): ["a", "b"]  # the liar first
     sync.at_start(resumed=False)
     assert [e["action"] for e in sync.events] == ["reload"] and sync.stage.averager.asked == ["a", "b"]
     assert all(torch.equal(a, b) for a, b in zip(sync.stage.anchor, honest[1]))
@@ -120,8 +120,16 @@ def test_a_single_voucher_is_not_enough_where_two_peers_vouch_for_that_round():
     sync = sync_of(make_stage(), records, {"a": lone, "b": lone})  # a tie: no anchor has two votes
     sync.at_start(resumed=False)
     assert not sync.events
-    records = [Record(6, 5, fingerprint(lone), node="a"), Record(6, 4, "", node="b")]  # b says nothing of round 5
+    # b says nothing of round 5 yet: a's record alone, a round ahead with a state only it holds, is what an attacker
+    # publishes (it was taken at once)
+    records = [Record(6, 5, fingerprint(lone), node="a"), Record(6, 4, "", node="b")]
     sync = sync_of(make_stage(), records, {"a": lone})
+    sync.at_start(resumed=False)
+    assert not sync.events
+    records[1] = Record(6, 5, fingerprint(lone), node="b")  # b applied round 5 too: the state is the swarm's
+    sync.at_start(resumed=False)
+    assert [e["action"] for e in sync.events] == ["reload"]
+    sync = sync_of(make_stage(), records[:1], {"a": lone})  # a swarm of one other peer: its word is all there is
     sync.at_start(resumed=False)
     assert [e["action"] for e in sync.events] == ["reload"]
     records = [Record(6, 5, fingerprint(honest), node="a"), Record(6, 5, fingerprint(honest), node="b")]
@@ -163,7 +171,7 @@ def test_the_fingerprint_covers_every_value_of_a_large_anchor():
     big = [torch.zeros(3 << 20)]
     changed = [big[0].clone()]
     changed[0][1] = 1.0  # a value a strided sample of 2**20 values skips
-    assert anchor_fingerprint(big) != anchor_fingerprint(changed)
+    assert anchor_digest(big) != anchor_digest(changed)
 
 
 def test_survivors_of_a_round_every_member_applied_alone_converge_on_the_tie_break():
@@ -181,28 +189,28 @@ def test_survivors_of_a_round_every_member_applied_alone_converge_on_the_tie_bre
     assert [e["action"] for e in sync.events] == ["resync"] and sync.stage.averager.asked == ["a"]
     assert all(torch.equal(x, y) for x, y in zip(sync.stage.anchor, a[1]))
     sync.verify_wait_s = 0.0  # the other anchor is off the tie-break: not taken (after waiting for more votes)
-    assert sync.refusal(*b) == "no two peers agree on the anchor after round 0"
+    assert sync.refusal(*b) == "no two peers agree on the state after round 0"
 
 
 def test_a_resync_asks_only_donors_not_on_a_later_round():
     """A peer whose anchor after round 4 differs from the swarm's resyncs at round 5. Peer b (round 6, its anchor
     after round 5, the agreed one after round 4 before it) ranks first as a donor, but a resync cannot take a later
     round's state (it would be refused after the download: seconds in which this peer's next group formed without
-    it, in CI); a, on round 5, is asked and the resync happens."""
+    it, in CI); a, on round 5, is asked and the resync happens. (d holds b's state: vouched, b ranks first.)"""
     at_a, at_b = state_at(5, 4), state_at(6, 5, poison=0.5)  # b's anchor has taken round 5 since
     agreed = fingerprint(at_a)
     records = [Record(5, 4, agreed, node="a"), Record(6, 5, fingerprint(at_b), node="b", prior_anchor=agreed),
-               Record(5, 4, agreed, node="c")]
+               Record(5, 4, agreed, node="c"), Record(6, 5, fingerprint(at_b), node="d", prior_anchor=agreed)]
     peer = make_stage()
     peer.round_index, peer.applied_round, peer.inner_step = 5, 4, 5 * peer.diloco_cfg.inner_steps
     with torch.no_grad():
         peer.anchor[0].view(-1)[0] += 1.0  # its round 4 fell back while the others averaged
-    sync = sync_of(peer, records, {"a": at_a, "b": at_b, "c": at_a})
-    sync.remember(anchor_fingerprint(peer.anchor))  # this peer's own anchor after round 4: not the agreed one
-    assert sync.donors(records)[0] == "b"
+    sync = sync_of(peer, records, {"a": at_a, "b": at_b, "c": at_a, "d": at_b})
+    sync.remember(peer.state_fingerprint()[0])  # this peer's own anchor after round 4: not the agreed one
+    assert sync.donors(records)[0] in ("b", "d")
     sync.after_round()
-    assert "b" not in peer.averager.asked
-    assert [e["action"] for e in sync.events] == ["resync"] and anchor_fingerprint(peer.anchor) == agreed
+    assert not {"b", "d"} & set(peer.averager.asked)
+    assert [e["action"] for e in sync.events] == ["resync"] and peer.state_fingerprint()[0] == agreed
 
 
 def test_a_dead_peers_record_does_not_keep_the_survivor_off_the_tie_break_from_resyncing():
@@ -220,10 +228,10 @@ def test_a_dead_peers_record_does_not_keep_the_survivor_off_the_tie_break_from_r
     dead = state_at(2, 1)
     records = [Record(5, 4, fingerprint(at_a), node="a"), Record(2, 1, fingerprint(dead), node="dead")]
     sync = sync_of(peer, records, {"a": at_a})  # the dead peer serves nothing
-    sync.remember(anchor_fingerprint(peer.anchor))  # one vote each after round 4: the tie goes to "a" < "me"
+    sync.remember(peer.state_fingerprint()[0])  # one vote each after round 4: the tie goes to "a" < "me"
     sync.after_round()
     assert [e["action"] for e in sync.events] == ["resync"], peer.averager.asked
-    assert peer.averager.asked[0] == "a" and anchor_fingerprint(peer.anchor) == fingerprint(at_a)
+    assert peer.averager.asked[0] == "a" and peer.state_fingerprint()[0] == fingerprint(at_a)
 
 
 def test_a_hostile_groupmate_met_alone_does_not_keep_a_peer_from_the_swarms_state():

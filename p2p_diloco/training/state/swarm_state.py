@@ -21,15 +21,51 @@ at the end of it. Taking a state over has two strengths:
   pseudo-gradients are compressed, else as progress in the working params), so nothing is counted twice or
   lost.
 
+What is served is the state every peer of a group holds bit for bit after the same averages (the outer optimizer's
+maths is deterministic, and the donor's peek computes the momentum as its step does): anchor, momentum, the round the
+anchor took last and its outer step count. Its :meth:`StateSharing.state_fingerprint` is what progress records
+publish and peers vote on, so a downloaded state is taken only if *every* tensor of it is what the believed peers
+hold: a donor serving the agreed anchor with momentum of its own making (which steers the taker's next outer step
+anywhere) is refused. A peer's own state (error feedback, the eager anchor and momentum) is never served.
+
+Every metadata field a donor sends is range-checked in :meth:`StateSharing.check_state` before any arithmetic uses
+it (a ``seconds_per_step`` of 5e-320 once overflowed an ``int()`` in the downloader and killed it).
+
 Called by :class:`p2p_diloco.training.sync.SwarmSync` (taking over) and by the averager's state-sharing thread
 (serving), both through the stage's state lock.
 """
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 
 STATE_FORMAT = 1
+MAX_ROUND = 1 << 40  # far past any run, far below where round arithmetic costs anything
+MAX_SECONDS_PER_STEP = 86400.0
+MIN_SECONDS_PER_STEP = 1e-6  # (0.0: not measured yet, served before a donor's first step)
+
+
+def anchor_digest(anchor: list[torch.Tensor]) -> str:
+    """sha256 of the anchor's exact bytes: equal digests mean bit-identical anchors."""
+    digest = hashlib.sha256()
+    for tensor in anchor:
+        digest.update(tensor.detach().cpu().contiguous().numpy().data)  # no copy of a CPU tensor's bytes
+    return digest.hexdigest()
+
+
+def state_fingerprint(anchor_sha256: str, momentum: list[torch.Tensor], applied_round: int, outer_steps: int) -> str:
+    """The fingerprint of a stage's shared outer state in progress records (their ``anchor`` and ``prior_anchor``):
+    a sha256 over the anchor's full sha256 (:func:`anchor_digest`), the outer momentum's, the round the anchor took
+    last and the outer step count, everything a donor serves and a taker adopts into the state it shares. Peers vote
+    on it and a downloaded state is checked against it, so it covers every value: an anchor-only digest let a donor
+    serve the agreed anchor with momentum that steers the taker's next outer step to any model, and a sampled digest
+    (it was, for models over 2**20 values) let it change every value the sample skips. The anchor's own digest is
+    an input, so the metrics rows' ``anchor_sha256`` costs no second pass over it."""
+    header = f"p2p-diloco outer state 1 applied_round={int(applied_round)} outer_steps={int(outer_steps)} " \
+             f"anchor={anchor_sha256} momentum="
+    return hashlib.sha256(header.encode() + anchor_digest(momentum).encode()).hexdigest()
 
 
 class StateError(ValueError):
@@ -69,7 +105,8 @@ class StateSharing:
 
 
     def check_state(self, run_id: str, meta: dict, tensors: list[torch.Tensor]) -> None:
-        """Raise StateError unless ``meta`` and ``tensors`` are a state of this run, stage and shape, all finite."""
+        """Raise StateError unless ``meta`` and ``tensors`` are a state of this run, stage and shape, all finite, every
+        count and time of it in range."""
         if not isinstance(meta, dict) or meta.get("format") != STATE_FORMAT:
             raise StateError("the donor sent no state of a known format")
         unit = self.unit  # a stage of P, or a fragment of F (then the donor's stage, of any split, does not matter)
@@ -83,15 +120,46 @@ class StateSharing:
         for tensor, shape in zip(tensors, shapes + shapes):
             if list(tensor.shape) != shape or not torch.is_floating_point(tensor) or not torch.isfinite(tensor).all():
                 raise StateError("the donor's tensors have the wrong shape or non-finite values")
-        for key in ("round", "applied_round", "outer_steps", "round_start_step", "inner_step"):
-            value = meta.get(key)
-            if not isinstance(value, int) or isinstance(value, bool) or value < -1:
-                raise StateError(f"the donor's {key} is not a count: {value!r}")
+        self._check_counts(meta)
         H, start = self.diloco_cfg.inner_steps, meta["round_start_step"]
         if start != self.round_start_step(meta["round"]) or \
                 not start <= meta["inner_step"] <= self.round_end_step(meta["round"]):
             raise StateError(f"the donor's steps do not fit its round {meta['round']} with H={H}: round start "
                              f"{start}, inner step {meta['inner_step']}")
+        step_s = meta.get("seconds_per_step")
+        if not isinstance(step_s, float) or \
+                not (step_s == 0.0 or MIN_SECONDS_PER_STEP <= step_s <= MAX_SECONDS_PER_STEP):
+            raise StateError(f"the donor's seconds_per_step is not a step time: {step_s!r}")
+
+    @staticmethod
+    def _check_counts(meta: dict) -> None:
+        """Each count of a state's metadata is an int in its range before any arithmetic sees it: a round in
+        [0, MAX_ROUND], the applied round in [-1, round], outer steps in [0, applied round + 1] (one per applied
+        round), the steps >= 0 (their fit to the round, which bounds them, is checked after)."""
+        for key in ("round", "applied_round", "outer_steps", "round_start_step", "inner_step"):
+            value = meta.get(key)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise StateError(f"the donor's {key} is not a count: {value!r}")
+        bounds = {"round": (0, MAX_ROUND), "applied_round": (-1, meta["round"]),
+                  "outer_steps": (0, meta["applied_round"] + 1), "round_start_step": (0, None),
+                  "inner_step": (0, None)}
+        for key, (low, high) in bounds.items():
+            if meta[key] < low or high is not None and meta[key] > high:
+                raise StateError(f"the donor's {key} {meta[key]} is outside [{low}, {high}]")
+
+    def state_fingerprint(self) -> tuple[str, str]:
+        """(fingerprint of the state this stage would serve now, sha256 of its anchor): see
+        :func:`state_fingerprint`. Called by the training thread, which alone changes
+        the state."""
+        anchor = anchor_digest(self.anchor)
+        outer = self.outer_optimizer
+        return state_fingerprint(anchor, outer.momentum_buffers, self.applied_round, outer.num_steps), anchor
+
+    def served_fingerprint(self, meta: dict, tensors: list[torch.Tensor]) -> str:
+        """The fingerprint of a served state that passed :meth:`check_state`: every tensor and count it holds."""
+        count = len(self.anchor)
+        return state_fingerprint(anchor_digest(tensors[:count]), tensors[count:], meta["applied_round"],
+                                 meta["outer_steps"])
 
 
     @torch.no_grad()
