@@ -104,7 +104,8 @@ def check_fingerprint(dht, run_id: str, fingerprint: dict[str, Any], timeout_s: 
 def _well_formed(value) -> bool:
     try:
         FingerprintValue.parse_obj(value)
-    except ValueError:  # pydantic's ValidationError is one
+    except (ValueError, TypeError):  # pydantic's ValidationError is a ValueError; a list of pairs with keys
+        # that are not strings makes it raise TypeError
         return False
     return True
 

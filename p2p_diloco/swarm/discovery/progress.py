@@ -99,7 +99,8 @@ def parse_progress(found) -> list[ProgressRecord]:
             value = ProgressValue.parse_obj(entry.value).dict()
             if not bound_to_writer(subkey, value, float(entry.expiration_time)):
                 raise ValueError("its node is not its signer's peer id, or it expires too far ahead")
-        except ValueError as e:  # pydantic's ValidationError is one
+        except (ValueError, TypeError) as e:  # pydantic's ValidationError is a ValueError; an entry given as a
+            # list of pairs with keys that are not strings makes it raise TypeError
             logger.debug(f"Skipping a malformed progress record under {subkey!r}: {e!r}")
             continue
         loss = float("nan") if value["loss"] is None else value["loss"]

@@ -122,6 +122,14 @@ class RunSchemaValidator(SchemaValidator):
         super().__init__(schema, allow_extra_keys=True, prefix=run_id)
         self.run_id = run_id
 
+    def validate(self, record: DHTRecord) -> bool:
+        """hivemind's check, refusing what it would raise on: pydantic raises ``TypeError`` for an entry given as a
+        list of pairs with keys that are not strings, and an exception fails the whole request it came in."""
+        try:
+            return super().validate(record)
+        except Exception:  # anything a writer sends may be malformed
+            return False
+
 
 def peer_id_of_owner(owner: bytes) -> str:
     """The libp2p peer id (base58) of the RSA key an owner subkey (``[owner:<key>]``) names; ValueError if it names
@@ -208,8 +216,20 @@ def with_signer(validators: Iterable[RecordValidatorBase],
     one another's entries."""
     validators = list(validators)
     if not any(isinstance(v, RSASignatureValidator) for v in validators):
-        validators.append(RSASignatureValidator(private_key if private_key is not None else RSAPrivateKey()))
+        validators.append(SignatureValidator(private_key if private_key is not None else RSAPrivateKey()))
     return validators
+
+
+class SignatureValidator(RSASignatureValidator):
+    """hivemind's signature validator, which refuses a malformed key or signature instead of raising: it raised
+    ``ValueError`` on a subkey such as ``[owner:junk]`` (a stranger's bytes), and an exception in a validator fails
+    the whole store or find request it came in, honest records of the same request included."""
+
+    def validate(self, record: DHTRecord) -> bool:
+        try:
+            return super().validate(record)
+        except Exception:  # anything a writer sends may be malformed
+            return False
 
 
 @dataclass
