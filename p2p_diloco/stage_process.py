@@ -141,7 +141,7 @@ def run_stage(cfg: Config, *, pipeline=None, reporter: Optional[Reporter] = None
     from p2p_diloco.monitoring import serve_stage_metrics
     from p2p_diloco.swarm import PseudoGradientAverager, SwarmLink, start_dht, visible_maddrs
     from p2p_diloco.swarm.discovery.fingerprint import check_fingerprint, config_fingerprint
-    from p2p_diloco.swarm.discovery.records import run_record_validators
+    from p2p_diloco.swarm.discovery.records import swarm_validators
 
     stage_index = pipeline.stage_index if pipeline is not None else 0
     device = pipeline.device if pipeline is not None else select_device(cfg.run.device)
@@ -158,8 +158,9 @@ def run_stage(cfg: Config, *, pipeline=None, reporter: Optional[Reporter] = None
         (output_dir / "config.toml").write_text(dump_config(cfg))
 
     own_dht = dht is None
-    dht = start_dht(stage_dht_config(cfg.dht, stage_index, len(split)),
-                    record_validators=run_record_validators(cfg.run.run_id)) if own_dht else dht
+    if own_dht:
+        dht = start_dht(stage_dht_config(cfg.dht, stage_index, len(split)),
+                        record_validators=swarm_validators(cfg.run.run_id, len(split), cfg.diloco.fragments))
     held, trainer, metrics_server = [], None, None
     try:
         logger.info(f"Stage {stage_index}: DHT node up; others can join through: {' '.join(visible_maddrs(dht))}")
@@ -193,7 +194,8 @@ def run_stage(cfg: Config, *, pipeline=None, reporter: Optional[Reporter] = None
             swarm = SwarmLink(dht, cfg.run.run_id, peer_name, stage_index=stage_index, num_stages=len(split),
                               inner_steps=cfg.diloco.inner_steps, fingerprint=fingerprint,
                               joined_swarm=bool(cfg.dht.initial_peers), num_rounds=cfg.train.num_rounds,
-                              behaviour=behaviour or HONEST, fragment=fragment)
+                              behaviour=behaviour or HONEST, fragment=fragment, allowlist=cfg.averaging.allowlist,
+                              stranger_wait_s=cfg.averaging.matchmaking_time_s + cfg.averaging.request_timeout_s)
             sync = SwarmSync(stage, swarm, executor, cfg.run.run_id, download_timeout_s=cfg.train.state_timeout_s,
                              num_rounds=cfg.train.num_rounds, allowlist=cfg.averaging.allowlist,
                              bootstrap=bootstrap_peer_ids(cfg.dht.initial_peers))

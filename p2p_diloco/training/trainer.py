@@ -112,6 +112,8 @@ class Trainer:
         for unit in self.held:
             if unit.swarm is not None:  # a round nobody can join any more fails at once, not after its timeout
                 unit.stage.round_is_hopeless = unit.swarm.moved_past
+                if unit.sync is not None:  # the peers met in recent groups: their records time the rounds
+                    unit.swarm.peers_met = unit.sync.recently_met
 
     @property
     def stages(self) -> list[Stage]:
@@ -328,10 +330,7 @@ class Trainer:
         fragments reads their records at the same time (one after the other, the four reads of a P = 1 peer took
         1.2 s on a busy machine, and it came late to the last fragment's group: seen in the mixed-split test)."""
         def expected(unit: Held) -> int | None:
-            if unit.swarm is None:
-                return 1
-            met = unit.sync.recently_met() if unit.sync is not None else frozenset()
-            return unit.swarm.expected_group_size(unit.stage.round_index, met)
+            return unit.swarm.expected_group_size(unit.stage.round_index) if unit.swarm is not None else 1
 
         if len(units) == 1:
             return [expected(units[0])]

@@ -346,3 +346,32 @@ def test_a_round_end_uses_the_watchs_fresh_read_of_the_records(swarm, run, monke
     assert link.expected_group_size(4) == 2 and searches == []  # b counted, from the watch's read
     link.fresh_read_s = 0.0
     assert link.expected_group_size(4) is None and len(searches) == 1  # a read of its own (here: nobody, unknown)
+
+
+def test_a_never_met_identitys_record_does_not_end_a_round(swarm, run):
+    """``diloco.round_end = swarm``, with real signed records: a record of an identity this stage never averaged with
+    that names round 4 does not end its round 3 (one such record ended every round after one inner step); the same
+    record of a groupmate does, and a stage that has met nobody yet follows any record (until its first group)."""
+    from p2p_diloco.swarm import SwarmLink
+
+    a, b, _ = swarm
+    b_id = b.peer_id.to_base58()
+    sybil = start_dht(DHTConfig(host_maddrs=LOOPBACK, initial_peers=visible_maddrs(a)), run_record_validators(run))
+    try:
+        sybil_id = sybil.peer_id.to_base58()
+        publish_progress(sybil, run, record(4, peer="QmSybil"), ttl_s=60)
+        publish_progress(b, run, record(3, peer="QmPeerB", applied_round=2), ttl_s=60)
+        met_b, met_nobody = SwarmLink(a, run, "QmPeerA"), SwarmLink(a, run, "QmPeerA")
+        met_b.peers_met = lambda: frozenset({b_id})
+
+        def has_read(link: SwarmLink) -> bool:
+            link.others_ended_round(3)
+            return {b_id, sybil_id} <= {r.node for r in (link._last_read or (0.0, []))[1]}  # the watch's last read
+
+        assert wait_for(lambda: has_read(met_b) and has_read(met_nobody))
+        assert not met_b.others_ended_round(3)
+        assert met_nobody.others_ended_round(3)
+        publish_progress(b, run, record(4, peer="QmPeerB", applied_round=2), ttl_s=60)
+        assert wait_for(lambda: met_b.others_ended_round(3))
+    finally:
+        sybil.shutdown()

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+
 from p2p_diloco.swarm.discovery import progress
-from p2p_diloco.swarm.discovery.progress import ProgressRecord, SwarmLink
+from p2p_diloco.swarm.discovery.progress import Position, ProgressRecord, SwarmLink
+
+SYBILS = [f"sybil{i}" for i in range(5)]
 
 
 def record(node: str, round_index: int, applied_round: int = -1) -> ProgressRecord:
@@ -11,13 +15,31 @@ def record(node: str, round_index: int, applied_round: int = -1) -> ProgressReco
                           tokens_per_s=1.0, loss=1.0, time=0.0, node=node, applied_round=applied_round)
 
 
-def link(joined: bool = True, num_rounds: int | None = None) -> SwarmLink:
+def link(joined: bool = True, num_rounds: int | None = None, met: frozenset = frozenset(),
+         allowlist: frozenset = frozenset()) -> SwarmLink:
     swarm = SwarmLink.__new__(SwarmLink)  # no DHT: the read is replaced below
     swarm.dht, swarm.run_id, swarm.node, swarm.stage_index, swarm.num_stages = None, "run", "me", 0, 1
-    swarm.records_run = "run"
+    swarm.records_run, swarm.peer_name, swarm.inner_steps, swarm.behaviour = "run", "me", 10, None
     swarm.num_rounds = num_rounds
     swarm.joined_swarm, swarm.ttl_s, swarm._others_seen_at = joined, 120.0, float("-inf")
     swarm.fresh_read_s, swarm._last_read = 1.0, None  # no watch has read the records: each read is a new one
+    swarm.peers_met, swarm.allowlist, swarm.stranger_wait_s, swarm._matching_since = lambda: met, allowlist, 8.0, {}
+    swarm.watch_every_s, swarm._watch, swarm._watch_at, swarm._watched = 0.5, None, float("-inf"), []
+    swarm.publish_every_s, swarm._last_publish, swarm.fingerprint = 10.0, float("-inf"), None
+    swarm.anchor_fingerprint = swarm.prior_anchor_fingerprint = ""
+    return swarm
+
+
+def watched(swarm: SwarmLink, records: list[ProgressRecord], monkeypatch) -> SwarmLink:
+    """Let the round-end watch of ``swarm`` read ``records`` (its DHT answer replaced by them)."""
+    def answer(dht, run_id) -> Future:
+        future = Future()
+        future.set_result(records)
+        return future
+
+    monkeypatch.setattr(progress, "request_progress", answer)
+    monkeypatch.setattr(progress, "parse_progress", lambda found: found)
+    swarm.others_ended_round(0)  # starts the watch's read, answered at once
     return swarm
 
 
@@ -45,7 +67,7 @@ def test_a_groupmate_whose_records_run_far_ahead_is_still_expected(monkeypatch):
     records = [record("honest", 3), record("liar", 1003), record("sybil", 1003), record("behind", 1)]
     monkeypatch.setattr(progress, "fetch_progress", lambda dht, run_id: records)
     assert link().expected_group_size(3) == 2
-    assert link().expected_group_size(3, met=frozenset({"honest", "liar", "behind"})) == 3
+    assert link(met=frozenset({"honest", "liar", "behind"})).expected_group_size(3) == 3
 
 
 def test_groupmates_that_finished_the_run_are_not_expected(monkeypatch):
@@ -55,11 +77,78 @@ def test_groupmates_that_finished_the_run_are_not_expected(monkeypatch):
     done = [record("a", 24, applied_round=23), record("b", 24, applied_round=23)]
     monkeypatch.setattr(progress, "fetch_progress", lambda dht, run_id: done)
     met = frozenset({"a", "b"})
-    assert link(num_rounds=24).expected_group_size(15, met=met) == 1
-    swarm = link(num_rounds=24)
+    assert link(num_rounds=24, met=met).expected_group_size(15) == 1
+    swarm = link(num_rounds=24, met=met)
     swarm._others_seen_at = progress.time.monotonic()  # others seen a moment ago: an empty read would be "unknown",
-    assert swarm.expected_group_size(16, met=met) == 1  # but records that say they finished are an answer
-    assert link().expected_group_size(15, met=met) == 3  # the run's end unknown: counted, as before
+    assert swarm.expected_group_size(16) == 1  # but records that say they finished are an answer
+    assert link(met=met).expected_group_size(15) == 3  # the run's end unknown: counted, as before
     flushing = [record("a", 24, applied_round=22), record("b", 24, applied_round=23)]
     monkeypatch.setattr(progress, "fetch_progress", lambda dht, run_id: flushing)
-    assert link(num_rounds=24).expected_group_size(23, met=met) == 2
+    assert link(num_rounds=24, met=met).expected_group_size(23) == 2
+
+
+def test_a_never_met_identitys_record_never_ends_a_round(monkeypatch):
+    """``diloco.round_end = swarm``: a record naming round r + 1 ends round r at once. One of an identity this stage
+    never averaged with does not (one such record ended every round of a peer after one inner step); a groupmate's
+    does, an allowlisted member's does, and before its first group a stage follows every record."""
+    ahead = [record("sybil", 4)]
+    assert not watched(link(met=frozenset({"a"})), ahead, monkeypatch).others_ended_round(3)
+    assert not watched(link(allowlist=frozenset({"a"})), ahead, monkeypatch).others_ended_round(3)
+    assert watched(link(), ahead, monkeypatch).others_ended_round(3)  # met nobody yet: timing from every record
+    ahead.append(record("a", 4))
+    assert watched(link(met=frozenset({"a"})), ahead, monkeypatch).others_ended_round(3)
+    assert watched(link(allowlist=frozenset({"a"})), ahead, monkeypatch).others_ended_round(3)
+
+
+def test_strangers_never_outnumber_the_believed_peers_in_the_group_size(monkeypatch):
+    """Five records of never-met identities on this stage's round: a stage that has met two peers waits for a
+    group of at most five (the three believed ones a majority of it), not eight; one alone still waits for one
+    (a newcomer announces the round it reloads into). In a private swarm outsiders count for nothing; a stage that
+    has met nobody yet counts every record (its first group)."""
+    records = [record("a", 3), record("b", 3)] + [record(node, 3) for node in SYBILS]
+    monkeypatch.setattr(progress, "fetch_progress", lambda dht, run_id: records)
+    assert link(met=frozenset({"a", "b"})).expected_group_size(3) == 5
+    assert link(met=frozenset({"a"})).expected_group_size(3) == 3
+    assert link(allowlist=frozenset({"a", "b"})).expected_group_size(3) == 3
+    assert link().expected_group_size(3) == 8
+    records[:2] = []  # the peers met have left: one stranger is waited for, bounded by the matchmaking time
+    assert link(met=frozenset({"a", "b"})).expected_group_size(3) == 2
+    assert link(met=frozenset({"a", "b"}), allowlist=frozenset({"a", "b"})).expected_group_size(3) == 1
+
+
+def test_a_strangers_finished_record_does_not_make_a_stage_alone(monkeypatch):
+    """Records that say their peers finished the run make a stage alone only when they are believed peers'."""
+    done = [record(node, 24, applied_round=23) for node in SYBILS]
+    monkeypatch.setattr(progress, "fetch_progress", lambda dht, run_id: done + [record("a", 15)])
+    assert link(num_rounds=24, met=frozenset({"a"})).expected_group_size(15) == 2
+    monkeypatch.setattr(progress, "fetch_progress", lambda dht, run_id: done + [record("a", 24, applied_round=23)])
+    assert link(num_rounds=24, met=frozenset({"a"})).expected_group_size(15) == 1
+
+
+def test_only_strangers_keep_a_round_waiting_for_its_group_for_a_bounded_time(monkeypatch):
+    """The hopeless check of a round's averaging: a believed peer that could still join keeps the round waiting
+    (its own bounds); strangers that say they could keep it waiting ``stranger_wait_s`` after the stage began
+    looking for its group, no longer (a lone peer next to a few never-met records waited out its whole round
+    timeout every round); strangers that say they moved past end the wait only where no believed peer could join."""
+    sybils = [record(node, 3) for node in SYBILS]
+    monkeypatch.setattr(progress, "fetch_progress", lambda dht, run_id: sybils)
+    swarm = link(met=frozenset({"a"}))
+    assert swarm.expected_group_size(3) == 2  # looking for its group from now on, one stranger waited for
+    assert not swarm.moved_past(3)
+    swarm._matching_since[3] -= swarm.stranger_wait_s
+    assert swarm.moved_past(3)
+    assert not link().moved_past(3)  # met nobody yet: every record is believed, and waited for
+    ahead = [record(node, 5, applied_round=4) for node in SYBILS]
+    monkeypatch.setattr(progress, "fetch_progress", lambda dht, run_id: ahead + [record("a", 3)])
+    assert not link(met=frozenset({"a"})).moved_past(3)
+    monkeypatch.setattr(progress, "fetch_progress", lambda dht, run_id: ahead + [record("a", 4, applied_round=3)])
+    assert link(met=frozenset({"a"})).moved_past(3)
+
+
+def test_waiting_for_peers_in_a_private_swarm_counts_its_members_only(monkeypatch):
+    """``train.wait_for_peers``: outsiders' records of a private swarm do not end the wait before its members came."""
+    records = [record(node, 0) for node in SYBILS]
+    monkeypatch.setattr(progress, "fetch_progress", lambda dht, run_id: records)
+    here = Position(0, 0, -1)
+    assert link(allowlist=frozenset({"a"})).wait_for_peers(here, 2, timeout_s=0.1, poll_s=0.05) == 1
+    assert link().wait_for_peers(here, 2, timeout_s=0.1, poll_s=0.05) == 6

@@ -5,6 +5,12 @@ is the writer's public key and the record is signed and schema-checked (:mod:`p2
 nobody can write or overwrite another's record, and a malformed one is never read. Peers read them to know how
 many groupmates to expect in a round (so a group is assembled as soon as everyone is in, and a peer alone skips
 the network); ``p2p-diloco swarm`` and ``status`` read them to show the swarm. Called by the trainer and the CLI.
+
+Whose word counts for round timing (identities are free in a public swarm): a peer's influence over when this stage
+ends a round, how many groupmates it waits for and when it stops waiting is earned by averaging with this stage (the
+peers of its recent groups) or by ``averaging.allowlist``. A record of an identity never met (a stranger) can delay a
+round by a bounded time (a peer still averaging must be waited for), never end or shorten one; a stage that has met
+nobody yet uses every record for timing until its first group (:meth:`SwarmLink.believed`).
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from typing import Optional
 
@@ -115,8 +122,12 @@ def moved_past(others: list[ProgressRecord], round_index: int) -> bool:
     round is more likely a false record than a swarm that ran off (one such record failed every round of a peer
     at once; a peer really that far behind is reloaded by the sync anyway)."""
     others = [r for r in others if r.round <= round_index + 2]
-    could_join = [r for r in others if round_index <= r.round <= round_index + 1 and r.applied_round < round_index]
-    return bool(others) and not could_join
+    return bool(others) and not could_join(others, round_index)
+
+
+def could_join(records: list[ProgressRecord], round_index: int) -> bool:
+    """Whether one of ``records`` can still average ``round_index`` (see :func:`moved_past`)."""
+    return any(round_index <= r.round <= round_index + 1 and r.applied_round < round_index for r in records)
 
 
 def live_group_size(records: list[ProgressRecord], stage: int, num_stages: int, my_node: str,
@@ -162,13 +173,20 @@ class SwarmLink:
         fragment: (f, F) in a run averaged by fragment: this link is fragment f's (``stage_index``/``num_stages``
             are then f and F). Its records go under the fragment's own key, ``<run_id>_f<f>of<F>_progress``: one
             signed record per writer and key, and a stage process that holds several fragments writes one for each.
+        allowlist: ``averaging.allowlist`` (a private swarm's peer ids): only its members' records count for timing.
+        stranger_wait_s: the longest a stage waits for a group that only strangers' records say they could still
+            join (``averaging.matchmaking_time_s`` plus ``request_timeout_s``: an honest one is in the group by then).
     """
 
     def __init__(self, dht, run_id: str, peer_name: str, *, stage_index: int = 0, num_stages: int = 1,
                  inner_steps: int = 1, fingerprint: Optional[dict] = None, publish_every_s: float = 10.0,
                  ttl_s: float = 120.0, joined_swarm: bool = True, num_rounds: Optional[int] = None, behaviour=None,
-                 fragment: Optional[tuple[int, int]] = None):
+                 fragment: Optional[tuple[int, int]] = None, allowlist=(), stranger_wait_s: float = 8.0):
         self.dht, self.run_id, self.peer_name, self.fingerprint = dht, run_id, peer_name, fingerprint
+        self.allowlist, self.stranger_wait_s = frozenset(allowlist), stranger_wait_s
+        # the nodes of this stage's recent groups: the trainer points it at its SwarmSync's recently_met
+        self.peers_met: Callable[[], frozenset] = frozenset
+        self._matching_since: dict[int, float] = {}  # round -> when this stage began looking for its group
         if fragment is not None:
             stage_index, num_stages = fragment
         self.records_run = records_run(run_id, fragment)  # the key prefix of the records this link reads and writes
@@ -185,7 +203,7 @@ class SwarmLink:
         self.watch_every_s = 0.5  # how often others_ended_round reads the records again
         self._watch = None  # the read in flight (a future of the DHT's answer)
         self._watch_at = float("-inf")
-        self._rounds_seen: set[int] = set()  # the rounds other peers of this stage train in, as last read
+        self._watched: list[ProgressRecord] = []  # the other peers of this stage, as the watch last read them
         # the watch's last answer, with the time its read started: a round end uses it while it is this fresh
         # instead of reading the records again (a read is a DHT search: up to 2.7 s on a busy machine, and the
         # peer came late to its round's group, which formed without it: a busy two-at-a-time make test)
@@ -227,26 +245,35 @@ class SwarmLink:
         ahead = Position(round_index, round_index * self.inner_steps, position.applied_round)
         self.publish(ahead, loss, tokens_per_s, force=True)
 
-    def expected_group_size(self, round_index: int, met: frozenset = frozenset()) -> int | None:
-        """Live peers of this stage (this one included); None when unknown: nobody is visible yet, but this is
-        the first round of a peer that joined a swarm, whose peers started at the same time may not have
-        published their records yet (then a lone peer pays one matchmaking timeout, once).
+    def expected_group_size(self, round_index: int) -> int | None:
+        """Live peers of this stage (this one included) for the group of ``round_index``, which this stage starts
+        looking for now; None when unknown: nobody is visible yet, but this is the first round of a peer that joined
+        a swarm, whose peers started at the same time may not have published their records yet (then a lone peer
+        pays one matchmaking timeout, once).
 
-        A peer more than a round ahead is not expected, unless it is one of ``met`` (the nodes of this stage's
-        recent groups): a groupmate whose records claim rounds it is not on still joins the groups, and left
-        uncounted it made the group form one peer short, without the last honest peer to arrive, every round."""
+        Believed peers (:meth:`believed`) at most a round apart count, and those met in recent groups further ahead:
+        a groupmate whose records claim rounds it is not on still joins the groups, and left uncounted it made the
+        group form one peer short, without the last honest peer to arrive, every round. Strangers at most a round
+        apart count too (a newcomer announces the round it reloads into), but never more of them than the believed
+        peers (this one included) less one, and at least one: a group they fail to join forms after one matchmaking
+        time all the same, and in a group of the size waited for the believed peers stay a majority (five records of
+        never-met identities made a peer of a group of three wait for eight)."""
         read = self._recent_read()
         if read is None:
             read = fetch_progress(self.dht, self.records_run)
-        records = [r for r in read if not self.finished(r)]
-        size = live_group_size(records, self.stage_index, self.num_stages, self.node,
-                               max_round_lag=1, my_round=round_index)
-        if size <= 1 and any(self.finished(r) for r in self._of_stage(read)):
-            return 1  # the read worked and the others of this stage have finished the run: alone, for certain
-        size += len({r.node for r in self._of_stage(records) if r.node in met and r.round > round_index + 1})
         now = time.monotonic()
-        if size > 1:
+        self._matching_since = {r: t for r, t in self._matching_since.items() if r > round_index - 4}
+        self._matching_since[round_index] = now
+        believed, strangers = self.believed(self._of_stage(read))
+        met, near = self.peers_met(), lambda r: abs(r.round - round_index) <= 1
+        counted = {r.node for r in believed if not self.finished(r)
+                   and (near(r) or (r.node in met and r.round > round_index + 1))}
+        others = {r.node for r in strangers if not self.finished(r) and near(r)} - counted
+        if not counted and not others and any(self.finished(r) for r in believed):
+            return 1  # the read worked and the others of this stage have finished the run: alone, for certain
+        if counted:
             self._others_seen_at = now
+        size = 1 + len(counted) + min(len(others), max(1, len(counted)))
         if size <= 1 and round_index == 0 and self.joined_swarm:
             return None
         if size <= 1 and now - self._others_seen_at < self.ttl_s:
@@ -269,8 +296,8 @@ class SwarmLink:
 
         deadline = time.monotonic() + timeout_s
         while True:
-            seen = live_group_size(fetch_progress(self.dht, self.records_run), self.stage_index, self.num_stages,
-                                   self.node)
+            seen = live_group_size(self.believed(fetch_progress(self.dht, self.records_run))[0], self.stage_index,
+                                   self.num_stages, self.node)
             if seen >= count or time.monotonic() >= deadline:
                 return seen
             self.publish(position, float("nan"), 0.0, force=True)
@@ -298,21 +325,33 @@ class SwarmLink:
         """Whether no group can form for ``round_index`` any more: no other live peer of the stage can still
         average it (one on that round, or on the next with that round not yet applied, averaging it in the
         background). Peers further behind will reload rather than join it. False when no other peer is
-        visible (a DHT hiccup looks the same)."""
+        visible (a DHT hiccup looks the same).
+
+        Only believed records (:meth:`believed`) keep this stage waiting for as long as the round's own bounds
+        allow; strangers' records that say they could still join keep it waiting ``stranger_wait_s`` after it began
+        looking for the group, no longer (a lone peer next to a few never-met records waited out its whole
+        ``round_timeout_s`` every round)."""
         try:
             others = self.others()
         except Exception:  # a DHT hiccup: keep waiting
             return False
-        return moved_past(others, round_index)
+        believed, strangers = self.believed(others)
+        if could_join(believed, round_index):
+            return False
+        started = self._matching_since.setdefault(round_index, time.monotonic())
+        if could_join(strangers, round_index) and time.monotonic() - started < self.stranger_wait_s:
+            return False
+        return any(r.round <= round_index + 2 for r in others)
 
     def others_ended_round(self, round_index: int) -> bool:
-        """Whether another live peer of this stage has ended ``round_index``: its record names the next round (a
-        peer announces the next round as it ends one, before averaging). Answers at once from the last read of
-        the records; a new read is started in the DHT process at most every ``watch_every_s``, so asking at every
-        inner step costs nothing. A record of a peer that died just after ending the round ends it here too, as
-        the live peer would have; one of a peer further ahead does not (this peer is behind: the sync reloads it
-        after the round; ending every round at once instead made a swarm next to one peer that had finished the
-        run rush through its rounds a step each)."""
+        """Whether another live, believed peer of this stage (:meth:`believed`) has ended ``round_index``: its record
+        names the next round (a peer announces the next round as it ends one, before averaging). Answers at once
+        from the last read of the records; a new read is started in the DHT process at most every
+        ``watch_every_s``, so asking at every inner step costs nothing. A record of a peer that died just after
+        ending the round ends it here too, as the live peer would have; one of a peer further ahead does not (this
+        peer is behind: the sync reloads it after the round; ending every round at once instead made a swarm next
+        to one peer that had finished the run rush through its rounds a step each). A stranger's record never ends
+        a round: one record naming the next round ended every round of a peer after one inner step."""
         watch = self._watch
         if watch is not None and watch.done():
             self._watch = None
@@ -321,7 +360,7 @@ class SwarmLink:
             except Exception as e:  # a DHT hiccup: keep the last answer
                 logger.debug(f"Could not read progress records: {e!r}")
             else:
-                self._rounds_seen = {r.round for r in self._of_stage(records)}
+                self._watched = self._of_stage(records)
                 self._last_read = (self._watch_at, records)
         if self._watch is None and time.monotonic() - self._watch_at >= self.watch_every_s:
             self._watch_at = time.monotonic()
@@ -329,7 +368,21 @@ class SwarmLink:
                 self._watch = request_progress(self.dht, self.records_run)
             except Exception as e:  # the DHT process may be shutting down
                 logger.debug(f"Could not read progress records: {e!r}")
-        return round_index + 1 in self._rounds_seen
+        return any(r.round == round_index + 1 for r in self.believed(self._watched)[0])
+
+    def believed(self, records: list[ProgressRecord]) -> tuple[list[ProgressRecord], list[ProgressRecord]]:
+        """``records`` split into those whose word counts for this stage's round timing and those of strangers.
+
+        With ``averaging.allowlist``: its members' records, and no strangers (nobody else joins a group of a private
+        swarm). Otherwise the records of the peers met in this stage's recent groups (``peers_met``) against all
+        others; before its first group a stage has met nobody, and every record counts (a swarm that starts
+        together, and a newcomer, meet at the round end this way)."""
+        if self.allowlist:
+            return [r for r in records if r.node in self.allowlist], []
+        met = self.peers_met()
+        if not met:
+            return list(records), []
+        return [r for r in records if r.node in met], [r for r in records if r.node not in met]
 
     def _recent_read(self) -> list[ProgressRecord] | None:
         """The records the watch of :meth:`others_ended_round` read, if that read started at most ``fresh_read_s``
