@@ -34,7 +34,7 @@ MAX_BYTES = 64 * 2**20
 RUN = "prop-run"
 
 serialize = DHTProtocol.serializer.dumps
-scalars = st.one_of(st.none(), st.booleans(), st.integers(min_value=-2**64, max_value=2**64),
+scalars = st.one_of(st.none(), st.booleans(), st.integers(min_value=-2**63, max_value=2**64 - 1),
                     st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=40), st.binary(max_size=64))
 trees = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) |
                      st.dictionaries(st.text(max_size=20), inner, max_size=4), max_leaves=12)
@@ -151,3 +151,22 @@ def test_any_state_metadata_is_checked_or_refused(meta, honest, scale):
     # accepted: a document of this run, stage and shapes, with finite tensors (what they hold is for the vote)
     assert meta.get("format") == honest_meta["format"] and meta.get("run_id") == "run"
     assert all(torch.isfinite(t).all() for t in tensors)
+
+
+def test_every_node_bounds_the_size_and_lifetime_of_any_record():
+    """Under any key, another run's or one nobody uses, a node keeps no value above 16 KiB and no expiration more
+    than 600 s ahead: a stranger could otherwise store a value of up to the message cap on every node per request."""
+    from p2p_diloco.swarm.discovery.records import MAX_RECORD_VALUE_BYTES, RecordBounds
+
+    bounds = RecordBounds()
+    assert any(isinstance(v, RecordBounds) for v in with_signer([]))  # every node started by start_dht has it
+
+    def record(value: bytes, expires_in: float = 60.0, subkey: bytes = DHTProtocol.IS_REGULAR_VALUE):
+        return DHTRecord(key=DHTID.generate(source="anything").to_bytes(), subkey=subkey, value=value,
+                         expiration_time=get_dht_time() + expires_in)
+
+    assert bounds.validate(record(b"x" * MAX_RECORD_VALUE_BYTES))
+    assert not bounds.validate(record(b"x" * (MAX_RECORD_VALUE_BYTES + 1)))
+    assert not bounds.validate(record(b"x", expires_in=10 * 3600))
+    assert not bounds.validate(record(b"x", expires_in=float("inf")))
+    assert not bounds.validate(record(b"x", subkey=b"s" * 2000))

@@ -23,6 +23,7 @@ schemas, and the shape of its averagers' unsigned keys: :func:`swarm_validators`
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 import threading
 import weakref
@@ -217,7 +218,36 @@ def with_signer(validators: Iterable[RecordValidatorBase],
     validators = list(validators)
     if not any(isinstance(v, RSASignatureValidator) for v in validators):
         validators.append(SignatureValidator(private_key if private_key is not None else RSAPrivateKey()))
+    if not any(isinstance(v, RecordBounds) for v in validators):
+        validators.append(RecordBounds())
     return validators
+
+
+MAX_RECORD_VALUE_BYTES = 16 * 1024
+"""The largest value (signature included) any node of the swarm stores or reads under any key: the largest honest
+record, a config fingerprint, takes about 1.5 KiB signed. Without it, a stranger could store one value of up to
+the message cap (64 MiB) on every node per request, bootstrap nodes included."""
+MAX_SUBKEY_BYTES = 1024  # an owner subkey (an RSA public key) takes about 400 bytes; a peer id under 70
+
+
+class RecordBounds(RecordValidatorBase):
+    """Refuses, under every key (other runs' too: keys are hashes, a node cannot tell whose they are), a value above
+    :data:`MAX_RECORD_VALUE_BYTES`, a subkey above :data:`MAX_SUBKEY_BYTES`, and an expiration more than
+    :data:`MAX_RECORD_TTL_S` ahead (or not a finite number). Every node of the swarm holds it (:func:`with_signer`).
+    What it does not bound is the number of keys and subkeys a stranger stores (docs/threat-model.md)."""
+
+    def validate(self, record: DHTRecord) -> bool:
+        from hivemind.utils import get_dht_time
+
+        try:
+            expiration = float(record.expiration_time)
+            return len(record.value) <= MAX_RECORD_VALUE_BYTES and len(record.subkey) <= MAX_SUBKEY_BYTES and \
+                math.isfinite(expiration) and expiration <= get_dht_time() + MAX_RECORD_TTL_S
+        except Exception:  # anything a writer sends may be malformed
+            return False
+
+    def merge_with(self, other: RecordValidatorBase) -> bool:
+        return isinstance(other, RecordBounds)
 
 
 class SignatureValidator(RSASignatureValidator):
