@@ -225,8 +225,8 @@ def with_signer(validators: Iterable[RecordValidatorBase],
 
 MAX_RECORD_VALUE_BYTES = 16 * 1024
 """The largest value (signature included) any node of the swarm stores or reads under any key: the largest honest
-record, a config fingerprint, takes about 1.5 KiB signed. Without it, a stranger could store one value of up to
-the message cap (64 MiB) on every node per request, bootstrap nodes included."""
+record, a config fingerprint, takes about 1.5 KiB signed. Without it, a stranger could store a value of up to the
+p2p daemon's 4 MiB request cap on every node per request, bootstrap nodes included."""
 MAX_SUBKEY_BYTES = 1024  # an owner subkey (an RSA public key) takes about 400 bytes; a peer id under 70
 
 
