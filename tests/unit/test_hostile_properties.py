@@ -135,6 +135,7 @@ META_KEYS = ["format", "run_id", "stage", "num_stages", "round", "applied_round"
 @PROPERTIES
 @given(meta=st.dictionaries(st.sampled_from(META_KEYS) | st.text(max_size=10), trees, max_size=12),
        honest=st.booleans(), scale=st.sampled_from([1.0, 0.0, float("nan"), 1e38]))
+@example(meta={"seconds_per_step": 5e-320}, honest=True, scale=1.0)
 def test_any_state_metadata_is_checked_or_refused(meta, honest, scale):
     global STAGE
     if STAGE is None:
@@ -151,6 +152,9 @@ def test_any_state_metadata_is_checked_or_refused(meta, honest, scale):
     # accepted: a document of this run, stage and shapes, with finite tensors (what they hold is for the vote)
     assert meta.get("format") == honest_meta["format"] and meta.get("run_id") == "run"
     assert all(torch.isfinite(t).all() for t in tensors)
+    step_s = meta.get("seconds_per_step")  # the clock a downloader divides by (5e-320 once crashed it)
+    assert type(step_s) is float and (step_s == 0.0 or 1e-6 <= step_s <= 86400), step_s
+    assert -1 <= meta["applied_round"] <= meta["round"] <= 2**40
 
 
 def test_every_node_bounds_the_size_and_lifetime_of_any_record():
