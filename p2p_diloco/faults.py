@@ -16,11 +16,14 @@ An honest averager has the :class:`Honest` behaviour, whose hooks change nothing
 - on the wire, every phase (whole tensors, low-rank P and Q), right before the all-reduce sends them:
   ``scale:K`` (contribution times K, default 1000), ``noise:K`` (Gaussian noise of K times the contribution's norm,
   default 100), ``nan``, ``inf``, ``shape`` (every part it sends declares one value more than it holds);
-- in the round's metadata: ``tokens:K`` (claims K times its tokens as its weight, default 1000), ``stale:K``
+- in the round's metadata: ``fat-metadata:M`` (its record carries M MiB of empty msgpack maps, default 4),
+  ``tokens:K`` (claims K times its tokens as its weight, default 1000), ``stale:K``
   (replays its contribution of K rounds ago and claims that round, default 1), ``metadata`` (a malformed
   compression proposal), ``lowball`` (a well-formed record that asks for the least precision: rank 1, 4 bits, a
   link and a round of compute a million times too slow);
-- as a reducer: ``reply-nan`` and ``reply-scale:K`` (the averages it returns are NaN, or K times too large);
+- as a reducer: ``reply-nan`` and ``reply-scale:K`` (the averages it returns are NaN, or K times too large),
+  ``equivocate:K`` (returns the average K times too large to the first other sender in group order, the true one to
+  the rest, default 1.5);
 - as a group leader (it never follows another peer, so it leads every group it is in): ``forge-tokens:K`` (relays
   to each follower that follower's own record with K times fewer tokens, which would let it accept an average K
   times larger, and as a reducer returns averages K times too large, default 1000), ``forge-round`` (relays to
@@ -51,7 +54,8 @@ FAULT_EXIT_CODE = 17
 HOSTILITY_OPTION = "--test-hostility"
 # kind -> default value (None: the kind takes no value)
 HOSTILE_KINDS = {"scale": 1000.0, "noise": 100.0, "nan": None, "inf": None, "shape": None, "tokens": 1000.0,
-                 "stale": 1.0, "metadata": None, "lowball": None, "reply-nan": None, "reply-scale": 1000.0,
+                 "stale": 1.0, "metadata": None, "fat-metadata": 4.0, "equivocate": 1.5,
+                 "lowball": None, "reply-nan": None, "reply-scale": 1000.0,
                  "forge-tokens": 1000.0, "forge-round": None, "miss-begin": 1.0, "stall": 30.0, "false-state": 1000.0}
 _passes: dict[str, int] = {}
 
@@ -95,14 +99,20 @@ class Honest:
         """A part of this peer's contribution as it goes to a reducer (a hivemind ``runtime_pb2.Tensor``)."""
         return serialized_part
 
-    def reply(self, averaged_part: torch.Tensor) -> torch.Tensor:
-        """The average this peer returns to a sender as a reducer."""
+    def reply(self, averaged_part: torch.Tensor, sender_index: int = 0, reducer_index: int = 0) -> torch.Tensor:
+        """The average this peer (sender ``reducer_index`` of the all-reduce) returns as a reducer to sender
+        ``sender_index``."""
         return averaged_part
 
     def relay(self, message, follower: bytes, leader: bytes, serializer) -> None:
         """As a group leader (peer id ``leader``, as bytes): the group's records as this peer relays them to
         ``follower`` (a hivemind ``MessageFromLeader`` with BEGIN_ALLREDUCE, changed in place; ``serializer`` reads
         and writes its records)."""
+
+    def gathered(self, data_for_gather: bytes, serializer) -> bytes:
+        """The record this peer gathers into its groups, as bytes (in the averager process: a large record does not
+        cross the pipe from the training process)."""
+        return data_for_gather
 
     def takes_group(self, round_index: Optional[int]) -> bool:
         """As a follower: whether this peer takes the group its leader has just formed with it (for ``round_index``,
@@ -172,7 +182,10 @@ class Hostility(Honest):
             serialized_part.size[0] += 1
         return serialized_part
 
-    def reply(self, averaged_part: torch.Tensor) -> torch.Tensor:
+    def reply(self, averaged_part: torch.Tensor, sender_index: int = 0, reducer_index: int = 0) -> torch.Tensor:
+        if self.kind == "equivocate":
+            first_other = 1 if reducer_index == 0 else 0
+            return averaged_part * self.value if sender_index == first_other else averaged_part
         if self.kind == "reply-nan":
             return torch.full_like(averaged_part, math.nan)
         if self.kind in ("reply-scale", "forge-tokens"):
@@ -211,6 +224,13 @@ class Hostility(Honest):
             half = len(tensors) // 2
             return meta, [t + 1.0 for t in tensors[:half]] + list(tensors[half:])
         return meta, tensors
+
+    def gathered(self, data_for_gather: bytes, serializer) -> bytes:
+        if self.kind != "fat-metadata":
+            return data_for_gather
+        bandwidth, mode, user_bytes = serializer.loads(data_for_gather)
+        padded = dict(serializer.loads(user_bytes), padding=[{}] * int(self.value * 2**20))  # N empty maps: N bytes
+        return serializer.dumps([bandwidth, mode, serializer.dumps(padded)])
 
     def takes_group(self, round_index: Optional[int]) -> bool:
         if self.kind != "miss-begin":

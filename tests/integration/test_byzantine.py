@@ -225,3 +225,51 @@ def test_swarm_with_hostile_peers_trains_and_names_them(tmp_path, processes, boo
         assert accused == set(hostile_ids.values()), (name, named)
         s = summary(tmp_path, name)
         assert math.isfinite(s["eval_loss_final"]) and s["eval_loss_final"] < s["eval_loss_start"] - 0.3, s
+
+
+def test_a_reducer_that_scales_its_slice_within_the_old_bound_is_refused_and_left_out(network):
+    """A reducer returns its slice's averages 10 times too large (5 times the receivers' parts: the mean of 4
+    independent parts is half as large as one): under the old bound (20 times the receiver's part) every honest peer
+    took them, and its slice of their anchors moved 10-fold. Beyond robust.average_bound (2.5 in a group of 4 equal
+    claims, with the codec margin 3.1) no honest reducer goes: each honest peer refuses them, leaves the reducer out of
+    the round's retry and averages with the other honest peers in the same round; the reducer is named, not banned
+    (an honest late joiner's bound can be met by an honest reducer now and then)."""
+    honest = [network.averager() for _ in range(3)]
+    steering = network.averager("reply-scale:10")
+    contributions, results = average_round(honest + [steering], round_index=0)
+    assert_honest_agree(results[:3], contributions[:3])
+    for result in results[:3]:
+        assert set(result.group_peers) == {peer_id(h) for h in honest}
+        assert not result.banned
+    named: dict[str, set] = {}
+    for result in results[:3]:
+        for suspect, reasons in result.suspects.items():
+            named.setdefault(suspect, set()).update(reasons)
+    assert named == {peer_id(steering): {"implausible average"}}, named
+
+
+def _peak_rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        line = next(line for line in status if line.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
+
+
+def test_a_groupmate_with_an_oversized_record_is_refused_before_its_record_is_decoded(network):
+    """A peer gathers 4 MiB of empty msgpack maps into its record (issue 30: 7.6 MiB of them cost each groupmate's
+    averager 557 MiB and 1.5 s of its event loop, and the record was even accepted: check_gathered ignored the extra
+    field). Its join request is refused by the leader it asks, and a group it leads is refused by its followers,
+    before any record is decoded: the honest peers average among themselves, their averagers' peak memory grows by
+    less than 64 MiB, and the peer is named for its metadata."""
+    honest = [network.averager() for _ in range(3)]
+    fat = network.averager("fat-metadata:4")
+    peaks = [_peak_rss_bytes(h.pid) for h in honest]
+    contributions, results = average_round(honest + [fat], round_index=0)
+    assert_honest_agree(results[:3], contributions[:3])
+    assert all(set(result.group_peers) == {peer_id(h) for h in honest} for result in results[:3])
+    grown = [_peak_rss_bytes(h.pid) - peak for h, peak in zip(honest, peaks)]
+    assert max(grown) < 64 * 2**20, grown
+    named = set()
+    for result in results[:3]:
+        named |= {suspect for suspect, reasons in result.suspects.items() if "metadata" in reasons}
+    assert named == {peer_id(fat)}, [r.suspects for r in results[:3]]
+    assert not results[3].averaged

@@ -195,11 +195,12 @@ class _Matchmaking:
             GroupInfo(b"led", (ME, OTHER), self.gathered)
 
     async def _request_join_group(self, leader):
-        message = SimpleNamespace(group_id=b"followed", ordered_peer_ids=[ME, OTHER], gathered=self.gathered)
+        message = SimpleNamespace(group_id=b"followed", ordered_peer_ids=[ME.to_bytes(), OTHER.to_bytes()],
+                                  gathered=self.gathered)  # as the leader's protobuf message holds them
         return await self.follower_assemble_group(leader, message)
 
     async def follower_assemble_group(self, leader, msg):
-        return GroupInfo(msg.group_id, tuple(msg.ordered_peer_ids), tuple(msg.gathered))
+        return GroupInfo(msg.group_id, tuple(PeerID(p) for p in msg.ordered_peer_ids), tuple(msg.gathered))
 
 
 @pytest.mark.parametrize("leader", [OTHER, None])
@@ -271,3 +272,16 @@ def test_hivemind_signals_a_cancel_before_the_step_reads_cancelled_so_cancel_ste
 
     assert step_seen_at_signal(StepControl.cancel) == [False]  # hivemind's order: the window is there
     assert step_seen_at_signal(cancel_step) == [True]  # ours: cancelled before the signal, which is sent once
+
+
+def test_set_data_for_gather_changes_what_a_step_gathers():
+    """A hostile test peer's record is made in the averager process (a record of MiBs does not cross hivemind's pipe
+    from the training process): hivemind's StepControl keeps it in _data_for_gather, read by data_for_gather."""
+    from hivemind.averaging.control import StepControl
+
+    from p2p_diloco.swarm.averaging.hivemind_api import set_data_for_gather
+
+    control = StepControl(scheduled_time=0.0, deadline=float("inf"), allow_retries=True, weight=1.0,
+                          data_for_gather=b"sent")
+    set_data_for_gather(control, b"replaced")
+    assert control.data_for_gather == b"replaced"

@@ -16,8 +16,16 @@ from hivemind.utils import MSGPackSerializer
 
 from p2p_diloco.faults import HONEST, HOSTILITY_OPTION, parse_hostility
 from p2p_diloco.swarm.averaging.allreduce import RobustPartReducer
-from p2p_diloco.swarm.averaging.guard import PeerGuard, check_gathered, read_group
-from p2p_diloco.swarm.averaging.robust import RobustRule, cap_weights, combine, lower_median, weighted_mean
+from p2p_diloco.swarm.averaging.gathered import GatheredError, check_gathered
+from p2p_diloco.swarm.averaging.guard import PeerGuard, read_group
+from p2p_diloco.swarm.averaging.robust import (
+    RobustRule,
+    average_bound,
+    cap_weights,
+    combine,
+    lower_median,
+    weighted_mean,
+)
 
 DEFAULT = RobustRule()
 
@@ -250,7 +258,7 @@ def test_offences_in_enough_rounds_ban_and_are_reported():
 def test_check_gathered_accepts_what_an_honest_peer_sends():
     info = MSGPackSerializer.loads(MSGPackSerializer.loads(record(last_error=0.3))[2])
     assert check_gathered(info) is info
-    with pytest.raises(KeyError):
+    with pytest.raises(GatheredError):
         check_gathered({"round": 1})
 
 
@@ -305,3 +313,45 @@ def test_the_outlier_test_scales_norms_by_claimed_tokens():
     assert scaled.flags.get(2) == TOO_LARGE
     inflated = combine([base[0], base[1], 1000 * base[2]], [1.0, 1.0, 2.0], rule, claims=[1024, 1024, 1024000])
     assert inflated.flags.get(2) == TOO_LARGE
+
+
+# ---- what a receiver accepts from a reducer -------------------------------------------------------------------------
+def test_the_average_bound_is_the_most_a_hostile_member_of_a_pair_gets():
+    """In a pair the bound is exactly the largest average combine() lets a hostile member obtain (any part, any
+    claim up to the cap); equal claims in larger groups stay under pair_ratio; the old bound was 20 to 160."""
+    honest, _ = honest_parts(2, seed=4)
+    for claims in ([1024.0, 1024.0], [1024.0, 1e12]):
+        weights = cap_weights(claims, 2.0)
+        bound = average_bound(weights, claims, 0, DEFAULT)
+        worst = max(float(combine([honest, honest * k], weights, DEFAULT, claims=claims).average.norm())
+                    for k in (3.0, 1e3, 1e6)) / float(honest.norm())
+        assert worst == pytest.approx(bound, rel=1e-5), claims
+    assert average_bound([1.0, 1.0], [1.0, 1.0], 0, DEFAULT) == 2.0
+    assert average_bound([1.0] * 8, [1.0] * 8, 3, DEFAULT) < DEFAULT.pair_ratio
+    assert average_bound([1.0, 0.0, 1.0], [1.0, 1.0, 1.0], 0, DEFAULT) == 2.0  # weight 0 (banned) does not count
+    assert average_bound([1.0, 1.0, 1.0], [1e-9, 1.0, 1.0], 0, DEFAULT) == (1 + 2 * 3 * 8) / 3  # claim ratio: at most 8
+
+
+@pytest.mark.parametrize("claims, scales", [
+    ([1024] * 4, [1, 1.5, 2, 3]),  # honest norms spread 3-fold
+    ([1024, 1024, 5120], [1, 1, 18]),  # a peer on 5x the tokens in the warmup: an 18x larger part (seen in a swarm)
+    ([1024, 5120, 5120], [1, 18, 18]),  # this peer joined late
+    ([1024] * 5, [1, 1, 1, 1, 9.9]),  # a hostile member just under the outlier test
+    ([1024] * 5, [1, 1, 1, 1, -9.9]),
+])
+def test_an_honest_reducers_average_is_within_every_honest_receivers_bound(claims, scales):
+    """Every member accepts what an honest reducer returns (with the runner's codec margin), however aligned the
+    honest parts are; a member that refused an honest reducer's average would leave it out of the round."""
+    from p2p_diloco.swarm.averaging.allreduce import CODEC_MARGIN
+
+    g = torch.Generator().manual_seed(1)
+    weights = cap_weights([float(c) for c in claims], 2.0)
+    for shared in (0.0, 0.5, 3.0):
+        direction = torch.randn(4096, generator=g)
+        parts = [s * (shared * direction + torch.randn(4096, generator=g)) for s in scales]
+        average = combine(parts, weights, DEFAULT, claims=claims).average
+        for me, part in enumerate(parts):
+            if abs(scales[me]) == 9.9:
+                continue  # the hostile member
+            ratio = float(average.norm() / part.norm())
+            assert ratio <= CODEC_MARGIN * average_bound(weights, claims, me, DEFAULT), (shared, me, ratio)

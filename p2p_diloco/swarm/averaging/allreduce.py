@@ -12,7 +12,9 @@ Against broken or hostile groupmates: the reducer keeps every sender's part and 
 :func:`p2p_diloco.swarm.averaging.robust.combine` (non-finite and far too large parts left out, CenteredClip),
 weighting each sender by the group's capped record of its tokens rather than the weight written in its messages
 (:class:`RobustPartReducer`); a part that cannot be decoded or has the wrong shape is refused; an average returned
-by a reducer is refused when it is non-finite or far larger than this peer's own part; a reducer that took this
+by a reducer is refused when it is non-finite or larger than an honest reducer's can be (``plausible_bound``, from
+:func:`~p2p_diloco.swarm.averaging.robust.average_bound`: the reducer lands in ``runner.implausible`` and is left out
+of the round's retry), and is an offence when far larger still (``average_bound``); a reducer that took this
 peer's parts and returned no average within the reducer timeout (2 x ``averaging.next_chunk_timeout_s``: an honest
 reducer answers once every sender's part is in, or a sender timeout after) stalled the group. Explicit refusals and
 broken connections are not stalls: a reducer that read the group differently, or left it, refuses at once. Every
@@ -47,7 +49,7 @@ import torch
 
 from p2p_diloco.compression.codecs import decode_tensor
 from p2p_diloco.faults import HONEST, Honest
-from p2p_diloco.swarm.averaging.guard import BAD_AVERAGE, MALFORMED, NOT_IN_GROUP, STALL
+from p2p_diloco.swarm.averaging.guard import BAD_AVERAGE, IMPLAUSIBLE, MALFORMED, NOT_IN_GROUP, STALL
 from p2p_diloco.swarm.averaging.hivemind_api import (
     AllreduceException,
     AllReduceRunner,
@@ -73,6 +75,9 @@ BYTES_SENT, BYTES_RECEIVED = 0, 1
 # explicit refusal or failure is a message code instead (a reducer that read the group differently, or whose own
 # all-reduce failed)
 GONE = (ConnectionError, P2PDaemonError, P2PHandlerError, asyncio.IncompleteReadError, asyncio.TimeoutError)
+# the codecs' rounding of the average and of this peer's own part, on top of robust.average_bound (blockwise int4
+# moves a part's norm by a few percent; fp32 and fp16 by far less)
+CODEC_MARGIN = 1.25
 
 
 class ServedAverages:
@@ -131,17 +136,22 @@ class ExactAllReduceRunner(AllReduceRunner):
         weights: peer id -> the weight of its parts in this peer's reductions (absent: 0).
         rule: how this peer's reducer combines the parts.
         claims: peer id -> the tokens it claims (the outlier test's scale, see ``robust.combine``; default: weights).
-        average_bound: an average returned by a reducer whose norm is more than this many times this peer's own
-            part is refused (0: no bound).
+        plausible_bound: an average returned by a reducer whose norm is more than this many times this peer's own
+            part (with :data:`CODEC_MARGIN`) is refused, and the reducer left out of the round's retry (0: no bound;
+            see :func:`~p2p_diloco.swarm.averaging.robust.average_bound`).
+        average_bound: an average more than this many times this peer's own part is refused and the reducer's
+            offence (0: no bound).
         behaviour: what this peer does to the parts it sends and the averages it returns as a reducer: nothing
             (:data:`~p2p_diloco.faults.HONEST`), or a test's :class:`~p2p_diloco.faults.Hostility`.
         kwargs: everything ``AllReduceRunner`` takes.
     """
 
     def __init__(self, *, traffic: torch.Tensor, weights: dict, rule: RobustRule, average_bound: float = 0.0,
-                 behaviour: Honest = HONEST, claims: dict | None = None, **kwargs):
+                 plausible_bound: float = 0.0, behaviour: Honest = HONEST, claims: dict | None = None, **kwargs):
         super().__init__(**kwargs)
         self._traffic, self._average_bound, self._behaviour = traffic, average_bound, behaviour
+        self._plausible_bound = plausible_bound * CODEC_MARGIN
+        self.implausible: list[PeerID] = []  # reducers whose average an honest reducer cannot have returned
         self.flags: list[tuple[PeerID, str]] = []
         self.silent: list[PeerID] = []  # reducers that took this peer's parts and returned no average
         self.refused_by: list[PeerID] = []  # reducers that refused this peer's parts as of another view of the group
@@ -226,9 +236,11 @@ class ExactAllReduceRunner(AllReduceRunner):
                     averaged_part.shape != expected_shapes[part_index]:
                 self.flags.append((peer_id, MALFORMED))
                 raise AllreduceException(f"{peer_id} sent a malformed average: {averaged_part!r:.200}")
-            problem = self._implausible(averaged_part, parts[part_index][0])
+            problem, offence = self._implausible(averaged_part, parts[part_index][0])
             if problem:
-                self.flags.append((peer_id, BAD_AVERAGE))
+                self.flags.append((peer_id, BAD_AVERAGE if offence else IMPLAUSIBLE))
+                if not offence:
+                    self.implausible.append(peer_id)
                 raise AllreduceException(f"{peer_id} returned {problem}")
             self.tensor_part_container.register_processed_part(peer_index, part_index, averaged_part)
             part_index += 1
@@ -256,15 +268,21 @@ class ExactAllReduceRunner(AllReduceRunner):
         finally:
             await self.served.finish()
 
-    def _implausible(self, average: torch.Tensor, own_part: torch.Tensor) -> str:
-        """Why an average returned by a reducer cannot be the robust combination of the group's parts, or ""."""
+    def _implausible(self, average: torch.Tensor, own_part: torch.Tensor) -> tuple[str, bool]:
+        """(why an average returned by a reducer cannot be the robust combination of the group's parts, or "";
+        whether that is an offence)."""
         if not torch.isfinite(average).all():
-            return "a non-finite average"
+            return "a non-finite average", True
         own_norm = float(torch.linalg.vector_norm(own_part.float()))
-        if self._average_bound > 0 and own_norm > 0 and \
-                float(torch.linalg.vector_norm(average)) > self._average_bound * own_norm:
-            return f"an average more than {self._average_bound:g} times the norm of this peer's part"
-        return ""
+        if own_norm <= 0:
+            return "", False
+        ratio = float(torch.linalg.vector_norm(average)) / own_norm
+        if self._average_bound > 0 and ratio > self._average_bound:
+            return f"an average {ratio:.3g} times the norm of this peer's part (at most {self._average_bound:g})", True
+        if self._plausible_bound > 0 and ratio > self._plausible_bound:
+            return f"an average {ratio:.3g} times the norm of this peer's part (an honest reducer's is at most " \
+                   f"{self._plausible_bound:.3g})", False
+        return "", False
 
     def _roundtrip(self, part: torch.Tensor, part_index: int) -> torch.Tensor:
         try:
@@ -316,7 +334,8 @@ class ExactAllReduceRunner(AllReduceRunner):
                                                                                    tensor_part)
                 except BannedException:
                     break  # the sender was banned in the meantime: it gets nothing more
-                averaged_part = self._behaviour.reply(averaged_part)
+                averaged_part = self._behaviour.reply(averaged_part, sender_index,
+                                                      self.sender_peer_ids.index(self.peer_id))
                 serialized = await loop.run_in_executor(
                     None, lambda i=part_index, avg=averaged_part: self._encode_result(avg, i)
                 )

@@ -47,7 +47,7 @@ from p2p_diloco.config import AveragingConfig
 from p2p_diloco.faults import HONEST, Honest, fault_point
 from p2p_diloco.process import die_with_parent, leave_signals_to_parent, lower_priority
 from p2p_diloco.swarm.averaging.allreduce import BYTES_RECEIVED, BYTES_SENT, ExactAllReduceRunner, ServedAverages
-from p2p_diloco.swarm.averaging.guard import GroupView, GuardedAverager, PeerGuard, read_group
+from p2p_diloco.swarm.averaging.guard import MAX_CATCH_UP, GroupView, GuardedAverager, PeerGuard, read_group
 from p2p_diloco.swarm.averaging.hivemind_api import (
     AllreduceException,
     AveragingStage,
@@ -64,7 +64,7 @@ from p2p_diloco.swarm.averaging.hivemind_api import (
     load_balance_peers,
 )
 from p2p_diloco.swarm.averaging.reduce import RoundReducer
-from p2p_diloco.swarm.averaging.robust import RobustRule
+from p2p_diloco.swarm.averaging.robust import RobustRule, average_bound
 
 logger = logging.getLogger(__name__)
 
@@ -341,12 +341,17 @@ class PseudoGradientAverager(GuardedAverager, DecentralizedAverager):
     async def _allreduce_phase(self, tensors, codecs, group_info, group_id, view: GroupView,
                                **kwargs) -> list[torch.Tensor]:
         """One exact, robust all-reduce of ``tensors`` (codec ``codecs[i]`` for tensor i) in the round's group."""
-        # an honest average is no larger than outlier_ratio x the median part (larger ones are left out); this
-        # peer's part stands in for the median, scaled by how many fewer tokens it trained on (its own claim is the
-        # one it sent, and the scale is capped: see GroupView.catch_up), with a factor 2 to spare
-        average_bound = 2 * self.rule.outlier_ratio * view.catch_up
+        # an honest average is within robust.average_bound times this peer's part (its own claim is the one it
+        # sent); beyond it the average is refused and the reducer left out of the round's retry. Beyond outlier_ratio
+        # x the median part (scaled by catch_up, capped: see GroupView.catch_up), with a factor 2 to spare, no honest
+        # reducer goes at all (larger parts are left out): an offence
+        members = list(view.weights)
+        plausible = average_bound([view.weights[p] for p in members],
+                                  [float(view.infos[p]["tokens"]) for p in members], members.index(self.peer_id),
+                                  self.rule, MAX_CATCH_UP)
         runner = ExactAllReduceRunner(
-            traffic=self.traffic, weights=view.weights, rule=self.rule, average_bound=average_bound,
+            traffic=self.traffic, weights=view.weights, rule=self.rule, plausible_bound=plausible,
+            average_bound=2 * self.rule.outlier_ratio * view.catch_up,
             claims={peer_id: float(info["tokens"]) for peer_id, info in view.infos.items()},
             behaviour=self.behaviour, p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors,
             group_id=group_id,
@@ -362,7 +367,7 @@ class PseudoGradientAverager(GuardedAverager, DecentralizedAverager):
         finally:
             for peer_id, reason in runner.flags:
                 self.guard.record(view.round_index, peer_id, reason)
-            for peer_id in runner.silent:
+            for peer_id in runner.silent + runner.implausible:
                 self.guard.leave_out(view.round_index, peer_id)
             for peer_id in runner.absent:
                 self.guard.absent(view.round_index, peer_id)

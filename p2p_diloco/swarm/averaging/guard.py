@@ -1,7 +1,8 @@
 """Whom an averager trusts: groupmates' metadata checked, offences counted, repeat offenders banned, private swarms.
 
 - :func:`read_group` turns a group's gathered metadata (what each member claims: round, tokens, compression
-  proposal) into what this round averages with. A malformed record or a round other than this peer's excludes
+  proposal; each record bounded in size before it is decoded, :mod:`~p2p_diloco.swarm.averaging.gathered`) into
+  what this round averages with. An oversized or malformed record or a round other than this peer's excludes
   that member (it becomes an auxiliary peer: it neither sends nor reduces anything); its claimed tokens are capped
   at a multiple of the group's median; claimed link bandwidths are ignored (every member reduces an equal share,
   so nobody can claim the whole vector). Every honest groupmate reads the same records, so all agree.
@@ -19,8 +20,9 @@
   stalls in twice as many rounds of the last :data:`STALL_WINDOW` (an honest peer on an overloaded machine stalls
   now and then, a hostile part never comes from an honest peer); with ``averaging.allowlist`` it also knows who is
   in a private swarm.
-- :class:`GuardedAverager`, mixed into the averager, refuses join requests from banned peers and outsiders, does
-  not follow them as leaders, and serves no state to outsiders (the averager's download skips outsiders and banned
+- :class:`GuardedAverager`, mixed into the averager, refuses join requests from banned peers and outsiders and
+  those whose record is over the size cap, refuses a group relayed with oversized records, does not follow banned
+  peers and outsiders as leaders, and serves no state to outsiders (the averager's download skips outsiders and banned
   peers among the donors it is given).
 
 Built on hivemind internals (``Matchmaking._request_join_group``, ``look_for_group``, ``follower_assemble_group``),
@@ -34,7 +36,6 @@ import asyncio
 import dataclasses
 import hashlib
 import logging
-import math
 import typing
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -42,6 +43,13 @@ from functools import partial
 from typing import Optional
 
 from p2p_diloco.faults import HONEST, Honest
+from p2p_diloco.swarm.averaging.gathered import (
+    MAX_GATHERED_BYTES,
+    GatheredError,
+    decode_record,
+    join_refusal,
+    relayed_group_refusal,
+)
 from p2p_diloco.swarm.averaging.hivemind_api import (
     AllreduceException,
     AveragingMode,
@@ -50,6 +58,7 @@ from p2p_diloco.swarm.averaging.hivemind_api import (
     achain,
     as_aiter,
     averaging_pb2,
+    set_data_for_gather,
 )
 from p2p_diloco.swarm.averaging.limits import StateGate
 from p2p_diloco.swarm.averaging.robust import MALFORMED, NONFINITE, TOO_LARGE, cap_weights, lower_median
@@ -64,6 +73,7 @@ REGISTERED_POLL_S = 0.1
 # why a groupmate is flagged, besides the reducer's reasons (robust.MALFORMED, NONFINITE, TOO_LARGE, CLIPPED)
 WRONG_ROUND, METADATA, BAD_AVERAGE = "round", "metadata", "bad average"
 FORGED, STALL = "forged record", "stall"
+IMPLAUSIBLE = "implausible average"  # beyond what an honest reducer returns, within the offence bound: left out
 CAPPED, BANNED = "capped", "banned"
 OFFENCES = frozenset({MALFORMED, NONFINITE, TOO_LARGE, WRONG_ROUND, METADATA, BAD_AVERAGE, FORGED})  # the rest: noted
 PROOFS = frozenset({FORGED})  # an offence only a hostile peer commits: one bans at once
@@ -110,8 +120,8 @@ class PeerGuard:
         all-reduces and returned no average (it died, left or stalled), which failed the all-reduce. The round's
         retry then forms without it; a staller that joined every retry failed every round of its groups."""
         if self.left_out.get(str(peer_id)) != round_index:
-            logger.info(f"Round {round_index}: groupmate {peer_id} returned no average; the round's retry goes on "
-                        "without it")
+            logger.info(f"Round {round_index}: groupmate {peer_id} returned no average, or one no honest reducer "
+                        "returns; the round's retry goes on without it")
         self.left_out[str(peer_id)] = round_index
 
     def absent(self, round_index: int, peer_id) -> None:
@@ -274,12 +284,10 @@ def read_group(group_info, serializer, my_peer_id, guard: PeerGuard, weight_rati
         _check_own_record(group_info, my_peer_id, origin, serializer, guard)
     infos, modes, excluded = {}, [], {}
     for peer_id, raw in zip(group_info.peer_ids, group_info.gathered):
-        try:
-            _bandwidth, mode_id, user_bytes = serializer.loads(raw)
-            mode, info = AveragingMode(mode_id), check_gathered(serializer.loads(user_bytes))
-            infos[peer_id] = info
-        except Exception as e:  # anything a groupmate sends may be malformed
-            logger.debug(f"Malformed group record of {peer_id}: {e!r}")
+        try:  # sizes and item counts bounded before and while decoding (gathered.py)
+            mode, infos[peer_id] = decode_record(raw)
+        except GatheredError as e:  # anything a groupmate sends may be oversized or malformed
+            logger.debug(f"Malformed group record of {peer_id}: {e}")
             mode, excluded[peer_id] = AveragingMode.AUX, METADATA
         modes.append(mode)
     if my_peer_id not in infos:
@@ -324,37 +332,6 @@ def _check_own_record(group_info, my_peer_id, origin: GroupOrigin, serializer, g
     raise AllreduceException(f"the leader {origin.leader} relayed this peer's record altered")
 
 
-def check_gathered(info) -> dict:
-    """A groupmate's gathered metadata if every field has the type and range an honest peer sends; else raises."""
-    if not isinstance(info, dict):
-        raise ValueError(f"gathered metadata is a {type(info).__name__}, not a mapping")
-    _integer(info["round"], "round", minimum=0)
-    _number(info["tokens"], "tokens", positive=True)
-    _number(info["compute_s"], "compute_s")
-    _number(info["bandwidth_mbit"], "bandwidth_mbit", positive=True)
-    if info.get("last_error") is not None:
-        _number(info["last_error"], "last_error")
-    proposal = info["compression"]
-    if not isinstance(proposal, dict):
-        raise ValueError("compression proposal is not a mapping")
-    _integer(proposal["rank"], "compression.rank", minimum=1)
-    _integer(proposal["q_round"], "compression.q_round", minimum=-1)
-    if proposal["bits"] not in (4, 8) or isinstance(proposal["bits"], bool):
-        raise ValueError(f"compression.bits must be 4 or 8, got {proposal['bits']!r}")
-    return info
-
-
-def _integer(value, name: str, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-
-
-def _number(value, name: str, positive: bool = False) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0 \
-            or (positive and value == 0):
-        raise ValueError(f"{name} must be a finite number {'> 0' if positive else '>= 0'}, got {value!r}")
-
-
 class GuardedAverager:
     """Mixin for a hivemind ``DecentralizedAverager`` with a ``guard`` attribute (a :class:`PeerGuard`)."""
 
@@ -372,10 +349,18 @@ class GuardedAverager:
     # hivemind registers rpc_* handlers from their annotations, and needs typing's AsyncIterator there
     async def rpc_join_group(self, request: averaging_pb2.JoinRequest,
                              context: P2PContext) -> typing.AsyncIterator[averaging_pb2.MessageFromLeader]:
-        """As a leader: refuse banned peers and outsiders, before hivemind's matchmaking sees the request."""
+        """As a leader: refuse banned peers and outsiders, and a record over the size cap (the sender's offence:
+        :mod:`~p2p_diloco.swarm.averaging.gathered`), before hivemind's matchmaking keeps the request."""
         reason = self.guard.refuses(context.remote_id, self._round_averaged())
         if reason is not None:
             logger.info(f"Refused the join request of {context.remote_id}: {reason}")
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        reason = join_refusal(request, len(self._matchmaking.current_followers))
+        if reason is not None:
+            logger.info(f"Refused the join request of {context.remote_id}: {reason}")
+            if len(request.gather) > MAX_GATHERED_BYTES:
+                self.guard.record(self._round_or_none(), context.remote_id, METADATA)
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
         async for message in super().rpc_join_group(request, context):
@@ -443,7 +428,15 @@ class GuardedAverager:
         """The round this peer is averaging, if any (None here; the averager knows)."""
         return None
 
+    def _round_or_none(self) -> int:
+        """The round offences found outside a group are recorded under (-1 when this peer averages none)."""
+        round_index = self._round_averaged()
+        return -1 if round_index is None else round_index
+
     async def _step(self, **kwargs):
+        step = kwargs.get("step")
+        if step is not None and self.behaviour is not HONEST:  # a hostile test peer's record
+            set_data_for_gather(step, self.behaviour.gathered(step.data_for_gather, self.serializer))
         self._guard_matchmaking()
         keep_round_key(self._matchmaking.group_key_manager)
         return await super()._step(**kwargs)
@@ -472,6 +465,11 @@ class GuardedAverager:
         async def assemble_as_follower(leader, msg):
             if not self.behaviour.takes_group(self._round_averaged()):
                 logger.info(f"Ignored the group {leader} formed with this peer (a test hook)")
+                return None
+            reason = relayed_group_refusal(msg)
+            if reason is not None:  # an honest leader refuses oversized records at the join: the leader's offence
+                logger.warning(f"Refused the group relayed by {leader}: {reason}")
+                self.guard.record(self._round_or_none(), leader, METADATA)
                 return None
             views.followed(msg.group_id, leader)
             return await follower_assemble_group(leader, msg)

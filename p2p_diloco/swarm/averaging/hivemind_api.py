@@ -24,6 +24,9 @@ Replaced on the class, for the whole process: ``P2P.receive_raw_data``
 (:func:`~p2p_diloco.swarm.averaging.limits.install_message_cap`): a message whose header declares more bytes
 than the cap is refused before they are read (hivemind buffers whatever length a peer declares).
 
+Written by a test hook only: ``StepControl._data_for_gather`` (:func:`set_data_for_gather`: a hostile test peer's
+record, made in the averager process).
+
 Wrapped, not replaced: ``StepControl.cancel`` (:func:`cancel_step`): the step reads as cancelled before the cancel's
 signal reaches the averager process (hivemind sends the signal first).
 
@@ -98,6 +101,11 @@ def cancel_step(control: StepControl) -> None:
     MPFuture.cancel(control)  # (this process made the step: the shared state, no message)
     control.cancel()
 
+def set_data_for_gather(control: StepControl, data: bytes) -> None:
+    """Replace the record a step gathers into its groups (hivemind keeps it read-only; a test hook's use)."""
+    control._data_for_gather = data
+
+
 __all__ = [
     "CALLED", "P2P",
     "AllReduceRunner", "AllreduceException", "AveragingMode", "AveragingStage", "BannedException", "CompressionInfo",
@@ -106,4 +114,5 @@ __all__ = [
     "SUPPORTED_VERSION", "StepControl",
     "TensorPartReducer", "achain", "aiter_with_timeout", "amap_in_executor", "as_aiter", "attach_event_on_finished",
     "averaging_pb2", "cancel_step", "check_version", "enter_asynchronously", "get_logger", "load_balance_peers",
+    "set_data_for_gather",
 ]
