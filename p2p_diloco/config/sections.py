@@ -313,6 +313,20 @@ class AveragingConfig:
     allowlist: list[str] = field(default_factory=list)
     """A private swarm: the peer ids (base58) of its members, one for each stage process of each peer (see
     --identity-path). Join requests, groups, state requests and state donors outside it are refused. Empty: public."""
+    state_streams: int = 4
+    """State downloads this peer serves at once, one per peer (each holds a copy of this stage's anchor and outer
+    momentum until its reader is done). With all taken, a new request takes the slot of the slowest stream served
+    for 2 s or more; its reader asks its next donor."""
+    state_min_mbit: float = 1.0
+    """Slowest state download this peer keeps serving: a stream whose reader has taken less than this on average
+    since its start (after a head start of state_stall_s) is ended and its peer refused state for state_cooldown_s.
+    A state of S bytes is thus served within state_stall_s + S / state_min_mbit. Keep it below the slowest link a
+    newcomer may have and below this peer's upload rate / state_streams (streams share it); the default is a tenth
+    of a 10 Mbit/s home link."""
+    state_stall_s: float = 15.0
+    """A state stream whose reader takes no 64 KiB chunk for this long is ended and its peer cooled down."""
+    state_cooldown_s: float = 300.0
+    """How long a peer whose state stream stalled or fell below state_min_mbit is refused state."""
 
     def validate(self) -> None:
         _require(self.compression in COMPRESSIONS, "averaging.compression",
@@ -342,6 +356,11 @@ class AveragingConfig:
             _require(math.isfinite(value) and (value == 0 or value >= 1), f"averaging.{name}",
                      f"must be 0 (off) or a number >= 1, got {value!r}")
         _require(self.ban_after >= 0, "averaging.ban_after", f"must be >= 0, got {self.ban_after!r}")
+        _require(isinstance(self.state_streams, int) and self.state_streams >= 1, "averaging.state_streams",
+                 f"must be an integer >= 1, got {self.state_streams!r}")
+        for name in ("state_min_mbit", "state_stall_s"):
+            _positive(getattr(self, name), f"averaging.{name}")
+        _non_negative(self.state_cooldown_s, "averaging.state_cooldown_s")
         _check_peer_ids(self.allowlist, "averaging.allowlist")
 
 

@@ -1,10 +1,14 @@
 """Issue 16 §4 against real hivemind peers on 127.0.0.1: a length header declaring 2**40 bytes is refused before they
 are buffered (the stream is closed, and the peer goes on serving others), in both directions; a donor serves a
-bounded number of state streams, one per peer, and copies no state for the requests it refuses."""
+bounded number of state streams, one per peer, and copies no state for the requests it refuses; a reader that stalls
+loses its stream and is cooled down; and (issue 30 item 6) identities that squat every slot, reading slowly, keep
+neither a 10 Mbit/s newcomer nor the project's downloader from the state."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import threading
 import time
 import typing
@@ -17,9 +21,8 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import as_aiter
 
 from p2p_diloco.swarm import PseudoGradientAverager
-from p2p_diloco.swarm.averaging import limits
 from p2p_diloco.swarm.averaging.limits import MessageTooLargeError
-from tests.integration.test_byzantine import TEMPLATES, network  # noqa: F401 (network: a fixture)
+from tests.integration.test_byzantine import CFG, TEMPLATES, network  # noqa: F401 (network: a fixture)
 
 pytestmark = pytest.mark.timeout(120)
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
@@ -135,9 +138,8 @@ async def download(client: P2P, donor: PseudoGradientAverager) -> tuple[int, flo
     return count, time.monotonic() - started
 
 
-def test_a_donor_serves_one_stream_per_peer_and_a_bounded_number_in_all(network, monkeypatch):  # noqa: F811
-    monkeypatch.setattr(limits, "MAX_STATE_STREAMS", 2)  # read when the donor's background process makes its gate
-    donor = network.averager()
+def test_a_donor_serves_one_stream_per_peer_and_a_bounded_number_in_all(network):  # noqa: F811
+    donor = network.averager(cfg=dataclasses.replace(CFG, state_streams=2))
     provider = donor.state_provider = _Provider()
     maddrs = [str(m) for m in donor.dht.get_visible_maddrs()]
 
@@ -181,27 +183,98 @@ def test_a_donor_serves_one_stream_per_peer_and_a_bounded_number_in_all(network,
     asyncio.run(main())
 
 
-@pytest.mark.parametrize("stall_timeout_s, served_again", [(60.0, False), (2.0, True)])
-def test_a_reader_that_stalls_holds_its_slot_only_until_the_stall_timeout(network, monkeypatch,  # noqa: F811
-                                                                          stall_timeout_s, served_again):
+def test_a_reader_that_stalls_loses_its_stream_and_is_cooled_down(network):  # noqa: F811
     """A reader takes the first chunk of an 8 MB state and no more (the donor's writes block: more than p2p's buffers
-    hold). Until the stall timeout it holds its peer's slot (its next request is refused); after it, the stream is
-    ended, its copy of the state dropped, and the slot free."""
-    monkeypatch.setattr(limits, "STATE_STALL_TIMEOUT_S", stall_timeout_s)
-    donor = network.averager()
+    hold). After the stall timeout its stream is ended (the donor closes it: the reader gets what p2p had buffered,
+    then the end), its copy dropped and its slot free for another peer; the staller itself is refused for a while."""
+    donor = network.averager(cfg=dataclasses.replace(CFG, state_streams=1, state_stall_s=2.0))
     donor.state_provider = lambda: ({"served": True}, [torch.zeros(2 * 2**20)])
     maddrs = [str(m) for m in donor.dht.get_visible_maddrs()]
 
     async def main():
-        client = await P2P.create(host_maddrs=LOOPBACK, initial_peers=maddrs)
+        staller, other = [await P2P.create(host_maddrs=LOOPBACK, initial_peers=maddrs) for _ in range(2)]
         try:
-            stub = PseudoGradientAverager.get_stub(client, donor.peer_id, namespace=donor.prefix)
+            stub = PseudoGradientAverager.get_stub(staller, donor.peer_id, namespace=donor.prefix)
             stalled = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
             await anext(stalled)
             await asyncio.sleep(4)
-            count, _ = await download(client, donor)
-            assert (count == 2**23 // 2**16) if served_again else (count == 0), count  # 64 KiB chunks
+            rest = [message async for message in stalled]
+            assert 1 + len(rest) < 2**23 // 2**16, len(rest)  # ended before its end (64 KiB chunks)
+            assert (await download(staller, donor))[0] == 0  # cooled down
+            assert (await download(other, donor))[0] == 2**23 // 2**16  # the slot is free
         finally:
-            await client.shutdown()
+            for client in (staller, other):
+                await client.shutdown()
+
+    asyncio.run(main())
+
+
+CHUNK_BYTES = 2**16  # hivemind streams a state in chunks of 64 KiB
+BIG = [torch.zeros(2**21)]  # a stage of 8 MiB: its state (16 MiB) is more than p2p's buffers hold
+
+
+async def squat(client: P2P, donor: PseudoGradientAverager, holding: set, stop: asyncio.Event) -> None:
+    """One identity of issue 30 item 6: it holds a state stream, taking one chunk every 5 s (under every stall
+    timeout), and asks for a fresh stream every second, to take a slot back as soon as it lost one."""
+    stub = PseudoGradientAverager.get_stub(client, donor.peer_id, namespace=donor.prefix)
+    stream, read_at = None, 0.0
+    while not stop.is_set():
+        try:
+            fresh = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+            await asyncio.wait_for(anext(fresh), timeout=10)
+            stream, read_at = fresh, time.monotonic()  # admitted
+            holding.add(str(client.peer_id))
+        except (StopAsyncIteration, Exception):
+            pass  # refused
+        if stream is not None and time.monotonic() - read_at >= 5:
+            with contextlib.suppress(StopAsyncIteration, Exception):
+                await asyncio.wait_for(anext(stream), timeout=1)
+            read_at = time.monotonic()
+        await asyncio.sleep(1)
+
+
+async def read_slowly(client: P2P, donor: PseudoGradientAverager, mbit: float) -> int:
+    """Bytes of state that a downloader on a link of ``mbit`` Mbit/s gets from ``donor``."""
+    stub = PseudoGradientAverager.get_stub(client, donor.peer_id, namespace=donor.prefix)
+    received = 0
+    async for message in await stub.rpc_download_state(averaging_pb2.DownloadRequest()):
+        received += len(message.tensor_part.buffer)
+        await asyncio.sleep(CHUNK_BYTES * 8 / (mbit * 1e6))
+    return received
+
+
+def test_slot_squatters_do_not_keep_honest_newcomers_from_the_state(network):  # noqa: F811
+    """Issue 30 item 6: four identities each hold one of a donor's four state streams, reading a chunk every 5 s and
+    asking again every second. An honest newcomer on a 10 Mbit/s link still gets the whole state, and so does the
+    project's own downloader after it (before, both were refused for as long as the squatters kept at it)."""
+    donor = PseudoGradientAverager(BIG, network.dht(), run_id="run", stage_index=0, num_stages=1, cfg=CFG)
+    newcomer = PseudoGradientAverager(BIG, network.dht(), run_id="run", stage_index=0, num_stages=1, cfg=CFG)
+    network.averagers += [donor, newcomer]
+    assert CFG.state_streams == 4 and CFG.state_min_mbit <= 2  # the defaults
+    donor.state_provider = lambda: ({"served": True}, [torch.full(t.shape, 0.5) for t in BIG * 2])
+    maddrs = [str(m) for m in donor.dht.get_visible_maddrs()]
+
+    async def main():
+        clients = [await P2P.create(host_maddrs=LOOPBACK, initial_peers=maddrs) for _ in range(5)]
+        holding, stop = set(), asyncio.Event()
+        squatters = [asyncio.ensure_future(squat(client, donor, holding, stop)) for client in clients[:4]]
+        try:
+            for _ in range(600):
+                if len(holding) == 4:
+                    break
+                await asyncio.sleep(0.05)
+            assert len(holding) == 4, holding  # every slot taken
+            await asyncio.sleep(3)
+            started = time.monotonic()
+            assert await asyncio.wait_for(read_slowly(clients[4], donor, mbit=10), timeout=60) == 2 * 4 * 2**21
+            assert time.monotonic() - started < 30  # 13.4 s of transfer at 10 Mbit/s
+            downloaded = await asyncio.to_thread(newcomer.download_state, [str(donor.peer_id)], 20)
+            assert downloaded is not None and downloaded[0] == {"served": True}
+            assert all(torch.equal(t, torch.full(t.shape, 0.5)) for t in downloaded[1])
+        finally:
+            stop.set()
+            await asyncio.gather(*squatters, return_exceptions=True)
+            for client in clients:
+                await client.shutdown()
 
     asyncio.run(main())

@@ -2,13 +2,15 @@
 
 :func:`~p2p_diloco.compression.codecs.decode_tensor` reads only the compression/dtype pairs this version sends and
 checks a message's shape and length before allocating anything; the message cap refuses a length header before the
-bytes are read; the state gate bounds the streams served and ends those whose reader stalls. The attacks against
+bytes are read; the state gate bounds the streams served, ends those whose reader stalls or falls below the
+minimum rate (and cools their peers down), and gives the slowest stream's slot to a new reader. The attacks against
 real hivemind peers are in ``tests/integration/test_wire_limits.py``."""
 
 from __future__ import annotations
 
 import asyncio
 import math
+import time
 import tracemalloc
 
 import pytest
@@ -19,6 +21,7 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.streaming import split_for_streaming
 
 from p2p_diloco.compression import CODECS, decode_tensor
+from p2p_diloco.config import AveragingConfig, ConfigError
 from p2p_diloco.swarm.averaging import limits
 from p2p_diloco.swarm.averaging.hivemind_api import P2P
 from p2p_diloco.swarm.averaging.limits import MessageTooLargeError, StateGate
@@ -170,6 +173,9 @@ def test_the_cap_is_far_above_every_message_an_honest_peer_sends(name):
         < limits.MAX_MESSAGE_BYTES
 
 
+CHUNK = b"x" * 1000  # one message of a state stream
+
+
 class _State:
     """A state stream's messages; notes whether it was opened and whether its generator was closed."""
 
@@ -179,62 +185,170 @@ class _State:
     async def stream(self):
         self.opened += 1
         try:
-            for index in range(self.num_messages):
-                yield index
+            for _ in range(self.num_messages):
+                yield CHUNK
         finally:
             self.closed.set()
 
 
+def make_gate(max_streams: int = 2, min_bytes_per_s: float = 1.0, stall_timeout_s: float = 60.0,
+              cooldown_s: float = 60.0) -> StateGate:
+    return StateGate(max_streams, min_bytes_per_s, stall_timeout_s, cooldown_s)
+
+
+def serve(gate: StateGate, peer: str, state: _State):
+    return gate.serve(peer, state.stream, len)
+
+
+async def read(gate: StateGate, peer: str, state: _State, every_s: float = 0.0, received: list = None) -> list:
+    """A reader in a task of its own (as hivemind's handler task is: the gate cancels it to end its stream)."""
+    received = [] if received is None else received
+    async for message in serve(gate, peer, state):
+        received.append(message)
+        await asyncio.sleep(every_s)
+    return received
+
+
 def test_the_gate_serves_one_stream_per_peer_and_a_bounded_number_in_all_opening_no_other():
     async def main():
-        gate = StateGate(max_streams=2, max_per_peer=1, stall_timeout_s=60, serve_timeout_s=60)
+        gate = make_gate()
         a1, a2, b, c = _State(), _State(), _State(), _State()
-        held_a, held_b = gate.serve("a", a1.stream), gate.serve("b", b.stream)
-        assert await anext(held_a) == 0 and await anext(held_b) == 0  # two readers in the middle of their state
-        assert [m async for m in gate.serve("a", a2.stream)] == []  # a second stream to a
-        assert [m async for m in gate.serve("c", c.stream)] == []  # a third stream in all
+        held_a, held_b = serve(gate, "a", a1), serve(gate, "b", b)
+        assert await anext(held_a) == CHUNK and await anext(held_b) == CHUNK  # two readers in their state
+        assert [m async for m in serve(gate, "a", a2)] == []  # a second stream to a
+        assert [m async for m in serve(gate, "c", c)] == []  # a third, while both are too young to be preempted
         assert (a2.opened, c.opened) == (0, 0)  # nothing was copied for the refused requests
-        assert gate.streams == {"a": 1, "b": 1}
-        assert [m async for m in held_a] == list(range(1, 100)) and a1.closed.is_set()
-        assert gate.streams == {"b": 1}
-        assert len([m async for m in gate.serve("c", c.stream)]) == 100  # a slot is free again
-        await held_b.aclose()  # the reader went away
-        assert b.closed.is_set() and gate.streams == {}
+        assert set(gate.streams) == {"a", "b"}
+        assert len([m async for m in held_a]) == 99 and a1.closed.is_set()
+        assert set(gate.streams) == {"b"}
+        assert len([m async for m in serve(gate, "c", c)]) == 100  # a slot is free again
+        await held_b.aclose()  # the reader went away: no offence
+        assert b.closed.is_set() and gate.streams == {} and not gate.cooled
 
     asyncio.run(main())
 
 
-def test_a_stream_whose_reader_stalls_is_ended_and_its_state_dropped():
+def test_a_stream_whose_reader_stalls_is_ended_its_state_dropped_and_its_peer_cooled_down():
     async def main():
-        gate = StateGate(max_streams=2, max_per_peer=1, stall_timeout_s=0.2, serve_timeout_s=60)
-        state = _State()
-        stalled = gate.serve("a", state.stream)
-        assert await anext(stalled) == 0  # then the reader takes nothing more
-        await asyncio.wait_for(state.closed.wait(), timeout=5)  # the state's generator (holding its copy) is closed
-        assert gate.streams == {}  # and the slot free, although the reader still holds the stream
-        assert [m async for m in stalled] == []  # a reader that wakes up gets nothing more
-
-    asyncio.run(main())
-
-
-def test_a_stream_that_is_not_done_in_time_is_ended():
-    async def main():
-        gate = StateGate(max_streams=2, max_per_peer=1, stall_timeout_s=60, serve_timeout_s=0.5)
+        gate = make_gate(stall_timeout_s=0.2, cooldown_s=1.0)
         state, received = _State(), []
-        async for index in gate.serve("a", state.stream):
-            received.append(index)
-            await asyncio.sleep(0.1)  # a reader that takes a message every 0.1 s
-        assert 2 <= len(received) <= 6 and state.closed.is_set() and gate.streams == {}
+        stalled = asyncio.ensure_future(read(gate, "a", state, every_s=60, received=received))
+        await asyncio.wait_for(state.closed.wait(), timeout=5)  # the state's generator (holding its copy) is closed
+        with pytest.raises(asyncio.CancelledError):  # and the task writing it cancelled: its socket closes
+            await asyncio.wait_for(stalled, timeout=5)
+        assert len(received) == 1 and gate.streams == {} and "a" in gate.cooled
+        again = _State()
+        assert await read(gate, "a", again) == [] and again.opened == 0  # cooled down: refused, nothing copied
+        assert len(await read(gate, "b", _State())) == 100  # the slot is free for the others
+        await asyncio.sleep(1.0)
+        assert len(await read(gate, "a", again)) == 100  # the cooldown is over
 
     asyncio.run(main())
 
 
-def test_the_gate_of_an_averager_uses_the_module_bounds(monkeypatch):
-    class Averager:
-        pass
+@pytest.mark.parametrize("every_s, served_in_full", [(0.02, True), (0.2, False)])
+def test_a_stream_must_keep_the_minimum_rate_after_its_head_start(every_s, served_in_full):
+    """10 KB/s at least after a head start of 0.3 s: a reader of a 1 KB message every 0.02 s (50 KB/s) is served to
+    the end; one every 0.2 s (5 KB/s, never stalling for 0.3 s) falls behind once 10 KB/s x (t - 0.3 s) exceeds what
+    it took: at 0.4 s, as it had taken one message."""
+    async def main():
+        gate = make_gate(min_bytes_per_s=10_000, stall_timeout_s=0.3)
+        state, received = _State(num_messages=40), []
+        started = time.monotonic()
+        try:
+            await asyncio.wait_for(read(gate, "a", state, every_s=every_s, received=received), timeout=10)
+        except asyncio.CancelledError:
+            assert not served_in_full
+        took = time.monotonic() - started
+        assert state.closed.is_set() and gate.streams == {}
+        if served_in_full:
+            assert len(received) == 40 and not gate.cooled
+        else:
+            assert 0.3 < took < 1.5 and len(received) <= 6 and "a" in gate.cooled, (took, len(received))
 
-    monkeypatch.setattr(limits, "MAX_STATE_STREAMS", 7)
+    asyncio.run(main())
+
+
+def test_a_full_gate_gives_the_slowest_old_streams_slot_to_a_new_reader(monkeypatch):
+    monkeypatch.setattr(limits, "PREEMPT_AFTER_S", 0.2)
+
+    async def main():
+        gate = make_gate()
+        squatted, fast = _State(), _State(num_messages=10**6)
+        squatter = asyncio.ensure_future(read(gate, "squatter", squatted, every_s=30))  # one message, then waits
+        reader = asyncio.ensure_future(read(gate, "fast", fast, every_s=0.005))
+        await asyncio.sleep(0.4)
+        newcomer = _State()
+        assert len(await read(gate, "newcomer", newcomer)) == 100  # it took the squatter's slot
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(squatter, timeout=5)
+        assert squatted.closed.is_set() and "squatter" not in gate.cooled  # preempted, not punished
+        assert set(gate.streams) == {"fast"} and not reader.done()
+        slow = asyncio.ensure_future(read(gate, "slow", _State(), every_s=30))
+        await asyncio.sleep(0.4)
+        again = _State()
+        assert await read(gate, "squatter", again) == [] and again.opened == 0  # it takes no other's slot now
+        assert len(await read(gate, "other", _State())) == 100  # another does: the slowest's
+        assert slow.cancelled() and set(gate.streams) == {"fast"}
+        reader.cancel()
+
+    asyncio.run(main())
+
+
+def test_squatters_that_reconnect_do_not_keep_out_a_reader_faster_than_them(monkeypatch):
+    """Issue 30 item 6 without a network: three identities hold both slots, each taking a message every 0.4 s (under
+    the stall timeout) and reconnecting as soon as they lose their stream. A newcomer that reads faster than they do
+    gets its whole state, and keeps its slot until it is done."""
+    monkeypatch.setattr(limits, "PREEMPT_AFTER_S", 0.2)
+
+    async def squat(gate: StateGate, peer: str) -> None:
+        while True:  # a stream the gate ends (its task cancelled) is followed by the next at once
+            await asyncio.wait({asyncio.ensure_future(read(gate, peer, _State(num_messages=10**6), every_s=0.4))})
+            await asyncio.sleep(0.01)
+
+    async def main():
+        gate = make_gate(min_bytes_per_s=1000, stall_timeout_s=0.5)
+        squatters = [asyncio.ensure_future(squat(gate, f"squatter{i}")) for i in range(3)]
+        try:
+            await asyncio.sleep(0.5)
+            assert len(gate.streams) == 2
+            started, honest = time.monotonic(), _State(num_messages=200)
+            received = await asyncio.wait_for(read(gate, "honest", honest, every_s=0.005), timeout=10)
+            assert len(received) == 200 and time.monotonic() - started < 5
+        finally:
+            for task in squatters:
+                task.cancel()
+            await asyncio.gather(*squatters, return_exceptions=True)
+
+    asyncio.run(main())
+
+
+def test_the_peers_cooling_down_are_bounded(monkeypatch):
+    monkeypatch.setattr(limits, "MAX_COOLED_PEERS", 3)
+
+    async def main():
+        gate = make_gate(max_streams=8, stall_timeout_s=0.05)
+        readers = [asyncio.ensure_future(read(gate, f"p{i}", _State(), every_s=60)) for i in range(5)]
+        await asyncio.gather(*readers, return_exceptions=True)
+        assert list(gate.cooled) == ["p2", "p3", "p4"]  # the oldest forgotten first
+
+    asyncio.run(main())
+
+
+def test_the_gate_of_an_averager_uses_its_averaging_config():
+    class Averager:
+        cfg = AveragingConfig(state_streams=7, state_min_mbit=8.0, state_stall_s=5.0, state_cooldown_s=9.0)
+
     averager = Averager()
     gate = StateGate.of(averager)
-    assert StateGate.of(averager) is gate and gate.max_streams == 7 and gate.max_per_peer == 1
-    assert math.isclose(gate.stall_timeout_s, limits.STATE_STALL_TIMEOUT_S)
+    assert StateGate.of(averager) is gate and gate.max_streams == 7
+    assert (gate.min_bytes_per_s, gate.stall_timeout_s, gate.cooldown_s) == (1e6, 5.0, 9.0)
+
+
+@pytest.mark.parametrize("field, value", [("state_streams", 0), ("state_streams", 1.5), ("state_min_mbit", 0.0),
+                                          ("state_min_mbit", math.inf), ("state_stall_s", -1.0),
+                                          ("state_cooldown_s", math.nan)])
+def test_state_serving_bounds_are_checked(field, value):
+    with pytest.raises(ConfigError, match=f"averaging.{field}"):
+        AveragingConfig(**{field: value}).validate()
+    AveragingConfig().validate()

@@ -414,13 +414,15 @@ class GuardedAverager:
 
     async def rpc_download_state(self, request: averaging_pb2.DownloadRequest,
                                  context: P2PContext) -> typing.AsyncIterator[averaging_pb2.DownloadData]:
-        """Serve this stage's state to members of the swarm only, to a bounded number of peers at a time (each stream
-        holds a copy of anchor and momentum: see :class:`~p2p_diloco.swarm.averaging.limits.StateGate`). A refused
-        request makes no copy: it ends with no data, and the downloader moves on to its next donor."""
+        """Serve this stage's state to members of the swarm only, to a bounded number of peers at a time, each at a
+        minimum rate (each stream holds a copy of anchor and momentum: see
+        :class:`~p2p_diloco.swarm.averaging.limits.StateGate`). A refused request makes no copy: it ends with no
+        data, and the downloader moves on to its next donor."""
         if self.guard.outsider(context.remote_id):
             logger.warning(f"Refused to serve state to {context.remote_id}: not on averaging.allowlist")
             return
-        serve = StateGate.of(self).serve(context.remote_id, partial(super().rpc_download_state, request, context))
+        serve = StateGate.of(self).serve(context.remote_id, partial(super().rpc_download_state, request, context),
+                                         averaging_pb2.DownloadData.ByteSize)
         async for message in serve:
             yield message
 
