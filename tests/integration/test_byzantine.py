@@ -273,3 +273,48 @@ def test_a_groupmate_with_an_oversized_record_is_refused_before_its_record_is_de
         named |= {suspect for suspect, reasons in result.suspects.items() if "metadata" in reasons}
     assert named == {peer_id(fat)}, [r.suspects for r in results[:3]]
     assert not results[3].averaged
+
+
+class SignedNetwork(Network):
+    """A :class:`Network` of DHT nodes started as peers start theirs (start_dht: entries signed by each node), so
+    that averagers compare the digests of their slices (digests.py)."""
+
+    def __init__(self):
+        from p2p_diloco.config import DHTConfig
+        from p2p_diloco.swarm import start_dht
+
+        self._start = lambda initial: start_dht(DHTConfig(host_maddrs=LOOPBACK, initial_peers=initial))
+        self.root = self._start([])
+        self.initial = [str(m) for m in self.root.get_visible_maddrs()]
+        self.dhts, self.averagers = [self.root], []
+
+    def dht(self):
+        self.dhts.append(self._start(self.initial))
+        return self.dhts[-1]
+
+
+@pytest.fixture
+def signed_network():
+    net = SignedNetwork()
+    yield net
+    net.shutdown()
+
+
+def test_a_reducer_that_sends_one_member_other_averages_is_named_and_banned_by_it(signed_network):
+    """A reducer returns its true averages to all but one member, and 1.5 times them to that one: within every bound
+    a receiver checks alone, and before, that member's anchor left the others' (one reply stream per member, never
+    compared). Now every member publishes a signed digest of the slice it got from each reducer: that member finds
+    the reducer's own record naming other bytes than it got, bans it at once (a proof) and does not apply its
+    average; the other members hold identical averages; no honest peer is named."""
+    honest = [signed_network.averager() for _ in range(3)]
+    liar = signed_network.averager("equivocate:1.5")
+    contributions, results = average_round(honest + [liar], round_index=0)
+    banned_by = [result for result in results[:3] if result.banned == (peer_id(liar),)]
+    assert len(banned_by) == 1, [(r.banned, r.suspects, r.fallback_reason) for r in results[:3]]
+    assert banned_by[0].suspects[peer_id(liar)] == ["equivocated"]
+    applied = [result for result in results[:3] if result.averaged and result is not banned_by[0]]
+    assert len(applied) == 2
+    assert_honest_agree(applied, contributions[:3])
+    assert not banned_by[0].averaged or set(banned_by[0].group_peers) <= {peer_id(h) for h in honest}
+    for result in results[:3]:
+        assert not {p for p, reasons in result.suspects.items() if set(reasons) & OFFENCES} - {peer_id(liar)}

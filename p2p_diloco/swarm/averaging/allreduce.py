@@ -31,6 +31,9 @@ back). So each reducer keeps the averages of its slice for a while (:class:`Serv
 groupmate got), and a member whose stream ended short or broke asks the reducer for them again
 (``rpc_fetch_averages``, served by the averager) and takes the parts it is missing, with the same checks.
 
+Each member keeps a digest of the slice it got from every reducer (:meth:`ExactAllReduceRunner.slice_digests`; of its
+own slice, what it served): the averager compares them across the group (:mod:`~p2p_diloco.swarm.averaging.digests`).
+
 Built on hivemind internals (``AllReduceRunner``, ``TensorPartContainer``), through
 :mod:`p2p_diloco.swarm.averaging.hivemind_api`.
 Called only by :class:`p2p_diloco.swarm.averaging.averager.PseudoGradientAverager`.
@@ -40,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 import math
 import typing
 from collections.abc import AsyncIterator
@@ -49,6 +53,7 @@ import torch
 
 from p2p_diloco.compression.codecs import decode_tensor
 from p2p_diloco.faults import HONEST, Honest
+from p2p_diloco.swarm.averaging.digests import slice_digest
 from p2p_diloco.swarm.averaging.guard import BAD_AVERAGE, IMPLAUSIBLE, MALFORMED, NOT_IN_GROUP, STALL
 from p2p_diloco.swarm.averaging.hivemind_api import (
     AllreduceException,
@@ -156,6 +161,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         self.silent: list[PeerID] = []  # reducers that took this peer's parts and returned no average
         self.refused_by: list[PeerID] = []  # reducers that refused this peer's parts as of another view of the group
         self.absent: list[PeerID] = []  # reducers that are in no group: they gave up on its leader (guard.absent)
+        self._part_digests: dict[PeerID, dict[int, bytes]] = {}  # reducer -> part index -> sha256 of its bytes
         container = self.tensor_part_container
         container.return_deltas = False  # a failed reducer's parts fall back to our own values, not zeros
         my_index = self.ordered_peer_ids.index(self.peer_id)
@@ -226,12 +232,12 @@ class ExactAllReduceRunner(AllReduceRunner):
                 self.absent.append(peer_id)
             if message.code != averaging_pb2.AVERAGED_PART:
                 raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(message.code)}")
-            return _decode_part(message, largest)
+            return _decode_part(message, largest), _part_digest(message.tensor_part)
 
-        part_index = start
-        async for averaged_part in amap_in_executor(decode, aiter_with_timeout(_skip(messages, start),
-                                                                               self.reducer_timeout),
-                                                    max_prefetch=self.tensor_part_container.prefetch):
+        part_index, digests = start, self._part_digests.setdefault(peer_id, {})
+        async for averaged_part, digest in amap_in_executor(decode, aiter_with_timeout(_skip(messages, start),
+                                                                                       self.reducer_timeout),
+                                                            max_prefetch=self.tensor_part_container.prefetch):
             if isinstance(averaged_part, Exception) or part_index >= len(expected_shapes) or \
                     averaged_part.shape != expected_shapes[part_index]:
                 self.flags.append((peer_id, MALFORMED))
@@ -243,8 +249,24 @@ class ExactAllReduceRunner(AllReduceRunner):
                     self.implausible.append(peer_id)
                 raise AllreduceException(f"{peer_id} returned {problem}")
             self.tensor_part_container.register_processed_part(peer_index, part_index, averaged_part)
+            digests[part_index] = digest
             part_index += 1
         return part_index
+
+    def slice_digests(self) -> dict[str, str]:
+        """Reducer (base58) -> digest of every averaged part of its slice this peer holds (its own slice: as served),
+        for the reducers whose slice this peer got whole (see :mod:`~p2p_diloco.swarm.averaging.digests`)."""
+        found = {}
+        for peer_index, peer_id in enumerate(self.ordered_peer_ids):
+            expected = self.tensor_part_container.num_parts_by_peer[peer_index]  # (the parts are cleared at the end)
+            if peer_id == self.peer_id:
+                parts = [_part_digest(part) for part in self.served.parts if part is not None]
+            else:
+                held = self._part_digests.get(peer_id, {})
+                parts = [held[i] for i in range(expected) if i in held]
+            if expected and len(parts) == expected:
+                found[peer_id.to_base58()] = slice_digest(parts)
+        return found
 
     async def _reduce_own_parts(self, peer_index: int) -> None:
         """Reduce the parts this peer is responsible for; its own contribution is what the codec would send. Each
@@ -416,6 +438,11 @@ class RobustPartReducer(TensorPartReducer):
             return
         self.current_part_future.set_result(combined.average)
         self.reset_accumulators()
+
+
+def _part_digest(serialized) -> bytes:
+    """sha256 of an averaged part as sent (a hivemind ``runtime_pb2.Tensor``; deterministic serialization)."""
+    return hashlib.sha256(serialized.SerializeToString(deterministic=True)).digest()
 
 
 def _decode_part(message: averaging_pb2.AveragingData, max_values: int):

@@ -11,7 +11,8 @@ matchmaking through the DHT, butterfly all-reduce over libp2p) with these additi
   (:mod:`p2p_diloco.swarm.averaging.robust`), averages returned by reducers are checked; offenders are reported with
   each round, and banned after repeat offences; with ``averaging.allowlist``, only members of a private swarm are
   grouped with and exchange state;
-- the result is bit-identical on every groupmate (:mod:`p2p_diloco.swarm.averaging.allreduce`);
+- the result is bit-identical on every groupmate (:mod:`p2p_diloco.swarm.averaging.allreduce`), and members compare
+  the digests of what each reducer sent them before using it (:mod:`p2p_diloco.swarm.averaging.digests`);
 - pseudo-gradients are compressed under a plan the group agrees on from its gathered metadata
   (:mod:`p2p_diloco.compression.policy`), low-rank ones in two phases (:mod:`p2p_diloco.swarm.averaging.reduce`), all in
   the background process; the round returns this peer's error-feedback residual with the average;
@@ -47,6 +48,7 @@ from p2p_diloco.config import AveragingConfig
 from p2p_diloco.faults import HONEST, Honest, fault_point
 from p2p_diloco.process import die_with_parent, leave_signals_to_parent, lower_priority
 from p2p_diloco.swarm.averaging.allreduce import BYTES_RECEIVED, BYTES_SENT, ExactAllReduceRunner, ServedAverages
+from p2p_diloco.swarm.averaging.digests import exchange_digests, judge
 from p2p_diloco.swarm.averaging.guard import MAX_CATCH_UP, GroupView, GuardedAverager, PeerGuard, read_group
 from p2p_diloco.swarm.averaging.hivemind_api import (
     AllreduceException,
@@ -65,6 +67,8 @@ from p2p_diloco.swarm.averaging.hivemind_api import (
 )
 from p2p_diloco.swarm.averaging.reduce import RoundReducer
 from p2p_diloco.swarm.averaging.robust import RobustRule, average_bound
+from p2p_diloco.swarm.discovery.records import record_owner
+from p2p_diloco.swarm.errors import SwarmError
 
 logger = logging.getLogger(__name__)
 
@@ -205,6 +209,10 @@ class PseudoGradientAverager(GuardedAverager, DecentralizedAverager):
         self.guard = PeerGuard(cfg.ban_after, cfg.allowlist)  # its state lives in the background process
         self.rule = RobustRule(outlier_ratio=cfg.outlier_norm_ratio, clip_ratio=cfg.clip_ratio)
         self.behaviour = behaviour
+        try:  # the subkey this peer's DHT node signs its entries under: the group's digest records (digests.py)
+            self._digests_owner: Optional[bytes] = record_owner(dht)
+        except SwarmError:  # a node started outside start_dht (tests) signs nothing: no digest comparison
+            self._digests_owner = None
         if behaviour is not HONEST:
             logger.warning(f"This peer is hostile to its groupmates ({behaviour}): a test hook")
         super().__init__(
@@ -300,10 +308,13 @@ class PseudoGradientAverager(GuardedAverager, DecentralizedAverager):
                 None, load_balance_peers, self.total_size, view.bandwidths, min_vector_size)
             kwargs.pop("compression", None), kwargs.pop("tensor_infos", None)
 
+            digests: dict = {}  # phase -> reducer -> digest of the slice this peer got from it
+
             async def allreduce(tensors, codecs, phase):
                 tensors = self.behaviour.outgoing(tensors)
-                return await self._allreduce_phase(tensors, codecs, group_info, group_info.group_id + phase, view,
-                                                   peer_fractions=fractions, **kwargs)
+                averaged, digests[phase.decode() or "-"] = await self._allreduce_phase(
+                    tensors, codecs, group_info, group_info.group_id + phase, view, peer_fractions=fractions, **kwargs)
+                return averaged
 
             fault_point("allreduce-group-formed")  # test hooks: unset, a dictionary lookup and a no-op
             await self.behaviour.join_allreduce()
@@ -316,6 +327,7 @@ class PseudoGradientAverager(GuardedAverager, DecentralizedAverager):
                 outcome = await self._unless_cancelled(asyncio.wait_for(
                     self._reducer.reduce([b.clone() for b in buffers], plan, my_round, allreduce),
                     timeout=self.cfg.allreduce_timeout_s), my_round)
+                await self._compare_digests(group_info.group_id, view, digests)
                 for buffer, residual, average, error in zip(buffers, self._residuals, outcome.averaged,
                                                             outcome.residuals):
                     buffer.copy_(average)
@@ -339,19 +351,20 @@ class PseudoGradientAverager(GuardedAverager, DecentralizedAverager):
             self._leave_group(group_info.group_id)
 
     async def _allreduce_phase(self, tensors, codecs, group_info, group_id, view: GroupView,
-                               **kwargs) -> list[torch.Tensor]:
-        """One exact, robust all-reduce of ``tensors`` (codec ``codecs[i]`` for tensor i) in the round's group."""
+                               **kwargs) -> tuple[list[torch.Tensor], dict[str, str]]:
+        """One exact, robust all-reduce of ``tensors`` (codec ``codecs[i]`` for tensor i) in the round's group; the
+        averages, and a digest of the slice this peer got from each reducer."""
         # an honest average is within robust.average_bound times this peer's part (its own claim is the one it
         # sent); beyond it the average is refused and the reducer left out of the round's retry. Beyond outlier_ratio
         # x the median part (scaled by catch_up, capped: see GroupView.catch_up), with a factor 2 to spare, no honest
         # reducer goes at all (larger parts are left out): an offence
-        members = list(view.weights)
+        members, offence_bound = list(view.weights), 2 * self.rule.outlier_ratio * view.catch_up
         plausible = average_bound([view.weights[p] for p in members],
                                   [float(view.infos[p]["tokens"]) for p in members], members.index(self.peer_id),
                                   self.rule, MAX_CATCH_UP)
         runner = ExactAllReduceRunner(
-            traffic=self.traffic, weights=view.weights, rule=self.rule, plausible_bound=plausible,
-            average_bound=2 * self.rule.outlier_ratio * view.catch_up,
+            traffic=self.traffic, weights=view.weights, rule=self.rule, average_bound=offence_bound,
+            plausible_bound=min(plausible, offence_bound),
             claims={peer_id: float(info["tokens"]) for peer_id, info in view.infos.items()},
             behaviour=self.behaviour, p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors,
             group_id=group_id,
@@ -382,7 +395,22 @@ class PseudoGradientAverager(GuardedAverager, DecentralizedAverager):
         if failed:
             # some reducer vanished: part of the result is our own values, so the round is not an average
             raise AllreduceException(f"{failed} of {runner.tensor_part_container.total_size} values were not averaged")
-        return averaged
+        return averaged, runner.slice_digests()
+
+    async def _compare_digests(self, view_id: bytes, view: GroupView, digests: dict) -> None:
+        """Publish the digests of the slices this peer got, read its groupmates' (at most one request timeout), and
+        raise AllreduceException, naming the reducer, if one sent this peer other bytes than the group's (see
+        :mod:`~p2p_diloco.swarm.averaging.digests`)."""
+        if self._digests_owner is None:
+            return
+        me, members = self.peer_id.to_base58(), {peer_id.to_base58(): peer_id for peer_id in view.infos}
+        claims = await exchange_digests(self.dht, f"{self.prefix}.digests.{view_id.hex()}", self._digests_owner, me,
+                                        digests, members, self.cfg.request_timeout_s)
+        verdict = judge(me, digests, claims)
+        for reducer, reason in verdict:
+            self.guard.record(view.round_index, members[reducer], reason)
+        if verdict:
+            raise AllreduceException(f"reducers sent this peer other averages than the group's: {verdict}")
 
     def _round_averaged(self) -> Optional[int]:
         round_index = int(self._buffered_round[0])
@@ -686,3 +714,4 @@ class PseudoGradientAverager(GuardedAverager, DecentralizedAverager):
             self._buffered_round[0] = -1  # no lock: a reduce already under way may finish, unread
             cancel_step(self._pending.control)
             self._pending = None
+

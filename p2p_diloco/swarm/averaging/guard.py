@@ -43,6 +43,7 @@ from functools import partial
 from typing import Optional
 
 from p2p_diloco.faults import HONEST, Honest
+from p2p_diloco.swarm.averaging.digests import EQUIVOCATED, OUTVOTED
 from p2p_diloco.swarm.averaging.gathered import (
     MAX_GATHERED_BYTES,
     GatheredError,
@@ -75,8 +76,9 @@ WRONG_ROUND, METADATA, BAD_AVERAGE = "round", "metadata", "bad average"
 FORGED, STALL = "forged record", "stall"
 IMPLAUSIBLE = "implausible average"  # beyond what an honest reducer returns, within the offence bound: left out
 CAPPED, BANNED = "capped", "banned"
-OFFENCES = frozenset({MALFORMED, NONFINITE, TOO_LARGE, WRONG_ROUND, METADATA, BAD_AVERAGE, FORGED})  # the rest: noted
-PROOFS = frozenset({FORGED})  # an offence only a hostile peer commits: one bans at once
+OFFENCES = frozenset({MALFORMED, NONFINITE, TOO_LARGE, WRONG_ROUND, METADATA, BAD_AVERAGE, FORGED, EQUIVOCATED,
+                      OUTVOTED})  # the rest: noted
+PROOFS = frozenset({FORGED, EQUIVOCATED})  # an offence only a hostile peer commits: one bans at once
 STALL_WINDOW = 20  # rounds: stalls in 2 x ban_after of the last STALL_WINDOW rounds ban a peer
 MAX_CATCH_UP = 8.0  # see GroupView.catch_up
 KEPT_ROUNDS = 8  # flags of older rounds that nobody asked for are dropped

@@ -146,19 +146,20 @@ def average_bound(weights: Sequence[float], claims: Sequence[float], me: int, ru
     """How many times the norm of its own part an honest reducer's average of a slice may be, as sender ``me`` can
     tell from the group's weights and claims alone (it sees no other part).
 
-    Each sender's part is taken to be at most ``pair_ratio`` times the receiver's, per claimed token: with 2 parts
-    that is :func:`combine`'s own rule (the larger is scaled to ``pair_ratio`` times the smaller), so the bound is
-    exactly the largest average a hostile member of a pair obtains; with 3 or more, the outlier test and CenteredClip
-    keep an honest result within the span of the parts, and honest parts of one round differ in norm per token by
-    less than that (an honest peer on 5 times the tokens sent an 18 times larger part: 3.6 per token, within the
-    3 of the ratio times this bound's margin). So the bound is the weighted mean
+    Each sender's part is taken to be at most ``pair_ratio`` times the receiver's, times the square of their claims'
+    ratio: with 2 parts that is :func:`combine`'s own rule (the larger is scaled to ``pair_ratio`` times the smaller,
+    whatever the claims), so the bound is exactly the largest average a hostile member of a pair obtains; with 3 or
+    more, the outlier test and CenteredClip keep an honest result within the span of the parts, and honest parts of
+    one round differ in norm by less than that: by far less with equal claims; with unequal ones, a pseudo-gradient
+    grows with the steps and, in the warmup, with the learning rate that rises with them (an honest peer on 5 times
+    the tokens sent an 18 times larger part, and a peer at half speed in its first round, on a fifth of the tokens,
+    got an honest average over 17 times its own part's norm). So the bound is the weighted mean
 
-        B = sum_i w_i r_i / sum_i w_i,  r_me = 1,  r_i = pair_ratio * max(1, min(c_i / c_me, max_claim_ratio)),
+        B = sum_i w_i r_i / sum_i w_i,  r_me = 1,  r_i = pair_ratio * max(1, min(c_i / c_me, max_claim_ratio))^2,
 
     with c_i the claims capped at ``outlier_ratio`` times their median, as the outlier test caps them (in a pair
-    r_i = pair_ratio: the pair rule ignores claims): 2 in a pair of equal weights, 7/3 at most in any pair, under 3
-    in any group of equal claims, at most ``3 * max_claim_ratio`` (24). Weights of 0
-    (banned, excluded) do not count; the codecs' rounding is the caller's margin.
+    r_i = pair_ratio): 2 in a pair of equal weights, 7/3 at most in any pair, under 3 in any group of equal claims.
+    Weights of 0 (banned, excluded) do not count; the codecs' rounding is the caller's margin.
     """
     members = [i for i, w in enumerate(weights) if w > 0]
     if me not in members:
@@ -170,7 +171,7 @@ def average_bound(weights: Sequence[float], claims: Sequence[float], me: int, ru
         rule.pair_ratio
     scale = {i: 1.0 if len(members) == 2 else max(1.0, min(capped[i] / max(capped[me], 1e-12), max_claim_ratio))
              for i in members}  # a pair is scaled by norms alone, whatever the claims
-    ceilings = {i: 1.0 if i == me else ratio * scale[i] for i in members}
+    ceilings = {i: 1.0 if i == me else ratio * scale[i] ** 2 for i in members}
     return sum(weights[i] * ceilings[i] for i in members) / sum(weights[i] for i in members)
 
 
