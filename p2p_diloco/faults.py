@@ -36,7 +36,11 @@ An honest averager has the :class:`Honest` behaviour, whose hooks change nothing
   leaves the group and looks for the next one, default 30);
 - to the swarm's sync: ``false-state:K`` (its progress records claim K rounds more than it has trained and
   applied, which made every peer that read them believe it was behind and reload; and the state it serves to
-  newcomers has every anchor value shifted by 1, default 1000).
+  newcomers has every anchor value shifted by 1, default 1000); ``poison-momentum:K`` (serves its true anchor
+  with outer momentum K times that anchor: with the default K = 1 / (outer_lr * outer_momentum**2) of the default
+  outer optimizer, the taker's next Nesterov step sends its anchor to about zero; its records are honest, so a
+  benchmark casts the votes for the served state from other identities); ``tiny-clock`` (the state it serves
+  claims ``seconds_per_step`` = 5e-320, which once overflowed the downloader's ``int()`` and killed it).
 """
 
 from __future__ import annotations
@@ -56,7 +60,9 @@ HOSTILITY_OPTION = "--test-hostility"
 HOSTILE_KINDS = {"scale": 1000.0, "noise": 100.0, "nan": None, "inf": None, "shape": None, "tokens": 1000.0,
                  "stale": 1.0, "metadata": None, "fat-metadata": 4.0, "equivocate": 1.5,
                  "lowball": None, "reply-nan": None, "reply-scale": 1000.0,
-                 "forge-tokens": 1000.0, "forge-round": None, "miss-begin": 1.0, "stall": 30.0, "false-state": 1000.0}
+                 "forge-tokens": 1000.0, "forge-round": None, "miss-begin": 1.0, "stall": 30.0, "false-state": 1000.0,
+                 "poison-momentum": 1 / (0.7 * 0.5**2), "tiny-clock": None}
+TINY_CLOCK_S = 5e-320  # a subnormal float: positive and finite, and elapsed / it overflows
 _passes: dict[str, int] = {}
 
 
@@ -223,6 +229,11 @@ class Hostility(Honest):
         if self.kind == "false-state":
             half = len(tensors) // 2
             return meta, [t + 1.0 for t in tensors[:half]] + list(tensors[half:])
+        if self.kind == "poison-momentum":
+            anchor = list(tensors[:len(tensors) // 2])
+            return meta, anchor + [t * self.value for t in anchor]
+        if self.kind == "tiny-clock":
+            return dict(meta, seconds_per_step=TINY_CLOCK_S), tensors
         return meta, tensors
 
     def gathered(self, data_for_gather: bytes, serializer) -> bytes:

@@ -35,7 +35,8 @@ def register(subparsers) -> None:
     parser.add_argument("--test-hostility", metavar="KIND[:VALUE]",
                         help="TEST HOOK, never in a real swarm: this peer lies to its groupmates and the swarm "
                         "(scale:K, noise:K, nan, inf, shape, tokens:K, stale:K, metadata, lowball, reply-nan, "
-                        "reply-scale:K, forge-tokens:K, forge-round, stall:S, false-state:K; see p2p_diloco/faults.py"
+                        "reply-scale:K, equivocate:K, fat-metadata:M, forge-tokens:K, forge-round, miss-begin:N, "
+                        "stall:S, false-state:K, poison-momentum:K, tiny-clock; see p2p_diloco/faults.py"
                         "), for tests and benchmarks of the defences; shown on /health; one-stage peers only")
     parser.set_defaults(run=run)
 
