@@ -139,14 +139,15 @@ META_KEYS = ["format", "run_id", "stage", "num_stages", "round", "applied_round"
 def test_any_state_metadata_is_checked_or_refused(meta, honest, scale):
     global STAGE
     if STAGE is None:
-        STAGE = make_stage()
-    honest_meta, tensors = STAGE.shareable_state("run")
+        stage = make_stage()
+        STAGE = stage, *stage.shareable_state("run")
+    stage, honest_meta, tensors = STAGE
     if honest:  # the honest document with the drawn fields replaced: each field's own check is reached
         meta = {**honest_meta, **meta}
     tensors = [t * scale for t in tensors]
     with bounded("checking a served state"):
         try:
-            STAGE.check_state("run", meta, tensors)
+            stage.check_state("run", meta, tensors)
         except StateError:
             return
     # accepted: a document of this run, stage and shapes, with finite tensors (what they hold is for the vote)
@@ -174,3 +175,37 @@ def test_every_node_bounds_the_size_and_lifetime_of_any_record():
     assert not bounds.validate(record(b"x", expires_in=10 * 3600))
     assert not bounds.validate(record(b"x", expires_in=float("inf")))
     assert not bounds.validate(record(b"x", subkey=b"s" * 2000))
+
+
+# ---- the group: gathered records, and the digests members compare ----------------------------------------------
+
+@PROPERTIES
+@given(record=trees, wrap=st.booleans(), mode=st.integers(min_value=-3, max_value=5), raw=st.binary(max_size=512))
+@example(record=None, wrap=False, mode=0, raw=b"\x91" * 400)  # 400 nested arrays
+@example(record=None, wrap=False, mode=0, raw=b"\xdd\xff\xff\xff\xff")  # an array declaring 2^32 - 1 items
+def test_any_gathered_record_decodes_or_is_refused(record, wrap, mode, raw):
+    from p2p_diloco.swarm.averaging.gathered import GatheredError, decode_record
+
+    if wrap:  # the shape hivemind gathers, [bandwidth, mode, metadata bytes], around an arbitrary metadata
+        raw = serialize([1.0, mode, serialize(record)])
+    with bounded("decoding a gathered record"):
+        try:
+            decode_record(raw)
+        except GatheredError:
+            pass
+
+
+@PROPERTIES
+@given(entries=st.dictionaries(st.binary(max_size=40) | st.just(b"[owner:junk]") | st.text(max_size=10), trees,
+                               max_size=6),
+       members=st.lists(st.sampled_from(["QmA", "QmB", "QmC"]), max_size=3, unique=True))
+def test_any_digest_claim_is_parsed_or_dropped(entries, members):
+    from p2p_diloco.swarm.averaging.digests import parse_claim, read_claims
+
+    found = ValueWithExpiration({k: ValueWithExpiration(v, get_dht_time() + 5) for k, v in entries.items()},
+                                get_dht_time() + 5)
+    with bounded("reading a group's digests"):
+        claims = read_claims(found, {m: None for m in members}, me="QmA")
+        for value in entries.values():
+            parse_claim(value, {m: None for m in members})
+    assert claims == {}  # nothing here is signed by a member's key
