@@ -176,6 +176,21 @@ def joined(newcomer: Path, started: float, anchors: dict[int, str]) -> float | N
     return None
 
 
+def anchor_splits(folders: list[Path], newcomer: Path) -> tuple[list[int], bool]:
+    """(applied rounds after which the honest peers' anchors, the newcomer's included once it has one, were not all
+    one, whether their final anchors are), from their round metrics."""
+    held: dict[int, set[str]] = {}
+    finals = set()
+    for folder in [*folders, newcomer]:
+        rounds = {e["applied_round"]: e["anchor_sha256"] for e in events(folder, "round")
+                  if e["applied_round"] is not None}
+        for r, digest in rounds.items():
+            held.setdefault(r, set()).add(digest)
+        if rounds:
+            finals.add(rounds[max(rounds)])
+    return sorted(r for r, digests in held.items() if len(digests) > 1), len(finals) == 1
+
+
 def measure(run: dict, peers: list[str]) -> dict:
     """The targets' numbers of one run, from the peers' metrics and summaries."""
     folders, codes = run["folders"], run["codes"]
@@ -198,12 +213,13 @@ def measure(run: dict, peers: list[str]) -> dict:
         offences = {peer for e in applied[i] for peer, reasons in e["suspects"].items() if OFFENCES & set(reasons)}
         named_by += bool(bad_ids) and bad_ids <= offences
         banned_by += bool(bad_ids) and bad_ids <= set(applied[i][-1]["banned"] if applied[i] else [])
+    splits, final_identical = anchor_splits([folders[i] for i in honest], run["newcomer"])
     return {
+        "split_rounds": splits, "final_identical": final_identical,
         "eval_loss": statistics.mean(summaries[i]["eval_loss_final"] for i in finished) if finished else float("nan"),
         "averaged_rounds": min(sum(e["averaged"] for e in applied[i]) for i in honest),
         "rounds": max(len(applied[i]) for i in honest),
-        "anchors_identical": all(d == digests[0] for d in digests) and bool(late)
-        and all(anchors.get(r) == d for r, d in late.items()),
+        "anchors_identical": not splits and bool(late),
         "died": sorted(name for name, code in codes.items() if code != 0 and (
             name == "newcomer" or not peers[int(name.removeprefix("peer"))])),
         "join_s": joined(run["newcomer"], run["newcomer_started"], anchors),
@@ -221,6 +237,25 @@ def measure(run: dict, peers: list[str]) -> dict:
     }
 
 
+def anchors_cell(r: dict) -> str:
+    if not r["split_rounds"]:
+        return "identical"
+    final = "final one" if r["final_identical"] else "final DIFFER"
+    return f"split {','.join(map(str, r['split_rounds']))}, {final}"
+
+
+def remeasure(out: Path) -> dict:
+    """results.json of ``out`` with the anchors re-read from its run folders (a report of a run measured by an earlier
+    version of :func:`measure`)."""
+    results = json.loads((out / "results.json").read_text())
+    for i, (name, r) in enumerate(results.items()):
+        root = out / "runs" / f"run{i}"
+        honest = [root / f"peer{k}" for k in range(4 if name == "honest-4" else 3)]
+        r["split_rounds"], r["final_identical"] = anchor_splits(honest, root / "newcomer")
+        r["anchors_identical"] = not r["split_rounds"]
+    return results
+
+
 def report(results: dict, args) -> str:
     calm = results["honest-3"]
     mark = {True: "ok", False: "MISS"}
@@ -231,7 +266,7 @@ def report(results: dict, args) -> str:
              "swarm's anchor (<= 2x honest-3's); steps: inner steps per round (>= 90% of honest-3's); memory: "
              "honest mean peak RSS vs honest-3 (<= +10%); bans: honest peers banned by honest ones; "
              "named/banned: honest peers that named / banned the hostile one",
-             f"{'run':<26} {'eval loss':>9} {'loss':>13} {'anchors':<9} {'died':<9} {'join':>13} {'steps':>10} "
+             f"{'run':<40} {'eval loss':>9} {'loss':>13} {'anchors':<27} {'died':<9} {'join':>13} {'steps':>10} "
              f"{'memory':>12} {'bans':<7} {'averaged':>8} {'reloads':>7} {'named/banned':<12} reasons"]
     for name, r in results.items():
         ok = {target: test(r, calm) for target, test in TARGETS.items()}
@@ -239,8 +274,8 @@ def report(results: dict, args) -> str:
         hostile = f"{r['named_by']}/{r['banned_by']} of {r['honest_peers']}" if r["hostile"] else "-"
         gap = r["eval_loss"] / calm["eval_loss"] - 1
         lines.append(
-            f"{name:<26} {r['eval_loss']:>9.4f} {gap:>+7.2%} {mark[ok['loss']]:<4} "
-            f"{'identical' if ok['anchors'] else 'DIFFER':<9} {len(r['died']) or 'none':<4} {mark[ok['alive']]:<4} "
+            f"{name:<40} {r['eval_loss']:>9.4f} {gap:>+7.2%} {mark[ok['loss']]:<4} "
+            f"{anchors_cell(r):<22} {mark[ok['anchors']]:<4} {len(r['died']) or 'none':<4} {mark[ok['alive']]:<4} "
             f"{join:>7} {mark[ok['join']]:<4} {r['steps_per_round']:>5.1f} {mark[ok['steps']]:<4} "
             f"{r['rss_mb'] / calm['rss_mb'] - 1:>+6.1%} {mark[ok['memory']]:<4} "
             f"{len(r['honest_banned']) or 'none':<4} {mark[ok['bans']]:<2} {r['averaged_rounds']:>4}/{r['rounds']:<3} "
@@ -265,6 +300,7 @@ def main() -> None:
                         help="extra arguments of the hostile peer only, e.g. '--averaging.matchmaking_time_s 2' (a "
                              "leader that declares the earliest expiration, so that the others join its groups)")
     parser.add_argument("--out", type=Path, default=Path("runs") / time.strftime("byzantine-%Y%m%d-%H%M%S"))
+    parser.add_argument("--report-from", type=Path, help="print the report of an earlier --out folder again")
     parser.add_argument("--outsider", help=argparse.SUPPRESS)  # the outsider's own process (see Swarm)
     parser.add_argument("--run-id", help=argparse.SUPPRESS)
     parser.add_argument("--ready-file", type=Path, help=argparse.SUPPRESS)
@@ -272,6 +308,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.outsider:
         byzantine_outsiders.run(args.outsider, args.run_id, args.initial_peers, args.ready_file, args.h)
+        return
+    if args.report_from:
+        print(report(remeasure(args.report_from), args))
         return
     args.out.mkdir(parents=True, exist_ok=True)
     common = ["--model.preset", "tiny", "--data.batch_size", str(BATCH), "--data.seq_len", str(SEQ),
