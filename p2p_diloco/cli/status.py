@@ -54,6 +54,9 @@ WATCHDOG_GRACE_S = 8.0
 watchdog reports what it has and ends the process: ``--timeout T`` exits within T + 10 s of the process start."""
 
 
+_KILL_RESERVE_S = 3.0  # a node not ready in time is killed and reaped: leave it that long before the deadline
+
+
 class _Progress:
     """What ``status`` has so far, for the message of a run that ends at its deadline."""
 
@@ -122,7 +125,7 @@ def _read_status(cfg, progress: _Progress, deadline: float) -> tuple[list, int, 
 
     try:
         dht = start_dht(cfg.dht, record_validators=run_record_validators(cfg.run.run_id), check_identity_free=False,
-                        ready_timeout_s=left())
+                        ready_timeout_s=max(1.0, left() - _KILL_RESERVE_S))
     except SwarmError:
         if time.monotonic() < deadline:
             raise

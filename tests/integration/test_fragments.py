@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from p2p_diloco.training.state.anchor import load_peer_anchor
-from tests.integration.test_ops import run_clis
+from tests.integration.test_ops import LOADED_STATUS_TIMEOUT_S, run_clis
 from tests.integration.test_pipeline import pipeline_peer
 from tests.integration.test_swarm import events, summary
 
@@ -80,7 +80,10 @@ def test_peers_of_three_splits_average_every_fragment_together(tmp_path, process
         time.sleep(0.2)
     calm_until = time.time()  # the newcomer's start (two imports of torch, three averagers) ends the calm
     processes.start("new", *pipeline_peer(tmp_path, "new", *common, *NEWCOMER, maddrs=bootstrap, rounds=rounds))
-    status, = run_clis(["status", "--initial-peers", *bootstrap, "--run-id", "p2p-diloco-demo", "--json"])
+    # (--timeout counts from the process start: imports and joining beside a training swarm and the busy loops take
+    # a large part of the default 20 s)
+    status, = run_clis(["status", "--initial-peers", *bootstrap, "--run-id", "p2p-diloco-demo", "--json",
+                        "--timeout", str(LOADED_STATUS_TIMEOUT_S)])
     assert status.returncode == 0, status.stderr
     report = json.loads(status.stdout)  # per stage process, the fragments it holds (the newcomer may be starting)
     held = sorted(tuple(p["fragments"]) for p in report["peers"])

@@ -79,6 +79,7 @@ PHASES = (b"", b".P", b".Q")  # group id suffixes of a round's all-reduces (whol
 # runs in its own task, so the all-reduce of that step can see its cancel (see _unless_cancelled)
 _STEP: contextvars.ContextVar = contextvars.ContextVar("p2p_diloco_step", default=None)
 SERVED_ALLREDUCES = 8  # the last all-reduces whose averages (this peer's slice) are kept for groupmates to ask again
+AVERAGER_START_TIMEOUT_S = 60.0  # its process needs only the local p2p daemon: over a minute means a stuck machine
 
 
 class _StepCancelled(AllreduceException):
@@ -218,7 +219,7 @@ class PseudoGradientAverager(GuardedAverager, DecentralizedAverager):
         super().__init__(
             buffers,
             dht,
-            start=True,
+            start=False,  # started below, with a bound: hivemind waits for its process to be ready without one
             prefix=prefix,
             initial_group_bits=round_bits(0),
             target_group_size=cfg.target_group_size,
@@ -230,6 +231,18 @@ class PseudoGradientAverager(GuardedAverager, DecentralizedAverager):
             declare_state_period=10,
             shutdown_timeout=5,
         )
+        self._start_bounded(AVERAGER_START_TIMEOUT_S)
+
+    def _start_bounded(self, timeout_s: float) -> None:
+        """Start the background process and wait until it serves, at most ``timeout_s`` (it only needs the local p2p
+        daemon, so a longer wait means a stuck machine): then kill it and raise :class:`SwarmError`."""
+        try:
+            self.run_in_background(await_ready=True, timeout=timeout_s)
+        except TimeoutError:
+            if self.is_alive():
+                self.kill()
+                self.join(5)
+            raise SwarmError(f"the averager's process was not ready within {timeout_s:.0f} s") from None
 
     # ---- runs in the averager's background process -------------------------------------------------
     def run(self) -> None:
