@@ -168,10 +168,11 @@ def summary(folder: Path) -> dict | None:
 
 
 def joined(newcomer: Path, started: float, anchors: dict[int, str]) -> float | None:
-    """Seconds from the newcomer's start to its first state (reload or resync) holding the honest peers' anchor of
-    that round; None if it never held it."""
-    for e in events(newcomer, "sync"):
-        if anchors.get(e["applied_round"]) == e["anchor_sha256"]:
+    """Seconds from the newcomer's start to the first time it held the honest peers' anchor of a round: a state it
+    downloaded (reload or resync), or a round it averaged with them (a newcomer that arrives while the swarm's
+    first average is still in flight joins that round's group without a download); None if it never held it."""
+    for e in events(newcomer, "sync") + events(newcomer, "round"):
+        if e["applied_round"] is not None and anchors.get(e["applied_round"]) == e["anchor_sha256"]:
             return e["time"] - started
     return None
 
@@ -253,6 +254,11 @@ def remeasure(out: Path) -> dict:
         honest = [root / f"peer{k}" for k in range(4 if name == "honest-4" else 3)]
         r["split_rounds"], r["final_identical"] = anchor_splits(honest, root / "newcomer")
         r["anchors_identical"] = not r["split_rounds"]
+        if r["join_s"] is None:  # measured before a round the newcomer averaged counted as joining
+            anchors = {e["applied_round"]: e["anchor_sha256"] for e in events(honest[0], "round")
+                       if e["applied_round"] is not None}
+            first = min(e["time"] for e in events(root / "newcomer", "eval"))  # its first row: a lower bound
+            r["join_s"] = joined(root / "newcomer", first, anchors)
     return results
 
 
