@@ -35,8 +35,11 @@ mean peak RSS at most 10% above ``honest-3``'s; no honest peer (the newcomer inc
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -94,7 +97,7 @@ class Swarm:
         self.procs["outsider"] = proc = subprocess.Popen(
             [sys.executable, __file__, "--outsider", spec, "--run-id", run_id, "--ready-file", str(ready),
              "--h", str(inner_steps), "--initial-peers", *self.maddrs],
-            stdout=subprocess.DEVNULL, stderr=open(self.root / "outsider.log", "w"))
+            stdout=subprocess.DEVNULL, stderr=open(self.root / "outsider.log", "w"), start_new_session=True)
         deadline = time.monotonic() + 120
         while not ready.exists():  # in place before the first honest peer reads the swarm's records
             if time.monotonic() > deadline or proc.poll() is not None:
@@ -121,10 +124,14 @@ class Swarm:
         return codes
 
     def kill(self) -> None:
+        outsider = self.procs.get("outsider")
+        if outsider is not None:  # with its DHT nodes' processes, which a kill of the outsider alone leaves behind
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(outsider.pid, signal.SIGKILL)
         for proc in self.procs.values():
             if proc.poll() is None:
                 proc.kill()
-                proc.wait()
+            proc.wait()
 
 
 def run_swarm(workdir: Path, name: str, peers: list[str], args: list[str], outsider: str, inner_steps: int,
