@@ -207,7 +207,8 @@ class Trainer:
         paced = [unit for unit in self.held if unit.stage.round_shift == 0]
         while self.stage.inner_step < (peer_round + 1) * H:
             ended = self.follow_swarm and self.stage.inner_step > first and not self._nearly_done(H) and \
-                any([unit.swarm.others_ended_round(peer_round) for unit in paced])
+                any([unit.swarm.others_ended_round(peer_round, (self.stage.inner_step - peer_round * H) / H)
+                     for unit in paced])
             stop, ended = self.executor.any_stages(self.stop_requested, ended)  # every stage of the peer agrees
             if stop:
                 self.stop_requested = True  # every stage of the peer stops after the same inner step

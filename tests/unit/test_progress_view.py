@@ -95,6 +95,11 @@ def test_a_never_met_identitys_record_never_ends_a_round(monkeypatch):
     assert not watched(link(met=frozenset({"a"})), ahead, monkeypatch).others_ended_round(3)
     assert not watched(link(allowlist=frozenset({"a"})), ahead, monkeypatch).others_ended_round(3)
     assert watched(link(), ahead, monkeypatch).others_ended_round(3)  # met nobody yet: timing from every record
+    # ... but not before half of the round: a stranger's record ended a fresh swarm's first rounds after one step
+    assert not watched(link(), ahead, monkeypatch).others_ended_round(3, trained_fraction=0.1)
+    assert watched(link(), ahead, monkeypatch).others_ended_round(3, trained_fraction=0.5)
+    assert watched(link(met=frozenset({"a"})), [record("a", 4)], monkeypatch).others_ended_round(
+        3, trained_fraction=0.1)  # a groupmate's record ends a round at any step
     ahead.append(record("a", 4))
     assert watched(link(met=frozenset({"a"})), ahead, monkeypatch).others_ended_round(3)
     assert watched(link(allowlist=frozenset({"a"})), ahead, monkeypatch).others_ended_round(3)

@@ -26,6 +26,12 @@ from p2p_diloco.swarm.discovery.records import ProgressValue, bound_to_writer, i
 
 logger = logging.getLogger(__name__)
 
+UNMET_END_FLOOR = 0.5
+"""The share of a round's H steps a stage that has met nobody yet trains before any record may end its round
+(``diloco.round_end = swarm``): it believes every record until its first group, and one record of a stranger naming
+the next round would otherwise end its rounds after one step until then (the first two rounds of a fresh swarm in
+``delayed`` mode, in the byzantine benchmark). A peer at half the others' speed still ends its rounds with theirs."""
+
 
 def progress_key(run_id: str) -> str:
     return f"{run_id}_progress"
@@ -343,7 +349,7 @@ class SwarmLink:
             return False
         return any(r.round <= round_index + 2 for r in others)
 
-    def others_ended_round(self, round_index: int) -> bool:
+    def others_ended_round(self, round_index: int, trained_fraction: float = 1.0) -> bool:
         """Whether another live, believed peer of this stage (:meth:`believed`) has ended ``round_index``: its record
         names the next round (a peer announces the next round as it ends one, before averaging). Answers at once
         from the last read of the records; a new read is started in the DHT process at most every
@@ -351,7 +357,9 @@ class SwarmLink:
         ending the round ends it here too, as the live peer would have; one of a peer further ahead does not (this
         peer is behind: the sync reloads it after the round; ending every round at once instead made a swarm next
         to one peer that had finished the run rush through its rounds a step each). A stranger's record never ends
-        a round: one record naming the next round ended every round of a peer after one inner step."""
+        a round: one record naming the next round ended every round of a peer after one inner step. Before its
+        first group a stage believes every record, and then only after ``trained_fraction`` (of the round's H
+        steps, this stage's own) reaches :data:`UNMET_END_FLOOR`."""
         watch = self._watch
         if watch is not None and watch.done():
             self._watch = None
@@ -368,6 +376,8 @@ class SwarmLink:
                 self._watch = request_progress(self.dht, self.records_run)
             except Exception as e:  # the DHT process may be shutting down
                 logger.debug(f"Could not read progress records: {e!r}")
+        if trained_fraction < UNMET_END_FLOOR and not self.allowlist and not self.peers_met():
+            return False  # met nobody yet: a stranger's record may end this round, but not before the floor
         return any(r.round == round_index + 1 for r in self.believed(self._watched)[0])
 
     def believed(self, records: list[ProgressRecord]) -> tuple[list[ProgressRecord], list[ProgressRecord]]:
