@@ -64,13 +64,17 @@ class _Progress:
         self.run_id, self.timeout_s = run_id, timeout_s
         self.phase = "joining the swarm"
         self.reachable: int | None = None
+        self.joining_since_s: float | None = None  # seconds from the process start to the DHT node's start
         self.dht = None
 
     def give_up_message(self, with_phase: bool = False) -> str:
         if self.reachable is not None:
             reachable = f"{self.reachable} peer(s) reachable"
+        elif self.dht is None:  # when it began to join tells a slow start (imports on a busy machine) from the network
+            reachable = "no peer reached yet" if self.joining_since_s is None else \
+                f"no peer reached yet (it began joining {self.joining_since_s:.0f} s after its start)"
         else:
-            reachable = "no peer reached yet" if self.dht is None else "joined the swarm (peers not counted in time)"
+            reachable = "joined the swarm (peers not counted in time)"
         phase = f" (still {self.phase})" if with_phase else ""
         return f"no records of run {self.run_id} within {self.timeout_s:g} s{phase}; {reachable}"
 
@@ -123,6 +127,7 @@ def _read_status(cfg, progress: _Progress, deadline: float) -> tuple[list, int, 
     def left() -> float:
         return max(1.0, deadline - time.monotonic())
 
+    progress.joining_since_s = seconds_since_process_start()
     try:
         dht = start_dht(cfg.dht, record_validators=run_record_validators(cfg.run.run_id), check_identity_free=False,
                         ready_timeout_s=max(1.0, left() - _KILL_RESERVE_S))

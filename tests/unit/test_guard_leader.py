@@ -269,7 +269,9 @@ def test_a_cancel_ends_the_all_reduce_even_before_the_step_reads_as_cancelled(la
         return work, loop.time() - started
 
     work, took = asyncio.run(run(_CancelledStep(signal=True, lag=lag)))
-    assert work.cancelled() and took < 1.5  # (at most 1 s of waiting for the step to read as cancelled)
+    # at most 1 s of waiting for the step to read as cancelled, then the loop's turn: 1.57 s was seen beside a test
+    # suite and two busy loops on 2 cores, so the bound is 10 s, a third of the 30 s the all-reduce would run on
+    assert work.cancelled() and took < 10.0, took
 
     async def uncancelled():  # no signal: the work's own result
         _STEP.set(_CancelledStep(signal=False, lag=0))
