@@ -68,6 +68,8 @@ TRUST_LEVELS = ("the peers met in recent groups", "the bootstrap peers", "every 
 # behind the others' in between; then they train the round and try again after it
 RELOAD_ATTEMPTS = 3
 TRUSTED_ROUNDS = 8  # the groups of this many recent rounds are the peers whose records count
+VERIFY_WAIT_ROUNDS = 3  # a training stage waits for a state's second voucher at most this many of its rounds
+MIN_VERIFY_WAIT_S = 5.0  # ... and at least this long (records are refreshed at round ends and every 10 s)
 
 
 def bootstrap_peer_ids(initial_peers) -> frozenset[str]:
@@ -299,7 +301,12 @@ class SwarmSync:
         if applied < 0:
             return None if fingerprint == self.initial_fingerprint else \
                 "its state before any round is not the run's initial one"
-        deadline = time.monotonic() + self.verify_wait_s
+        if self.fingerprints.get(applied) == fingerprint:
+            # this stage held that very state after that round itself: the second voucher, and the one it trusts
+            # most (a peer reloading onto a groupmate's state it shared found no other: a hostile third member's
+            # records lie, and the groupmate's own record moves on within a round in a fast swarm)
+            return None
+        deadline = time.monotonic() + self._verify_wait_s()
         while True:
             others = self._others()
             votes = anchor_votes(others, applied)
@@ -315,6 +322,17 @@ class SwarmSync:
                 return f"no two peers agree on the state after round {applied}" if votes else \
                     f"no peer vouches for its state after round {applied}"
             time.sleep(0.5)
+
+    def _verify_wait_s(self) -> float:
+        """How long a downloaded state waits for its second voucher: ``verify_wait_s``, and for a stage that trains
+        (it knows its step time) at most :data:`VERIFY_WAIT_ROUNDS` of its rounds, at least
+        :data:`MIN_VERIFY_WAIT_S`: the wait holds its training, and 30 s of it in a swarm of 2 s rounds left a peer
+        alone for its next rounds and its groupmates without it (seen in fresh-clone runs)."""
+        step_s = self.stage.seconds_per_step
+        if not step_s > 0:
+            return self.verify_wait_s
+        rounds_s = VERIFY_WAIT_ROUNDS * self.stage.diloco_cfg.inner_steps * step_s
+        return min(self.verify_wait_s, max(MIN_VERIFY_WAIT_S, rounds_s))
 
     def _download(self, at_least_round: int, at_most_round: int | None = None):
         """A checked state from a donor holding the agreed anchor, or None (logged). The donor's inner step is moved

@@ -192,7 +192,7 @@ class _FixedSwarm:
     def announce(self, position: Position, round_index: int, *args) -> None:
         self.publish(Position(round_index, 0, position.applied_round))
 
-    def others_ended_round(self, round_index: int) -> bool:
+    def others_ended_round(self, round_index: int, trained_fraction: float = 1.0) -> bool:
         return self.rounds is not None and any(r > round_index for i, r in self.rounds.items() if i != self.index)
 
     def moved_past(self, round_index: int) -> bool:

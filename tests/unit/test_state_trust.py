@@ -154,3 +154,36 @@ def test_when_the_peers_met_give_nothing_the_bootstrap_peers_count_before_strang
     assert [e["action"] for e in sync.events] == ["reload"], peer.averager.asked
     assert peer.averager.asked == ["liar", "boot"]
     assert all(torch.equal(x, y) for x, y in zip(peer.anchor, honest[1][:len(peer.anchor)]))
+
+
+def test_a_state_this_stage_held_itself_after_that_round_needs_no_other_voucher():
+    """A peer reloading onto a groupmate's state after a round they averaged together: the groupmate's record is the
+    only other one (a hostile third member's lie, its own record a round further on in a fast swarm), and this
+    stage's own remembered state after that round is the second voucher. A state it did not hold still waits."""
+    honest = state_at(6, 5)
+    records = [Record(7, 6, fingerprint(state_at(7, 6, poison=0.25)), node="a", prior_anchor=fingerprint(honest)),
+               Record(8, 7, "e" * 64, node="mallory", prior_anchor="d" * 64)]  # lies about everything
+    peer = make_stage()
+    peer.round_index, peer.applied_round = 6, 5
+    sync = sync_of(peer, records, {"a": honest})
+    assert sync.refusal(*honest) == "no two peers agree on the state after round 5"  # nobody else: refused
+    sync.fingerprints[5] = fingerprint(honest)  # it held that state itself after round 5
+    assert sync.refusal(*honest) is None
+    del sync.fingerprints[5]
+    sync.fingerprints[4] = fingerprint(honest)  # a state of another round vouches for nothing here
+    assert sync.refusal(*honest) == "no two peers agree on the state after round 5"
+
+
+def test_a_training_stage_waits_for_a_second_voucher_a_few_of_its_rounds_at_most():
+    """The wait holds the stage's training: a stage that knows its step time waits at most 3 of its rounds (at least
+    5 s), a newcomer the whole ``verify_wait_s``."""
+    peer = make_stage()
+    sync = sync_of(peer, [], {}, verify_wait_s=30.0)
+    assert sync._verify_wait_s() == 30.0  # no step time yet
+    H = peer.diloco_cfg.inner_steps
+    peer.seconds_per_step = 2.0 / (3 * H)  # rounds of 0.67 s
+    assert sync._verify_wait_s() == 5.0
+    peer.seconds_per_step = 4.0 / H  # rounds of 4 s: 12 s
+    assert sync._verify_wait_s() == pytest.approx(12.0)
+    peer.seconds_per_step = 60.0 / H
+    assert sync._verify_wait_s() == 30.0
