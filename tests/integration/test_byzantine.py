@@ -234,8 +234,12 @@ def test_a_reducer_that_scales_its_slice_within_the_old_bound_is_refused_and_lef
     claims, with the codec margin 3.1) no honest reducer goes: each honest peer refuses them, leaves the reducer out of
     the round's retry and averages with the other honest peers in the same round; the reducer is named, not banned
     (an honest late joiner's bound can be met by an honest reducer now and then)."""
-    honest = [network.averager() for _ in range(3)]
-    steering = network.averager("reply-scale:10")
+    # the attack needs the reducer in the group: with CFG's 3 s of matchmaking, on 2 busy cores the fourth averager
+    # once came too late and the honest three averaged without ever meeting it. All four are expected, so a group
+    # still assembles as soon as they are in.
+    cfg = dataclasses.replace(CFG, matchmaking_time_s=10, round_timeout_s=25)
+    honest = [network.averager(cfg=cfg) for _ in range(3)]
+    steering = network.averager("reply-scale:10", cfg=cfg)
     contributions, results = average_round(honest + [steering], round_index=0)
     assert_honest_agree(results[:3], contributions[:3])
     for result in results[:3]:
