@@ -132,7 +132,7 @@ def _read_status(cfg, progress: _Progress, deadline: float) -> tuple[list, int, 
         dht = start_dht(cfg.dht, record_validators=run_record_validators(cfg.run.run_id), check_identity_free=False,
                         ready_timeout_s=max(1.0, left() - _KILL_RESERVE_S))
     except SwarmError:
-        if time.monotonic() < deadline:
+        if time.monotonic() < deadline - _KILL_RESERVE_S - 1.0:  # it failed with time left: the network's answer
             raise
         return [], 0, get_dht_time()  # out of time while joining: told as "no records within T s"
     progress.dht = dht

@@ -10,6 +10,7 @@ import logging
 import shutil
 import signal
 import tempfile
+import time
 from collections.abc import Iterable, Sequence
 from typing import Optional
 
@@ -26,6 +27,7 @@ logger = logging.getLogger(__name__)
 
 _KILL_WAIT_S = 5.0  # how long a SIGKILLed node process may take to be reaped
 READY_MARGIN_S = JOIN_MARGIN_S  # see its docstring in config.sections
+RETRY_AFTER_S = 1.0  # between two starts of a node whose initial peers did not answer a ping in time
 
 
 class _DHT(hivemind.DHT):
@@ -102,34 +104,49 @@ def start_dht(cfg: DHTConfig, record_validators: Iterable = (), check_identity_f
         if lock is not None:
             lock.release()
         raise
-    try:
-        dht = _DHT(
-            initial_peers=list(cfg.initial_peers) or None,
-            host_maddrs=list(cfg.host_maddrs),
-            announce_maddrs=list(cfg.announce_maddrs) or None,
-            identity_path=identity_path,
-            client_mode=cfg.client_mode,
-            use_relay=cfg.use_relay,
-            use_auto_relay=cfg.use_auto_relay,
-            startup_timeout=cfg.startup_timeout_s,
-            check_if_identity_free=check_identity_free and ephemeral_dir is None,  # a new identity is free
-            record_validators=list(record_validators),
-            start=True,
-            await_ready=False,
-        )
-        _wait_until_ready(dht, ready_timeout_s if ready_timeout_s is not None else
-                          cfg.startup_timeout_s + READY_MARGIN_S)
-    except Exception as e:
-        if lock is not None:
-            lock.release()
-        if ephemeral_dir is not None:
-            shutil.rmtree(ephemeral_dir, ignore_errors=True)
-        raise SwarmError(_explain_start_failure(e, cfg.initial_peers)) from None
+    started = time.monotonic()
+    ready_s = ready_timeout_s if ready_timeout_s is not None else cfg.startup_timeout_s + READY_MARGIN_S
+    retry_until = started + min(ready_s, cfg.startup_timeout_s) - RETRY_AFTER_S
+    while True:
+        try:
+            dht = _DHT(
+                initial_peers=list(cfg.initial_peers) or None,
+                host_maddrs=list(cfg.host_maddrs),
+                announce_maddrs=list(cfg.announce_maddrs) or None,
+                identity_path=identity_path,
+                client_mode=cfg.client_mode,
+                use_relay=cfg.use_relay,
+                use_auto_relay=cfg.use_auto_relay,
+                startup_timeout=cfg.startup_timeout_s,
+                check_if_identity_free=check_identity_free and ephemeral_dir is None,  # a new identity is free
+                record_validators=list(record_validators),
+                start=True,
+                await_ready=False,
+            )
+            _wait_until_ready(dht, max(1.0, started + ready_s - time.monotonic()))
+            break
+        except Exception as e:
+            if _no_answer_to_a_ping(e) and time.monotonic() < retry_until:
+                # hivemind pings the initial peers once, for 3 s: an answer late on a busy machine or link is
+                # not an unreachable peer (seen beside the busy loops); ask again while the start-up time lasts
+                logger.info(f"No initial peer answered its ping in time; asking again ({e})")
+                time.sleep(RETRY_AFTER_S)
+                continue
+            if lock is not None:
+                lock.release()
+            if ephemeral_dir is not None:
+                shutil.rmtree(ephemeral_dir, ignore_errors=True)
+            raise SwarmError(_explain_start_failure(e, cfg.initial_peers)) from None
     if ephemeral_dir is not None:  # the daemon has read the key, and the signer holds it: nothing to leave behind
         shutil.rmtree(ephemeral_dir, ignore_errors=True)  # (a SIGKILLed peer used to leave the folder in /tmp)
     dht.identity_lock = lock
     bind_signer(dht, record_validators)
     return dht
+
+
+def _no_answer_to_a_ping(error: Exception) -> bool:
+    """Whether a node's start failed because no initial peer answered hivemind's one ping (3 s) in time."""
+    return "initial_peers responded" in str(error)
 
 
 def _wait_until_ready(dht, timeout_s: float) -> None:
