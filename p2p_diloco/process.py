@@ -52,6 +52,20 @@ def lower_priority(increment: int = 10) -> None:
         pass
 
 
+def ready_or_killed(process, wait_until_ready, timeout_s: float, kill_wait_s: float = 5.0) -> bool:
+    """Wait for a hivemind background process (DHT node, averager) to be ready, at most ``timeout_s``: hivemind
+    itself waits without a bound. True when ready; else the process is SIGKILLed (its p2pd daemon ends with it) and
+    reaped, and False."""
+    try:
+        wait_until_ready(timeout=timeout_s)
+        return True
+    except TimeoutError:
+        if process.is_alive():
+            process.kill()
+            process.join(kill_wait_s)
+        return False
+
+
 def signal_group(process: subprocess.Popen, sig: int) -> None:
     """Send ``sig`` to the process group led by ``process`` (started with ``start_new_session=True``)."""
     try:

@@ -46,7 +46,7 @@ from p2p_diloco.compression.codecs import CODECS
 from p2p_diloco.compression.policy import CompressionPolicy
 from p2p_diloco.config import AveragingConfig
 from p2p_diloco.faults import HONEST, Honest, fault_point
-from p2p_diloco.process import die_with_parent, leave_signals_to_parent, lower_priority
+from p2p_diloco.process import die_with_parent, leave_signals_to_parent, lower_priority, ready_or_killed
 from p2p_diloco.swarm.averaging.allreduce import BYTES_RECEIVED, BYTES_SENT, ExactAllReduceRunner, ServedAverages
 from p2p_diloco.swarm.averaging.digests import exchange_digests, judge
 from p2p_diloco.swarm.averaging.guard import MAX_CATCH_UP, GroupView, GuardedAverager, PeerGuard, read_group
@@ -236,13 +236,9 @@ class PseudoGradientAverager(GuardedAverager, DecentralizedAverager):
     def _start_bounded(self, timeout_s: float) -> None:
         """Start the background process and wait until it serves, at most ``timeout_s`` (it only needs the local p2p
         daemon, so a longer wait means a stuck machine): then kill it and raise :class:`SwarmError`."""
-        try:
-            self.run_in_background(await_ready=True, timeout=timeout_s)
-        except TimeoutError:
-            if self.is_alive():
-                self.kill()
-                self.join(5)
-            raise SwarmError(f"the averager's process was not ready within {timeout_s:.0f} s") from None
+        self.run_in_background(await_ready=False)
+        if not ready_or_killed(self, self.wait_until_ready, timeout_s):
+            raise SwarmError(f"the averager's process was not ready within {timeout_s:.0f} s")
 
     # ---- runs in the averager's background process -------------------------------------------------
     def run(self) -> None:

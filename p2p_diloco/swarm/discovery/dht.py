@@ -18,7 +18,7 @@ import hivemind
 
 from p2p_diloco.config import DHTConfig
 from p2p_diloco.config.sections import JOIN_MARGIN_S
-from p2p_diloco.process import die_with_parent, leave_signals_to_parent
+from p2p_diloco.process import die_with_parent, leave_signals_to_parent, ready_or_killed
 from p2p_diloco.swarm.discovery.identity import IdentityLock, ensure_identity, load_signing_key
 from p2p_diloco.swarm.discovery.records import bind_signer, with_signer
 from p2p_diloco.swarm.errors import SwarmError
@@ -150,15 +150,8 @@ def _no_answer_to_a_ping(error: Exception) -> bool:
 
 
 def _wait_until_ready(dht, timeout_s: float) -> None:
-    """hivemind waits for a node's start without a bound (``await_ready=True``): this one gives up after ``timeout_s``
-    and kills the node's process (and so its daemon, which ends with it)."""
-    try:
-        dht.wait_until_ready(timeout=timeout_s)
-    except TimeoutError:
-        if dht.is_alive():
-            dht.kill()
-            dht.join(_KILL_WAIT_S)
-        raise TimeoutError(f"the DHT node did not join the swarm within {timeout_s:.0f} s") from None
+    if not ready_or_killed(dht, dht.wait_until_ready, timeout_s, _KILL_WAIT_S):
+        raise TimeoutError(f"the DHT node did not join the swarm within {timeout_s:.0f} s")
 
 
 def _explain_start_failure(error: Exception, initial_peers: Sequence[str]) -> str:
