@@ -74,11 +74,17 @@ REGISTERED_POLL_S = 0.1
 # why a groupmate is flagged, besides the reducer's reasons (robust.MALFORMED, NONFINITE, TOO_LARGE, CLIPPED)
 WRONG_ROUND, METADATA, BAD_AVERAGE = "round", "metadata", "bad average"
 FORGED, STALL = "forged record", "stall"
+OVERSIZED = "oversized record"
+"""A join request, or a group relayed by its leader, over the caps of :mod:`~p2p_diloco.swarm.averaging.gathered`
+(a record of more than MAX_GATHERED_BYTES, more members than MAX_GROUP_SIZE, ...): an honest peer's record is about
+150 bytes and an honest leader refuses such joins, so whoever sends one (the joiner, or the leader that relays it) is
+hostile. Counted as a mere offence, a hostile leader with a 16 MiB record drew the followers of every round for
+ban_after rounds, and the honest peers of the byzantine benchmark split into two pairs that never met again."""
 IMPLAUSIBLE = "implausible average"  # beyond what an honest reducer returns, within the offence bound: left out
 CAPPED, BANNED = "capped", "banned"
 OFFENCES = frozenset({MALFORMED, NONFINITE, TOO_LARGE, WRONG_ROUND, METADATA, BAD_AVERAGE, FORGED, EQUIVOCATED,
-                      OUTVOTED})  # the rest: noted
-PROOFS = frozenset({FORGED, EQUIVOCATED})  # an offence only a hostile peer commits: one bans at once
+                      OUTVOTED, OVERSIZED})  # the rest: noted
+PROOFS = frozenset({FORGED, EQUIVOCATED, OVERSIZED})  # an offence only a hostile peer commits: one bans at once
 STALL_WINDOW = 20  # rounds: stalls in 2 x ban_after of the last STALL_WINDOW rounds ban a peer
 MAX_CATCH_UP = 8.0  # see GroupView.catch_up
 KEPT_ROUNDS = 8  # flags of older rounds that nobody asked for are dropped
@@ -361,8 +367,8 @@ class GuardedAverager:
         reason = join_refusal(request, len(self._matchmaking.current_followers))
         if reason is not None:
             logger.info(f"Refused the join request of {context.remote_id}: {reason}")
-            if len(request.gather) > MAX_GATHERED_BYTES:
-                self.guard.record(self._round_or_none(), context.remote_id, METADATA)
+            if len(request.gather) > MAX_GATHERED_BYTES:  # its own bytes: a proof (a full group is nobody's fault)
+                self.guard.record(self._round_or_none(), context.remote_id, OVERSIZED)
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
         async for message in super().rpc_join_group(request, context):
@@ -471,9 +477,9 @@ class GuardedAverager:
                 logger.info(f"Ignored the group {leader} formed with this peer (a test hook)")
                 return None
             reason = relayed_group_refusal(msg)
-            if reason is not None:  # an honest leader refuses oversized records at the join: the leader's offence
+            if reason is not None:  # an honest leader refuses oversized records at the join: the leader's proof
                 logger.warning(f"Refused the group relayed by {leader}: {reason}")
-                self.guard.record(self._round_or_none(), leader, METADATA)
+                self.guard.record(self._round_or_none(), leader, OVERSIZED)
                 return None
             views.followed(msg.group_id, leader)
             return await follower_assemble_group(leader, msg)
