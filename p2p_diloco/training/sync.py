@@ -44,7 +44,9 @@ its round is not behind this stage's nor the swarm's, and it is below the run's 
 record holds the agreed state (self-declared donor priorities are ignored): the believed ones first, those that
 another believed peer vouches for before those only they vouch for (a record a round ahead with a state nobody else
 holds is asked last), then other signed records holding that same state (the bytes are checked all the same). Any
-exception while handling a donor's data is that donor's: its state is refused and the next donor asked.
+exception while handling a donor's data is that donor's: its state is refused and the next donor asked. A donor that
+serves a state its own signed record contradicts (and not the agreed one) is lying: its records count for nothing
+for :data:`DISCREDIT_ROUNDS` rounds.
 
 The stages of a pipelined peer change rounds together or not at all. Called by the trainer.
 """
@@ -69,6 +71,7 @@ TRUST_LEVELS = ("the peers met in recent groups", "the bootstrap peers", "every 
 RELOAD_ATTEMPTS = 3
 TRUSTED_ROUNDS = 8  # the groups of this many recent rounds are the peers whose records count
 VERIFY_WAIT_ROUNDS = 3  # a training stage waits for a state's second voucher at most this many of its rounds
+DISCREDIT_ROUNDS = 3  # a donor caught serving a state its own record does not claim counts for nothing this long
 MIN_VERIFY_WAIT_S = 5.0  # ... and at least this long (records are refreshed at round ends and every 10 s)
 
 
@@ -138,6 +141,9 @@ class SwarmSync:
         # while above 0, the records of a later level of TRUST_LEVELS count: a download from the earlier levels
         # gave no usable state (see _download)
         self._widening = 0
+        # donor -> the last round of this stage in which its records count for nothing: it served a state that its
+        # own signed record contradicts (see _contradicts_own_record)
+        self.discredited: dict[str, int] = {}
 
     def remember(self, fingerprint: str) -> None:
         """Note this stage's anchor fingerprint after its last applied round."""
@@ -156,15 +162,47 @@ class SwarmSync:
         return frozenset().union(*self.met)
 
     def counted(self, records) -> list:
-        """The records whose word counts (see the module docstring)."""
+        """The records whose word counts (see the module docstring), less those of discredited donors."""
         if self.allowlist:
-            return [r for r in records if r.node in self.allowlist]
+            return [r for r in self._credited(records) if r.node in self.allowlist]
         levels = self._levels(records)
         return levels[min(self._widening, len(levels) - 1)][1] if levels else []
 
+    def _credited(self, records) -> list:
+        now = self.stage.round_index
+        self.discredited = {node: until for node, until in self.discredited.items() if until >= now}
+        return [r for r in records if r.node not in self.discredited]
+
+    def _contradicts_own_record(self, donor: str, meta: dict, tensors) -> str | None:
+        """Why ``donor``'s served state (checked well-formed) is not the one its own signed record claims for that
+        round, or None: the record names another fingerprint for the state's applied round (its anchor, or the
+        anchor before it for a record one round on). Signed record and served bytes together are the donor's own
+        word against itself: its records count for nothing here for :data:`DISCREDIT_ROUNDS` rounds.
+
+        Without it, one groupmate that lies in its records and serves another state kept an honest peer that had
+        fallen a round behind from ever reloading in a swarm of three: the one honest peer ahead found no second
+        voucher (the liar's records contradicted it), and the lagging peer trained alone to the run's end, as did
+        the newcomer that needed both. A state the counted records agree on is not held against its donor (a
+        peer that has just resynced serves the agreed state before its record says so)."""
+        applied = meta["applied_round"]
+        record = next((r for r in self.swarm.others() if r.node == donor), None)
+        if record is None:
+            return None
+        claimed = record.anchor if record.applied_round == applied else \
+            record.prior_anchor if record.applied_round == applied + 1 else ""
+        fingerprint = self.stage.served_fingerprint(meta, tensors)
+        if not claimed or claimed == fingerprint:
+            return None
+        votes = anchor_votes(self._others(), applied)
+        if votes and canonical_of(votes) == fingerprint:
+            return None
+        self.discredited[donor] = self.stage.round_index + DISCREDIT_ROUNDS
+        return (f"its state after round {applied} is not the one its own record claims: its records count for "
+                f"nothing here for {DISCREDIT_ROUNDS} rounds")
+
     def _levels(self, records) -> list[tuple[str, list]]:
         """The levels of :data:`TRUST_LEVELS` that have live records, in order: (name, their records)."""
-        met = self.recently_met()
+        met, records = self.recently_met(), self._credited(records)
         chosen = ([r for r in records if r.node in met], [r for r in records if r.node in self.bootstrap], records)
         return [(name, level) for name, level in zip(TRUST_LEVELS, chosen) if level]
 
@@ -344,24 +382,33 @@ class SwarmSync:
         started = time.monotonic()
         deadline = started + self.download_timeout_s
         asked: set[str] = set()
-        state = self._download_from(self._others(), at_least_round, at_most_round, started, deadline, asked)
-        levels = [] if self.allowlist else self._levels(self.swarm.others())
-        for widening in range(1, len(levels)):
-            if state is not None or time.monotonic() >= deadline:
+        if self.allowlist:
+            return self._download_from(self._others(), at_least_round, at_most_round, started, deadline, asked)
+        # Trust narrowed (against made-up identities) may give nothing: a hostile groupmate that alone shared a
+        # group with this stage would otherwise be the only record it believes, it says "behind" and serves states
+        # that are refused, and the stage never reloads. The next level counts then, for the donors and the state
+        # check alike, for this download only. The levels are read again after each try: a donor discredited by it
+        # (see _contradicts_own_record) leaves the level it was in.
+        tried: list[frozenset] = []
+        widening, state, previous = 0, None, None
+        while state is None and time.monotonic() < deadline:
+            levels = self._levels(self.swarm.others())
+            if widening >= len(levels):
                 break
-            if {r.node for r in levels[widening][1]} == {r.node for r in levels[widening - 1][1]}:
-                continue  # (the bootstrap peers are every peer there is, say)
-            # Trust narrowed (against made-up identities) gave nothing: a hostile groupmate that alone shared a
-            # group with this stage would otherwise be the only record it believes, it says "behind" and serves
-            # states that are refused, and the stage never reloads. The next level counts then, for the donors and
-            # the state check alike, for this download only.
-            logger.warning(f"{self.stage.label}: no usable state from {levels[widening - 1][0]}; asking "
-                           f"{levels[widening][0]}")
+            name, level = levels[widening]
+            nodes = frozenset(r.node for r in level)
+            if nodes in tried:  # (the bootstrap peers are every peer there is, say)
+                widening += 1
+                continue
+            tried.append(nodes)
+            if previous is not None:
+                logger.warning(f"{self.stage.label}: no usable state from {previous}; asking {name}")
             self._widening = widening
             try:
                 state = self._download_from(self._others(), at_least_round, at_most_round, started, deadline, asked)
             finally:
                 self._widening = 0
+            previous = name
         return state
 
     def _download_from(self, others, at_least_round: int, at_most_round: int | None, started: float,
@@ -387,7 +434,7 @@ class SwarmSync:
             self.last_download = {"download_s": round(time.monotonic() - started, 3),
                                   "state_bytes": sum(t.numel() * t.element_size() for t in tensors)}
             try:
-                refusal = self._refusal_of(meta, tensors, at_least_round, started)
+                refusal = self._refusal_of(donor, meta, tensors, at_least_round, started)
             except Exception as e:  # noqa: BLE001 (whatever the donor's bytes make fail is the donor's offence)
                 refusal = f"its state could not be checked ({type(e).__name__}: {e})"
                 logger.debug("the check of a donor's state failed", exc_info=True)
@@ -397,13 +444,16 @@ class SwarmSync:
             return meta, tensors
         return None
 
-    def _refusal_of(self, meta: dict, tensors, at_least_round: int, started: float) -> str | None:
-        """Why a downloaded state cannot be taken (None: it can; its inner step is then moved on by the steps the
-        donor trained while it travelled, so that a reloading peer reaches the round's end with it)."""
+    def _refusal_of(self, donor: str, meta: dict, tensors, at_least_round: int, started: float) -> str | None:
+        """Why ``donor``'s downloaded state cannot be taken (None: it can; its inner step is then moved on by the
+        steps the donor trained while it travelled, so that a reloading peer reaches the round's end with it)."""
         try:
             self.stage.check_state(self.run_id, meta, tensors)  # every field in range before any arithmetic
         except StateError as e:
             return str(e)
+        contradiction = self._contradicts_own_record(donor, meta, tensors)
+        if contradiction is not None:
+            return contradiction
         if meta["round"] < at_least_round:
             return f"its round {meta['round']} is behind {at_least_round}"
         refusal = self.refusal(meta, tensors)

@@ -187,3 +187,42 @@ def test_a_training_stage_waits_for_a_second_voucher_a_few_of_its_rounds_at_most
     assert sync._verify_wait_s() == pytest.approx(12.0)
     peer.seconds_per_step = 60.0 / H
     assert sync._verify_wait_s() == 30.0
+
+
+def test_a_groupmate_whose_served_state_its_own_record_contradicts_no_longer_counts():
+    """Seen in a fresh-clone run (test_churn.py's newcomer test): a hostile groupmate whose records claim a round more
+    than it holds (with its real fingerprints) and which serves a poisoned state kept an honest peer that had fallen
+    a round behind from ever reloading in a swarm of three. The one honest peer ahead had no second voucher (the
+    liar's record names another state for that round), so the lagging peer trained alone to the run's end. A donor
+    whose served state its own signed record contradicts now counts for nothing for a few rounds: the honest peer
+    ahead is then the only one believed, and its state is taken."""
+    honest6, honest7 = state_at(7, 6), state_at(8, 7, poison=0.25)
+    poisoned = state_at(8, 7, poison=3.0)
+    records = [Record(8, 7, fingerprint(honest7), node="a", prior_anchor=fingerprint(honest6)),
+               Record(9, 8, fingerprint(honest7), node="x", prior_anchor=fingerprint(honest6))]  # a round "ahead"
+    peer = make_stage()
+    peer.round_index, peer.applied_round, peer.inner_step = 6, 5, 6 * peer.diloco_cfg.inner_steps
+    sync = sync_of(peer, records, {"a": honest7, "x": poisoned})
+    sync.met_group(["me", "a", "x"])
+    assert sync.refusal(*honest7) == "no two peers agree on the state after round 7"  # x's record says otherwise
+    sync.donors = lambda others, own_round=None, strangers=(): ["x", "a"]  # the liar first
+    sync.after_round()
+    assert [e["action"] for e in sync.events] == ["reload"], peer.averager.asked
+    assert peer.averager.asked == ["x", "a"] and set(sync.discredited) == {"x"}
+    assert all(torch.equal(p, q) for p, q in zip(peer.anchor, honest7[1][:len(peer.anchor)]))
+    assert [r.node for r in sync.counted(records)] == ["a"]
+    peer.round_index += 4  # DISCREDIT_ROUNDS later it counts again (and must be caught again)
+    assert [r.node for r in sync.counted(records)] == ["a", "x"]
+
+
+def test_a_donor_that_serves_the_agreed_state_before_its_record_says_so_is_not_discredited():
+    """A peer that has just resynced serves the agreed state while its record still names its old one: not a lie."""
+    agreed, old = state_at(6, 5), state_at(6, 5, poison=1.0)
+    records = [Record(6, 5, fingerprint(agreed), node=n) for n in ("a", "b")] + \
+        [Record(6, 5, fingerprint(old), node="c")]
+    newcomer = make_stage()
+    sync = sync_of(newcomer, records, {"a": agreed, "b": agreed, "c": agreed})
+    sync.donors = lambda others, own_round=None, strangers=(): ["c", "a"]
+    sync.at_start(resumed=False)
+    assert [e["action"] for e in sync.events] == ["reload"] and newcomer.averager.asked == ["c"]
+    assert not sync.discredited

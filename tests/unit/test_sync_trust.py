@@ -251,4 +251,7 @@ def test_a_hostile_groupmate_met_alone_does_not_keep_a_peer_from_the_swarms_stat
     assert [e["action"] for e in sync.events] == ["reload"], peer.averager.asked
     assert peer.averager.asked[0] == "liar" and peer.round_index == 7
     assert all(torch.equal(x, y) for x, y in zip(peer.anchor, honest[1][:len(peer.anchor)]))
-    assert [r.node for r in sync.counted(records)] == ["liar"]  # the widening lasts one download
+    assert sync._widening == 0  # the widening lasts one download
+    # and the liar, caught serving a state its own record contradicts, counts for nothing for a few rounds: the
+    # peers met are then none, and every signed record counts (the liar's aside)
+    assert set(sync.discredited) == {"liar"} and [r.node for r in sync.counted(records)] == ["a", "b"]
