@@ -66,6 +66,8 @@ class _Progress:
         self.reachable: int | None = None
         self.joining_since_s: float | None = None  # seconds from the process start to the DHT node's start
         self.dht = None
+        self.answered = False  # the answer (records, or the document of none) is printed
+        self.exit_code = 1  # the exit code of the answer, once given
 
     def give_up_message(self, with_phase: bool = False) -> str:
         if self.reachable is not None:
@@ -96,21 +98,26 @@ def run(args: argparse.Namespace, overrides: list[tuple[str, str]]) -> int:
     watchdog = threading.Timer(max(0.0, deadline + WATCHDOG_GRACE_S - time.monotonic()), _give_up,
                                args=(progress, args.json))
     watchdog.daemon = True
+    # never cancelled: once the answer is out it only ends an exit that overruns (the interpreter's teardown, hivemind's
+    # atexit work and threads still in a DHT call took status of a missing run 2.5 s past T + 10 beside a loaded swarm)
     watchdog.start()
     try:
         records, fragments, now = _read_status(cfg, progress, deadline)
-    finally:
-        watchdog.cancel()
+    except BaseException:
+        progress.answered = True  # the error is the answer (exit code 1): the watchdog only ends an exit that overruns
+        raise
     report = build_report(cfg.run.run_id, records, now, num_fragments=fragments)
     if records or args.json:  # scripts get a document either way, and the exit code
         if not records:
             report["error"] = progress.give_up_message()
         print(json.dumps(report, indent=2) if args.json else format_report(report), flush=True)
+    progress.answered = True
     if not records:
         from p2p_diloco.swarm import SwarmError
 
         raise SwarmError(f"{progress.give_up_message()} through {', '.join(cfg.dht.initial_peers)}: check --run-id "
                          "and that peers are running")
+    progress.exit_code = 0
     return 0
 
 
@@ -154,19 +161,32 @@ def _read_status(cfg, progress: _Progress, deadline: float) -> tuple[list, int, 
 
 def _give_up(progress: _Progress, as_json: bool) -> None:
     """The watchdog: past the deadline and its grace, say what there is and end the process (exit code 1), with
-    the DHT node's process (its daemon ends with it)."""
+    the DHT node's process (its daemon ends with it). Once the answer is printed it ends the process silently with
+    the answer's exit code (what overran was the exit)."""
+    if progress.answered:
+        _kill_node(progress)
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(progress.exit_code)
     message = progress.give_up_message(with_phase=True)
     if as_json:
         print(json.dumps({"run_id": progress.run_id, "num_peers": 0, "num_processes": 0, "peers": [],
                           "error": message}, indent=2), flush=True)
     print(f"error: {message}: status gave up {WATCHDOG_GRACE_S:g} s past its --timeout", file=sys.stderr, flush=True)
+    _kill_node(progress)
+    os._exit(1)
+
+
+def _kill_node(progress: _Progress) -> None:
     dht = progress.dht
     if dht is not None and dht.pid is not None:
         try:
             os.kill(dht.pid, signal.SIGKILL)
         except OSError:
             pass
-    os._exit(1)
 
 
 def seconds_since_process_start() -> float:

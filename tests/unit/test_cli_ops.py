@@ -137,6 +137,44 @@ def test_the_watchdog_says_what_it_has_kills_the_node_and_exits_1():
         raise AssertionError(f"the node's process {pid} is still running")
 
 
+ANSWERED = """
+import atexit, subprocess, sys, threading, time
+from p2p_diloco.cli import status
+
+child = subprocess.Popen(["sleep", "600"])
+print(child.pid, flush=True)
+progress = status._Progress("r1", 3.0)
+progress.dht, progress.answered, progress.exit_code = child, True, 0
+atexit.register(time.sleep, 60)  # an exit that overruns (hivemind's atexit work, threads in a DHT call)
+watchdog = threading.Timer(1.0, status._give_up, args=(progress, True))
+watchdog.daemon = True
+watchdog.start()  # as status arms it; the script then ends, and its exit overruns
+"""
+
+
+def test_once_status_has_answered_the_watchdog_only_ends_an_exit_that_overruns():
+    """Beside a loaded swarm, status of a missing run printed its answer and then took 2.5 s past T + 10 to exit (the
+    interpreter's teardown): the watchdog stays armed after the answer and then ends the process silently, with the
+    answer's exit code, the DHT node's process killed."""
+    import subprocess
+    import sys
+    import time
+
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-c", ANSWERED], capture_output=True, text=True, timeout=50)
+    assert result.returncode == 0 and result.stderr == "" and time.monotonic() - started < 50, result
+    pid = result.stdout.strip()
+    for _ in range(50):
+        try:
+            if open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z":
+                break
+        except FileNotFoundError:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the node's process {pid} is still running")
+
+
 def test_a_deadline_counts_from_the_process_start():
     import subprocess
     import sys

@@ -295,6 +295,34 @@ def test_a_full_gate_gives_the_slowest_old_streams_slot_to_a_new_reader(monkeypa
     asyncio.run(main())
 
 
+def test_an_old_fast_stream_keeps_its_slot_when_the_slower_ones_are_young(monkeypatch):
+    """The slowest stream is preempted only once it has run PREEMPT_AFTER_S. Before, the slowest of the *old* streams
+    was: squatters whose streams had just been admitted again left the one honest reader as the only old stream,
+    and the next squatter to knock took its slot 98% into its download (a fresh-clone run of the test below's
+    network twin)."""
+    monkeypatch.setattr(limits, "PREEMPT_AFTER_S", 0.3)
+
+    async def main():
+        gate = make_gate(max_streams=3)
+        honest = _State(num_messages=10**6)
+        reader = asyncio.ensure_future(read(gate, "honest", honest, every_s=0.005))
+        await asyncio.sleep(0.4)  # old, and fast
+        squatters = [asyncio.ensure_future(read(gate, f"squatter{i}", _State(), every_s=30)) for i in range(2)]
+        await asyncio.sleep(0.05)  # young, and slow
+        knocking = _State()
+        assert await read(gate, "squatter2", knocking) == [] and knocking.opened == 0
+        assert set(gate.streams) == {"honest", "squatter0", "squatter1"} and not reader.done()
+        await asyncio.sleep(0.4)  # now the slow ones are old: the slowest of them goes
+        assert len(await read(gate, "newcomer", _State())) == 100
+        assert "honest" in gate.streams and not reader.done()
+        assert sum(task.cancelled() for task in squatters) == 1
+        for task in [reader, *squatters]:
+            task.cancel()
+        await asyncio.gather(reader, *squatters, return_exceptions=True)
+
+    asyncio.run(main())
+
+
 def test_squatters_that_reconnect_do_not_keep_out_a_reader_faster_than_them(monkeypatch):
     """Issue 30 item 6 without a network: three identities hold both slots, each taking a message every 0.4 s (under
     the stall timeout) and reconnecting as soon as they lose their stream. A newcomer that reads faster than they do

@@ -145,10 +145,14 @@ class StateGate:
             return None
         if self.preempted.get(peer, 0.0) > now:  # else a few identities would keep every slot young by turns
             return f"{self.max_streams} state streams served already, and it lost a slot to another recently"
-        old = [s for s in self.streams.values() if s.first_at is not None and now - s.first_at >= PREEMPT_AFTER_S]
-        if not old:
-            return f"{self.max_streams} state streams served already, all started in the last {PREEMPT_AFTER_S:g} s"
-        slowest = min(old, key=lambda s: s.rate(now))
+        # the slowest stream, if it has run PREEMPT_AFTER_S: a younger one would let a few identities keep every
+        # slot young by turns, and the slowest *old* one instead was, with the others re-admitted squatters, the one
+        # honest reader, cut off 98% into its download (in a fresh-clone run)
+        started = [s for s in self.streams.values() if s.first_at is not None]
+        slowest = min(started, key=lambda s: s.rate(now), default=None)
+        if slowest is None or now - slowest.first_at < PREEMPT_AFTER_S:
+            return (f"{self.max_streams} state streams served already, the slowest of them started in the last "
+                    f"{PREEMPT_AFTER_S:g} s")
         self._end(slowest, f"its slot went to {peer}: the slowest of {len(self.streams)} streams "
                            f"({slowest.rate(now) * 8e-6:.3g} Mbit/s)", cool=False)
         return None
