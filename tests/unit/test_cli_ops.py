@@ -94,6 +94,21 @@ def test_a_mistake_or_a_help_is_told_before_torch_is_imported(argv, code):
         assert last == f"exit {code} False", result.stderr
 
 
+def assert_killed(pid: str) -> None:
+    """The node's process ``pid`` is gone or a zombie within 5 s (the killed child is reaped by init once its
+    parent is gone)."""
+    import time
+
+    for _ in range(50):
+        try:
+            if open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z":
+                return
+        except FileNotFoundError:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"the node's process {pid} is still running")
+
+
 WATCHDOG = """
 import subprocess, sys, time
 from p2p_diloco.cli import status
@@ -126,15 +141,7 @@ def test_the_watchdog_says_what_it_has_kills_the_node_and_exits_1():
     assert result.stderr.strip().splitlines()[-1] == (
         "error: no records of run r1 within 3 s (still reading the run's records); 2 peer(s) reachable: "
         "status gave up 8 s past its --timeout")
-    for _ in range(50):  # the killed child is reaped by init once its parent is gone
-        try:
-            if open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z":
-                break
-        except FileNotFoundError:
-            break
-        time.sleep(0.1)
-    else:
-        raise AssertionError(f"the node's process {pid} is still running")
+    assert_killed(pid)
 
 
 ANSWERED = """
@@ -164,15 +171,7 @@ def test_once_status_has_answered_the_watchdog_only_ends_an_exit_that_overruns()
     result = subprocess.run([sys.executable, "-c", ANSWERED], capture_output=True, text=True, timeout=50)
     assert result.returncode == 0 and result.stderr == "" and time.monotonic() - started < 50, result
     pid = result.stdout.strip()
-    for _ in range(50):
-        try:
-            if open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z":
-                break
-        except FileNotFoundError:
-            break
-        time.sleep(0.1)
-    else:
-        raise AssertionError(f"the node's process {pid} is still running")
+    assert_killed(pid)
 
 
 def test_a_deadline_counts_from_the_process_start():
