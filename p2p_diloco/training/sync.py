@@ -185,7 +185,8 @@ class SwarmSync:
         the newcomer that needed both. A state the counted records agree on is not held against its donor (a
         peer that has just resynced serves the agreed state before its record says so)."""
         applied = meta["applied_round"]
-        record = next((r for r in self.swarm.others() if r.node == donor), None)
+        records = self.swarm.others()  # one read for the donor's claim and the votes
+        record = next((r for r in records if r.node == donor), None)
         if record is None:
             return None
         claimed = record.anchor if record.applied_round == applied else \
@@ -193,7 +194,7 @@ class SwarmSync:
         fingerprint = self.stage.served_fingerprint(meta, tensors)
         if not claimed or claimed == fingerprint:
             return None
-        votes = anchor_votes(self._others(), applied)
+        votes = anchor_votes(self.counted(records), applied)
         if votes and canonical_of(votes) == fingerprint:
             return None
         self.discredited[donor] = self.stage.round_index + DISCREDIT_ROUNDS
