@@ -150,6 +150,21 @@ def test_only_strangers_keep_a_round_waiting_for_its_group_for_a_bounded_time(mo
     assert link(met=frozenset({"a"})).moved_past(3)
 
 
+def test_a_groupmate_that_ended_the_next_round_and_still_collects_this_one_keeps_it_alive(monkeypatch):
+    """Eager and delayed modes: a peer that ended round r + 1 announces r + 2 before it collects round r's average
+    (its record then names r + 2 with r not applied). Until it applies r it is still in r's group: the slower peer
+    waiting for r must not call the round hopeless (it did, while the others were in r's all-reduce with it, and
+    the whole group fell back on r). Once it applied r, or if it names a round further ahead, it has moved past."""
+    def moved_past(*records):
+        monkeypatch.setattr(progress, "fetch_progress", lambda dht, run_id: list(records))
+        return link(met=frozenset({"a", "b"})).moved_past(3)
+
+    assert not moved_past(record("a", 5, applied_round=2), record("b", 5, applied_round=2))
+    assert not moved_past(record("a", 5, applied_round=3), record("b", 5, applied_round=2))
+    assert moved_past(record("a", 5, applied_round=3), record("b", 5, applied_round=3))
+    assert moved_past(record("a", 4, applied_round=3), record("b", 5, applied_round=4))
+
+
 def test_waiting_for_peers_in_a_private_swarm_counts_its_members_only(monkeypatch):
     """``train.wait_for_peers``: outsiders' records of a private swarm do not end the wait before its members came."""
     records = [record(node, 0) for node in SYBILS]
