@@ -186,7 +186,9 @@ def joined(newcomer: Path, started: float, anchors: dict[int, str]) -> float | N
 
 def anchor_splits(folders: list[Path], newcomer: Path) -> tuple[list[int], bool]:
     """(applied rounds after which the honest peers' anchors, the newcomer's included once it has one, were not all
-    one, whether their final anchors are), from their round metrics."""
+    one, whether their final anchors are), from their round metrics; the final anchor is the one each peer left
+    with (its summary): a resync or reload after the last round it applied replaced that round's anchor, and the
+    round metrics alone named a peer that took the agreed anchor at the end as one that differs."""
     held: dict[int, set[str]] = {}
     finals = set()
     for folder in [*folders, newcomer]:
@@ -194,7 +196,10 @@ def anchor_splits(folders: list[Path], newcomer: Path) -> tuple[list[int], bool]
                   if e["applied_round"] is not None}
         for r, digest in rounds.items():
             held.setdefault(r, set()).add(digest)
-        if rounds:
+        left_with = (summary(folder) or {}).get("anchor_sha256")
+        if left_with:
+            finals.add(left_with)
+        elif rounds:
             finals.add(rounds[max(rounds)])
     return sorted(r for r, digests in held.items() if len(digests) > 1), len(finals) == 1
 
