@@ -245,7 +245,7 @@ class Vote(Attack):
         from hivemind.utils.serializer import MSGPackSerializer
         from hivemind.utils.streaming import combine_from_streaming
 
-        from p2p_diloco.training.state.swarm_state import anchor_digest, state_fingerprint
+        from p2p_diloco.round.swarm_state import anchor_digest, state_fingerprint
 
         meta, tensors, parts = None, [], []
         async for message in await self.stub(self.p2ps[0], peer).rpc_download_state(Squat.request()):

@@ -1,6 +1,6 @@
 """Learning quality: eval loss at equal tokens per worker, for every way of training, side by side.
 
-K workers run the project's real round code (:class:`~p2p_diloco.training.stage.Stage`: inner AdamW with the
+K workers run the project's real round code (:class:`~p2p_diloco.round.stage.Stage`: inner AdamW with the
 peer's schedule and clipping, pseudo-gradients, error feedback, the outer optimizer, the delayed and eager
 rules) on the real data sampler; their averaging is :class:`~p2p_diloco.training.simulate.ExactGroup` (the real
 compression policy, codecs, PowerSGD reducer and robust combine, no network), so long horizons cost CPU time

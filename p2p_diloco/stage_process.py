@@ -31,8 +31,8 @@ from p2p_diloco.model.fragments import (
     round_shifts,
     split_parameters,
 )
+from p2p_diloco.round.stage import Stage
 from p2p_diloco.training.executor import LocalExecutor
-from p2p_diloco.training.stage import Stage
 from p2p_diloco.training.summary import Reporter, TrainSummary
 from p2p_diloco.training.sync import SwarmSync, bootstrap_peer_ids
 from p2p_diloco.training.trainer import Held, Trainer
@@ -43,7 +43,7 @@ logger = logging.getLogger(__name__)
 def donor_wait_s(averaging: AveragingConfig) -> float:
     """How long a donor waits for its round in flight before serving its state (see :func:`_serve_state`). It
     stays well inside the newcomer's wait for the first chunk from each donor (hivemind's next_chunk_timeout),
-    or the newcomer gives up on every donor while they wait (seen in CI: a restarted peer could not reload)."""
+    or the newcomer gives up on every donor while they wait (a restarted peer then cannot reload)."""
     return min(10.0, averaging.allreduce_timeout_s, 0.5 * averaging.next_chunk_timeout_s)
 
 

@@ -10,7 +10,7 @@ import sys
 from collections.abc import Callable
 
 from p2p_diloco.config import Config, describe_config, load_config
-from p2p_diloco.config.sections import JOIN_MARGIN_S
+from p2p_diloco.config.network import JOIN_MARGIN_S
 
 logger = logging.getLogger(__name__)
 

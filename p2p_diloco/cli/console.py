@@ -9,7 +9,7 @@ from contextlib import ExitStack
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from p2p_diloco.training.stage import RoundReport
+from p2p_diloco.round.outcome import RoundReport
 
 
 def format_bytes(num_bytes: float) -> str:

@@ -1,7 +1,7 @@
 """``p2p-diloco plan``: what a run past this machine would cost on the wire, and how much overlap hides.
 
 Reads the options, resolves the parameter count (``--params``, ``--preset`` or ``--paper``) and prints
-:func:`p2p_diloco.plan.format_plan` or, with ``--json``, one JSON object. The arithmetic lives in
+:func:`p2p_diloco.plan_text.format_plan` or, with ``--json``, one JSON object. The arithmetic lives in
 :mod:`p2p_diloco.plan`; nothing here touches the network.
 """
 
@@ -91,7 +91,8 @@ def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
 
 
 def run(args: argparse.Namespace, overrides: list) -> int:
-    from p2p_diloco.plan import format_plan, make_plan, plan_as_dict
+    from p2p_diloco.plan import make_plan, plan_as_dict
+    from p2p_diloco.plan_text import format_plan
 
     plan = make_plan(inputs_from_args(args))
     print(json.dumps(plan_as_dict(plan)) if args.json else format_plan(plan))

@@ -29,21 +29,10 @@ import torch
 from p2p_diloco.compression.codecs import encoded_size
 from p2p_diloco.compression.lowrank import desired_rank, lowrank_size
 from p2p_diloco.config import AveragingConfig
+from p2p_diloco.medians import lower_median, upper_median
 
 SCHEMES = ("none", "fp16", "int8", "lowrank", "adaptive")
 LINK_SPREAD = 4.0  # a member's link counts as at most this many times slower than the group's median link
-
-
-def lower_median(values: list[float]):
-    """The median, the lower of the two middle values for an even count (of two values: the smaller)."""
-    ordered = sorted(values)
-    return ordered[(len(ordered) - 1) // 2]
-
-
-def upper_median(values: list[float]):
-    """The median, the upper of the two middle values for an even count (of two values: the larger)."""
-    ordered = sorted(values)
-    return ordered[len(ordered) // 2]
 
 
 @dataclass(frozen=True)

@@ -16,11 +16,10 @@ from pathlib import Path
 from typing import Any, Union
 
 from p2p_diloco.config.errors import ConfigError
+from p2p_diloco.config.network import AveragingConfig, DHTConfig
 from p2p_diloco.config.sections import (
-    AveragingConfig,
     CheckpointConfig,
     DataConfig,
-    DHTConfig,
     DiLoCoConfig,
     InnerConfig,
     MetricsConfig,

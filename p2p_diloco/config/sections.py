@@ -9,31 +9,17 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
-from p2p_diloco.config.errors import ConfigError
+from p2p_diloco.config.checks import non_negative, positive, require
 
 RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 AVERAGING_MODES = ("none", "delayed", "eager")
 ROUND_ENDS = ("swarm", "steps")
-COMPRESSIONS = ("none", "fp16", "int8", "lowrank", "adaptive")
 SCHEDULES = ("gpipe", "1f1b")
 MODEL_PRESETS = ("tiny", "small", "medium", "1b")
 WANDB_MODES = ("offline", "online")
-
-
-def _require(condition: bool, key: str, message: str) -> None:
-    if not condition:
-        raise ConfigError(f"{key}: {message}")
-
-
-def _positive(value: float, key: str) -> None:
-    _require(value > 0 and math.isfinite(value), key, f"must be a positive number, got {value!r}")
-
-
-def _non_negative(value: float, key: str) -> None:
-    _require(value >= 0 and math.isfinite(value), key, f"must be >= 0, got {value!r}")
 
 
 @dataclass
@@ -52,20 +38,20 @@ class RunConfig:
     """CPU threads for torch in this process; default: torch's choice."""
 
     def validate(self) -> None:
-        _require(
+        require(
             bool(RUN_ID_PATTERN.match(self.run_id)),
             "run.run_id",
             f"must be 1-64 letters, digits, '-' or '_', starting with a letter or digit; got {self.run_id!r}",
         )
-        _require(bool(self.output_dir), "run.output_dir", "must not be empty")
-        _require(
+        require(bool(self.output_dir), "run.output_dir", "must not be empty")
+        require(
             self.device in ("auto", "cpu", "cuda") or bool(re.fullmatch(r"cuda:\d+", self.device)),
             "run.device",
             f"must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}",
         )
-        _require(self.num_threads is None or self.num_threads > 0, "run.num_threads",
+        require(self.num_threads is None or self.num_threads > 0, "run.num_threads",
                  f"must be a positive integer, got {self.num_threads!r}")
-        _require(self.log_level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"), "run.log_level",
+        require(self.log_level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"), "run.log_level",
                  f"must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}")
 
 
@@ -93,11 +79,11 @@ class ModelConfig:
     """Seed of the parameter init; every peer of a run must use the same one."""
 
     def validate(self) -> None:
-        _require(self.preset in MODEL_PRESETS, "model.preset",
+        require(self.preset in MODEL_PRESETS, "model.preset",
                  f"must be one of {', '.join(MODEL_PRESETS)}, got {self.preset!r}")
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len", "vocab_size"):
             value = getattr(self, name)
-            _require(value is None or value > 0, f"model.{name}", f"must be a positive integer, got {value!r}")
+            require(value is None or value > 0, f"model.{name}", f"must be a positive integer, got {value!r}")
 
 
 @dataclass
@@ -116,10 +102,10 @@ class DataConfig:
     """Batches of the held-out split used for each evaluation."""
 
     def validate(self) -> None:
-        _require(bool(self.path), "data.path", "must not be empty")
-        _require(self.seq_len is None or self.seq_len > 1, "data.seq_len", f"must be > 1, got {self.seq_len!r}")
-        _require(self.batch_size > 0, "data.batch_size", f"must be a positive integer, got {self.batch_size!r}")
-        _require(self.eval_batches >= 0, "data.eval_batches", f"must be >= 0, got {self.eval_batches!r}")
+        require(bool(self.path), "data.path", "must not be empty")
+        require(self.seq_len is None or self.seq_len > 1, "data.seq_len", f"must be > 1, got {self.seq_len!r}")
+        require(self.batch_size > 0, "data.batch_size", f"must be a positive integer, got {self.batch_size!r}")
+        require(self.eval_batches >= 0, "data.eval_batches", f"must be >= 0, got {self.eval_batches!r}")
 
 
 @dataclass
@@ -144,16 +130,16 @@ class InnerConfig:
     """Clip the global gradient norm to this value; 0 disables clipping."""
 
     def validate(self) -> None:
-        _positive(self.lr, "inner.lr")
-        _require(0 <= self.min_lr_ratio <= 1, "inner.min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio!r}")
-        _require(self.warmup_steps >= 0, "inner.warmup_steps", f"must be >= 0, got {self.warmup_steps!r}")
-        _require(self.total_steps is None or self.total_steps > 0, "inner.total_steps",
+        positive(self.lr, "inner.lr")
+        require(0 <= self.min_lr_ratio <= 1, "inner.min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio!r}")
+        require(self.warmup_steps >= 0, "inner.warmup_steps", f"must be >= 0, got {self.warmup_steps!r}")
+        require(self.total_steps is None or self.total_steps > 0, "inner.total_steps",
                  f"must be a positive integer, got {self.total_steps!r}")
-        _non_negative(self.weight_decay, "inner.weight_decay")
-        _require(0 <= self.beta1 < 1, "inner.beta1", f"must be in [0, 1), got {self.beta1!r}")
-        _require(0 <= self.beta2 < 1, "inner.beta2", f"must be in [0, 1), got {self.beta2!r}")
-        _positive(self.eps, "inner.eps")
-        _non_negative(self.grad_clip, "inner.grad_clip")
+        non_negative(self.weight_decay, "inner.weight_decay")
+        require(0 <= self.beta1 < 1, "inner.beta1", f"must be in [0, 1), got {self.beta1!r}")
+        require(0 <= self.beta2 < 1, "inner.beta2", f"must be in [0, 1), got {self.beta2!r}")
+        positive(self.eps, "inner.eps")
+        non_negative(self.grad_clip, "inner.grad_clip")
 
 
 @dataclass
@@ -202,21 +188,21 @@ class DiLoCoConfig:
         return self.overlap_steps if self.overlap_steps is not None else max(1, self.inner_steps // 10)
 
     def validate(self) -> None:
-        _require(self.inner_steps > 0, "diloco.inner_steps", f"must be a positive integer, got {self.inner_steps!r}")
-        _positive(self.outer_lr, "diloco.outer_lr")
-        _require(0 <= self.outer_momentum < 1, "diloco.outer_momentum",
+        require(self.inner_steps > 0, "diloco.inner_steps", f"must be a positive integer, got {self.inner_steps!r}")
+        positive(self.outer_lr, "diloco.outer_lr")
+        require(0 <= self.outer_momentum < 1, "diloco.outer_momentum",
                  f"must be in [0, 1), got {self.outer_momentum!r}")
-        _require(self.overlap_steps is None or 1 <= self.overlap_steps <= self.inner_steps, "diloco.overlap_steps",
+        require(self.overlap_steps is None or 1 <= self.overlap_steps <= self.inner_steps, "diloco.overlap_steps",
                  f"must be between 1 and diloco.inner_steps ({self.inner_steps}), got {self.overlap_steps!r}")
-        _require(self.mode in AVERAGING_MODES, "diloco.mode",
+        require(self.mode in AVERAGING_MODES, "diloco.mode",
                  f"must be one of {', '.join(AVERAGING_MODES)}, got {self.mode!r}")
-        _require(isinstance(self.fragments, int) and not isinstance(self.fragments, bool) and self.fragments >= 0,
+        require(isinstance(self.fragments, int) and not isinstance(self.fragments, bool) and self.fragments >= 0,
                  "diloco.fragments", f"must be 0 (average by pipeline stage) or a fragment count >= 1, "
                  f"got {self.fragments!r}")
-        _require(not (self.streaming and self.fragments > self.inner_steps), "diloco.fragments",
+        require(not (self.streaming and self.fragments > self.inner_steps), "diloco.fragments",
                  f"streaming {self.fragments} fragments needs diloco.inner_steps >= {self.fragments} (one fragment "
                  f"per step at most), got {self.inner_steps}; or set diloco.streaming false")
-        _require(self.round_end in ROUND_ENDS, "diloco.round_end",
+        require(self.round_end in ROUND_ENDS, "diloco.round_end",
                  f"must be one of {', '.join(ROUND_ENDS)}, got {self.round_end!r}")
 
 
@@ -244,173 +230,15 @@ class TrainConfig:
     benchmarks of swarms with peers of unequal speed. 1 = full speed."""
 
     def validate(self) -> None:
-        _require(self.num_rounds > 0, "train.num_rounds", f"must be a positive integer, got {self.num_rounds!r}")
-        _require(self.log_every > 0, "train.log_every", f"must be a positive integer, got {self.log_every!r}")
-        _require(self.wait_for_peers >= 1, "train.wait_for_peers", f"must be >= 1, got {self.wait_for_peers!r}")
-        _positive(self.wait_for_peers_timeout_s, "train.wait_for_peers_timeout_s")
-        _positive(self.state_timeout_s, "train.state_timeout_s")
-        _require(self.eval_every_rounds >= 0, "train.eval_every_rounds",
+        require(self.num_rounds > 0, "train.num_rounds", f"must be a positive integer, got {self.num_rounds!r}")
+        require(self.log_every > 0, "train.log_every", f"must be a positive integer, got {self.log_every!r}")
+        require(self.wait_for_peers >= 1, "train.wait_for_peers", f"must be >= 1, got {self.wait_for_peers!r}")
+        positive(self.wait_for_peers_timeout_s, "train.wait_for_peers_timeout_s")
+        positive(self.state_timeout_s, "train.state_timeout_s")
+        require(self.eval_every_rounds >= 0, "train.eval_every_rounds",
                  f"must be >= 0, got {self.eval_every_rounds!r}")
-        _require(isinstance(self.slowdown, (int, float)) and math.isfinite(self.slowdown) and self.slowdown >= 1,
+        require(isinstance(self.slowdown, (int, float)) and math.isfinite(self.slowdown) and self.slowdown >= 1,
                  "train.slowdown", f"must be a number >= 1, got {self.slowdown!r}")
-
-
-@dataclass
-class AveragingConfig:
-    compression: str = "adaptive"
-    """How pseudo-gradients cross the wire: 'none' (fp32), 'fp16', 'int8' (blockwise; 4-bit with quant_bits = 4),
-    'lowrank' (large matrices through PowerSGD at a fixed rank, factors quantized, the rest quantized) or
-    'adaptive' (lowrank whose rank and bits follow the spectrum and the bandwidth budget). Errors are fed back."""
-    quant_bits: int = 8
-    """Bits per value of quantized tensors and low-rank factors: 8 or 4."""
-    rank: int = 8
-    """Low rank of the first round (all rounds for 'lowrank')."""
-    min_rank: int = 1
-    """Smallest rank 'adaptive' may choose."""
-    max_rank: int = 32
-    """Largest rank 'adaptive' may choose."""
-    lowrank_min_size: int = 65536
-    """2-D tensors with at least this many values go through low rank (while the rank keeps them under half their
-    size); smaller ones are quantized: low rank saves little there and loses much."""
-    target_error: float = 0.5
-    """'adaptive' doubles the rank while the group's relative compression error is above this."""
-    bandwidth_budget: float = 0.5
-    """'adaptive' keeps the expected transfer of a round within this fraction of a round of compute."""
-    assumed_bandwidth_mbit: float = 100.0
-    """Link rate assumed for the bandwidth budget until the first round has measured one."""
-    target_group_size: Optional[int] = None
-    """Groups of at most this many peers, assembled as soon as this many joined; default: the live peers of the stage
-    (read from the records; until known, wait the whole matchmaking time)."""
-    min_group_size: int = 2
-    """Smallest group worth averaging with; a round with fewer peers falls back to the local delta."""
-    matchmaking_time_s: float = 5.0
-    """How long a leader waits for peers to join its group."""
-    request_timeout_s: float = 3.0
-    """Timeout of one matchmaking request (must be below matchmaking_time_s)."""
-    round_timeout_s: float = 30.0
-    """Give up looking for a group after this long and fall back to the local delta."""
-    allreduce_timeout_s: float = 60.0
-    """Give up an all-reduce that has not finished after this long."""
-    next_chunk_timeout_s: float = 10.0
-    """A groupmate that sends nothing for this long is dropped from the all-reduce."""
-    outlier_norm_ratio: float = 10.0
-    """With 3 or more parts, a groupmate's part of a pseudo-gradient whose norm per claimed token is above this
-    multiple of the median (non-finite parts too) is left out of the average and counts as an offence; with only 2
-    parts there is no majority, and the larger is scaled down to 3 times the smaller (this multiple if lower), no
-    offence. 0 disables (not recommended)."""
-    clip_ratio: float = 2.0
-    """CenteredClip radius, as a multiple of the median distance of the group's parts to their coordinate-wise
-    median: parts farther from the average are clipped to it (bounded influence, reported, no offence). Honest parts
-    rarely are, and then the average is the plain weighted mean, bit for bit. 0 disables."""
-    max_weight_ratio: float = 2.0
-    """A groupmate's claimed tokens (its weight in the average) are capped at this multiple of the group's median
-    claim. 0 disables."""
-    ban_after: int = 3
-    """Rounds with an offence (non-finite, far too large or malformed parts, a wrong round, malformed metadata sent
-    directly, an implausible average returned as a reducer) after which this peer stops grouping with that peer (until
-    this peer restarts); a leader that forged this peer's own record is banned at once, and a groupmate that stalls
-    the exchange after stalls in 2 x ban_after of the last 20 rounds. 0: never ban."""
-    allowlist: list[str] = field(default_factory=list)
-    """A private swarm: the peer ids (base58) of its members, one for each stage process of each peer (see
-    --identity-path). Join requests, groups, state requests and state donors outside it are refused. Empty: public."""
-    state_streams: int = 4
-    """State downloads this peer serves at once, one per peer (each holds a copy of this stage's anchor and outer
-    momentum until its reader is done). With all taken, a new request takes the slot of the slowest stream served
-    for 2 s or more; its reader asks its next donor."""
-    state_min_mbit: float = 1.0
-    """Slowest state download this peer keeps serving: a stream whose reader has taken less than this on average
-    since its start (after a head start of state_stall_s) is ended and its peer refused state for state_cooldown_s.
-    A state of S bytes is thus served within state_stall_s + S / state_min_mbit. Keep it below the slowest link a
-    newcomer may have and below this peer's upload rate / state_streams (streams share it); the default is a tenth
-    of a 10 Mbit/s home link."""
-    state_stall_s: float = 15.0
-    """A state stream whose reader takes no 64 KiB chunk for this long is ended and its peer cooled down."""
-    state_cooldown_s: float = 300.0
-    """How long a peer whose state stream stalled or fell below state_min_mbit is refused state."""
-
-    def validate(self) -> None:
-        _require(self.compression in COMPRESSIONS, "averaging.compression",
-                 f"must be one of {', '.join(COMPRESSIONS)}, got {self.compression!r}")
-        _require(self.quant_bits in (4, 8), "averaging.quant_bits", f"must be 8 or 4, got {self.quant_bits!r}")
-        _require(1 <= self.min_rank <= self.rank <= self.max_rank, "averaging.rank",
-                 f"must satisfy 1 <= min_rank ({self.min_rank}) <= rank ({self.rank}) <= max_rank ({self.max_rank})")
-        _require(self.lowrank_min_size >= 1, "averaging.lowrank_min_size",
-                 f"must be a positive integer, got {self.lowrank_min_size!r}")
-        _require(0 < self.bandwidth_budget <= 1, "averaging.bandwidth_budget",
-                 f"must be in (0, 1], got {self.bandwidth_budget!r}")
-        _positive(self.assumed_bandwidth_mbit, "averaging.assumed_bandwidth_mbit")
-        _require(0 < self.target_error < 1, "averaging.target_error", f"must be in (0, 1), got {self.target_error!r}")
-        _require(self.target_group_size is None or self.target_group_size >= 2, "averaging.target_group_size",
-                 f"must be >= 2, got {self.target_group_size!r}")
-        _require(self.min_group_size >= 1, "averaging.min_group_size", f"must be >= 1, got {self.min_group_size!r}")
-        for name in ("matchmaking_time_s", "request_timeout_s", "round_timeout_s", "allreduce_timeout_s",
-                     "next_chunk_timeout_s"):
-            _positive(getattr(self, name), f"averaging.{name}")
-        _require(self.request_timeout_s < self.matchmaking_time_s, "averaging.request_timeout_s",
-                 f"must be below averaging.matchmaking_time_s ({self.matchmaking_time_s}), "
-                 f"got {self.request_timeout_s}")
-        _require(self.round_timeout_s > self.matchmaking_time_s, "averaging.round_timeout_s",
-                 f"must be above averaging.matchmaking_time_s ({self.matchmaking_time_s}), got {self.round_timeout_s}")
-        for name in ("outlier_norm_ratio", "clip_ratio", "max_weight_ratio"):
-            value = getattr(self, name)
-            _require(math.isfinite(value) and (value == 0 or value >= 1), f"averaging.{name}",
-                     f"must be 0 (off) or a number >= 1, got {value!r}")
-        _require(self.ban_after >= 0, "averaging.ban_after", f"must be >= 0, got {self.ban_after!r}")
-        _require(isinstance(self.state_streams, int) and self.state_streams >= 1, "averaging.state_streams",
-                 f"must be an integer >= 1, got {self.state_streams!r}")
-        for name in ("state_min_mbit", "state_stall_s"):
-            _positive(getattr(self, name), f"averaging.{name}")
-        _non_negative(self.state_cooldown_s, "averaging.state_cooldown_s")
-        _check_peer_ids(self.allowlist, "averaging.allowlist")
-
-
-def _check_peer_ids(peer_ids: list[str], key: str) -> None:
-    from hivemind.p2p import PeerID  # local import: config stays free of hivemind at import
-
-    for peer_id in peer_ids:
-        try:
-            multihash = PeerID.from_base58(peer_id).to_bytes()
-        except ValueError:
-            multihash = b""
-        # a peer id is a multihash: sha2-256 (0x12) or identity (0x00), then the digest length, then the digest
-        if len(multihash) < 3 or multihash[0] not in (0x00, 0x12) or multihash[1] != len(multihash) - 2:
-            raise ConfigError(f"{key}: {peer_id!r} is not a peer id (base58, like 12D3KooW... or Qm...)")
-
-
-JOIN_MARGIN_S = 10.0
-"""How much longer than ``dht.startup_timeout_s`` a DHT node's start may take before it is given up: hivemind bounds
-the daemon's start and each ping, not the process's start or the rest of the bootstrap."""
-
-
-@dataclass
-class DHTConfig:
-    initial_peers: list[str] = field(default_factory=list)
-    """Multiaddrs of running swarm members (bootstrap nodes or peers); empty: start a new swarm."""
-    host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"])
-    """Multiaddrs to listen on (port 0: any free port)."""
-    announce_maddrs: list[str] = field(default_factory=list)
-    """Multiaddrs others should use to reach this node (e.g. a public IP behind port forwarding)."""
-    identity_path: Optional[str] = None
-    """Private key file that fixes this node's peer id; created (mode 0600) if it does not exist."""
-    client_mode: bool = False
-    """Only make outgoing connections (for nodes that cannot accept incoming ones)."""
-    use_relay: bool = True
-    """Allow reaching peers behind NAT through libp2p circuit relays."""
-    use_auto_relay: bool = False
-    """Look for relays to become reachable when this node is itself behind NAT."""
-    startup_timeout_s: float = 30.0
-    """Give up if the DHT cannot start or reach the initial peers within this many seconds (the node's whole start
-    is given up JOIN_MARGIN_S = 10 s later at most, with exit code 1)."""
-
-    def validate(self) -> None:
-        from p2p_diloco.swarm.discovery.maddrs import (
-            check_maddrs,  # local import: config stays free of hivemind at import
-        )
-
-        check_maddrs(self.initial_peers, "dht.initial_peers", require_peer_id=True)
-        check_maddrs(self.host_maddrs, "dht.host_maddrs")
-        check_maddrs(self.announce_maddrs, "dht.announce_maddrs")
-        _positive(self.startup_timeout_s, "dht.startup_timeout_s")
 
 
 @dataclass
@@ -425,8 +253,8 @@ class CheckpointConfig:
     """Resume from the latest checkpoint in the folder if there is one (--no-resume: start fresh)."""
 
     def validate(self) -> None:
-        _require(self.every_rounds >= 0, "checkpoint.every_rounds", f"must be >= 0, got {self.every_rounds!r}")
-        _require(self.keep >= 1, "checkpoint.keep", f"must be >= 1, got {self.keep!r}")
+        require(self.every_rounds >= 0, "checkpoint.every_rounds", f"must be >= 0, got {self.every_rounds!r}")
+        require(self.keep >= 1, "checkpoint.keep", f"must be >= 1, got {self.keep!r}")
 
 
 @dataclass
@@ -443,15 +271,15 @@ class PipelineConfig:
     """Give up on a stage of this peer that does not answer for this long (a dead one is noticed at once)."""
 
     def validate(self) -> None:
-        _require(self.stages >= 1, "pipeline.stages", f"must be a positive integer, got {self.stages!r}")
-        _require(self.schedule in SCHEDULES, "pipeline.schedule",
+        require(self.stages >= 1, "pipeline.stages", f"must be a positive integer, got {self.stages!r}")
+        require(self.schedule in SCHEDULES, "pipeline.schedule",
                  f"must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
-        _require(self.microbatches >= 1, "pipeline.microbatches", f"must be >= 1, got {self.microbatches!r}")
-        _positive(self.timeout_s, "pipeline.timeout_s")
+        require(self.microbatches >= 1, "pipeline.microbatches", f"must be >= 1, got {self.microbatches!r}")
+        positive(self.timeout_s, "pipeline.timeout_s")
         if self.stage_layers is not None:
-            _require(len(self.stage_layers) == self.stages, "pipeline.stage_layers",
+            require(len(self.stage_layers) == self.stages, "pipeline.stage_layers",
                      f"has {len(self.stage_layers)} entries but pipeline.stages is {self.stages}")
-            _require(all(n >= 1 for n in self.stage_layers), "pipeline.stage_layers",
+            require(all(n >= 1 for n in self.stage_layers), "pipeline.stage_layers",
                      f"every stage needs at least one block, got {self.stage_layers}")
 
 
@@ -479,10 +307,10 @@ class MetricsConfig:
     """Name of this peer's W&B runs, to which -stage<j> is added; default: <run.run_id>-<end of the peer id>."""
 
     def validate(self) -> None:
-        _require(self.port is None or 0 <= self.port <= 65535, "metrics.port",
+        require(self.port is None or 0 <= self.port <= 65535, "metrics.port",
                  f"must be a TCP port (0-65535, 0: any free port), got {self.port!r}")
-        _require(bool(self.host.strip()), "metrics.host", "must not be empty (e.g. 127.0.0.1 or 0.0.0.0)")
-        _require(self.wandb_mode in WANDB_MODES, "metrics.wandb_mode",
+        require(bool(self.host.strip()), "metrics.host", "must not be empty (e.g. 127.0.0.1 or 0.0.0.0)")
+        require(self.wandb_mode in WANDB_MODES, "metrics.wandb_mode",
                  f"must be one of {', '.join(WANDB_MODES)}, got {self.wandb_mode!r}")
-        _require(not re.search(r"[/\\#?%:]", self.wandb_project), "metrics.wandb_project",
+        require(not re.search(r"[/\\#?%:]", self.wandb_project), "metrics.wandb_project",
                  f"must not contain / \\ # ? % or : (W&B project names), got {self.wandb_project!r}")

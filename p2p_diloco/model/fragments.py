@@ -192,7 +192,7 @@ def round_shifts(num_fragments: int, inner_steps: int) -> list[int]:
 
 class FragmentView(nn.Module):
     """A module holding some parameters of another (the same tensors, not copies), for a
-    :class:`~p2p_diloco.training.stage.Stage` of one fragment; its parameter names are the model's."""
+    :class:`~p2p_diloco.round.stage.Stage` of one fragment; its parameter names are the model's."""
 
     def __init__(self, named: Sequence[tuple[str, nn.Parameter]]):
         super().__init__()

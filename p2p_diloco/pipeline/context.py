@@ -137,7 +137,7 @@ def _private_store(world: int, timeout: timedelta):
 
 def check_one_gpu_per_stage(device: torch.device, spec: str, local_stages: int) -> None:
     """NCCL joins one process per GPU: two stages of a peer on one GPU fail at their first collective with
-    ``NCCL error ... invalid usage`` (seen on a one-GPU machine with --stages 2). Refuse that up front.
+    ``NCCL error ... invalid usage`` (e.g. --stages 2 on a one-GPU machine). Refuse that up front.
 
     Raises:
         ConfigError: naming the stages, the GPUs and what to change.

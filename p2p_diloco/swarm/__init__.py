@@ -1,14 +1,13 @@
 """Everything that crosses the network, all through hivemind: DHT nodes and identities, progress
 records, and the averager of pseudo-gradients."""
 
-from p2p_diloco.swarm.averaging.averager import PseudoGradientAverager, RoundOutcome, group_prefix, round_bits
+from p2p_diloco.swarm.averaging.averager import PseudoGradientAverager, group_prefix, round_bits
 from p2p_diloco.swarm.discovery.dht import start_dht, visible_maddrs
 from p2p_diloco.swarm.discovery.identity import ensure_identity
+from p2p_diloco.swarm.discovery.link import SwarmLink
 from p2p_diloco.swarm.discovery.maddrs import check_maddrs
 from p2p_diloco.swarm.discovery.progress import (
-    Position,
     ProgressRecord,
-    SwarmLink,
     fetch_progress,
     live_group_size,
     publish_progress,
@@ -18,9 +17,7 @@ from p2p_diloco.swarm.errors import SwarmError
 __all__ = [
     "ProgressRecord",
     "PseudoGradientAverager",
-    "RoundOutcome",
     "SwarmError",
-    "Position",
     "SwarmLink",
     "check_maddrs",
     "ensure_identity",

@@ -1,11 +1,12 @@
 """Training: the stage's DiLoCo state and round, the inner schedule, the outer optimizer, executors,
 the training loop, metrics and checkpoints."""
 
+from p2p_diloco.round.inner import inner_lr
+from p2p_diloco.round.outcome import RoundReport
+from p2p_diloco.round.outer import OuterOptimizer
+from p2p_diloco.round.stage import Stage
 from p2p_diloco.training.executor import LocalExecutor
 from p2p_diloco.training.metrics import MetricsWriter, read_metrics
-from p2p_diloco.training.outer import OuterOptimizer
-from p2p_diloco.training.schedule import inner_lr
-from p2p_diloco.training.stage import RoundReport, Stage
 from p2p_diloco.training.state.checkpoint import (
     Checkpoint,
     CheckpointError,

@@ -9,7 +9,7 @@ weights capped as the guard caps them) and sent back through the reducer's codec
 :class:`~p2p_diloco.swarm.averaging.allreduce.ExactAllReduceRunner` does. The group always holds all K peers (the
 rounds listed in ``fail_rounds`` fail for everyone), so a simulation measures the algorithm, not the network.
 
-Each peer's :class:`ExactAverager` has the methods :class:`~p2p_diloco.training.stage.Stage` calls on a
+Each peer's :class:`ExactAverager` has the methods :class:`~p2p_diloco.round.stage.Stage` calls on a
 :class:`~p2p_diloco.swarm.averaging.averager.PseudoGradientAverager`. Peers may end their rounds from different threads
 (blocking mode needs that: each waits for the others' contributions) or, in the overlap modes, one after the
 other. Called by ``benchmarks/quality.py`` and the tests.
@@ -26,7 +26,7 @@ import torch
 from p2p_diloco.compression.codecs import roundtrip
 from p2p_diloco.compression.policy import CompressionPolicy
 from p2p_diloco.config import AveragingConfig
-from p2p_diloco.swarm.averaging.averager import RoundOutcome
+from p2p_diloco.round.outcome import RoundOutcome
 from p2p_diloco.swarm.averaging.reduce import RoundReducer
 from p2p_diloco.swarm.averaging.robust import RobustRule, cap_weights, combine
 
@@ -121,7 +121,7 @@ class ExactGroup:
 
 
 class ExactAverager:
-    """One simulated peer's averager (the methods :class:`~p2p_diloco.training.stage.Stage` calls)."""
+    """One simulated peer's averager (:class:`~p2p_diloco.round.averager.RoundAverager`)."""
 
     def __init__(self, group: ExactGroup, index: int, policy: CompressionPolicy, seed: str):
         self.group, self.index, self.policy = group, index, policy
@@ -144,6 +144,10 @@ class ExactAverager:
         tensors = [t.detach().to(dtype=torch.float32, device="cpu").clone() for t in contribution]
         self.group._start(self.index, round_index, tensors, float(weight), metadata)
         self.round_in_flight, self.polls = round_index, 0
+
+    @property
+    def compresses(self) -> bool:
+        return self.cfg.compression != "none"
 
     @property
     def round_settled(self) -> bool:

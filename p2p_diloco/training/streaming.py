@@ -22,7 +22,7 @@ from torch import nn
 
 from p2p_diloco.config import DiLoCoConfig, InnerConfig
 from p2p_diloco.model.fragments import FragmentView, round_shifts, split_parameters
-from p2p_diloco.training.stage import Stage
+from p2p_diloco.round.stage import Stage
 
 
 class FragmentStages:

@@ -9,8 +9,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional, Protocol
 
-from p2p_diloco.training.stage import RoundReport
-from p2p_diloco.training.state.swarm_state import anchor_digest  # noqa: F401 (the metrics rows' digest)
+from p2p_diloco.round.outcome import RoundReport
+from p2p_diloco.round.swarm_state import anchor_digest  # noqa: F401 (the metrics rows' digest)
 
 
 class Reporter(Protocol):

@@ -2,7 +2,7 @@
 
 Decisions come from the swarm's progress records (round, last applied round and anchor fingerprint of every
 live stage process); states come from other peers through hivemind's state sharing
-(:mod:`p2p_diloco.training.state.swarm_state`):
+(:mod:`p2p_diloco.round.swarm_state`):
 
 - at start, a stage (new or resumed) reloads when another peer is two rounds ahead of it, or one round ahead
   with this stage's round already applied (a peer one whole round behind can never again meet the others'
@@ -59,9 +59,10 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
+from p2p_diloco.medians import lower_median
+from p2p_diloco.round.stage import Stage
+from p2p_diloco.round.swarm_state import StateError
 from p2p_diloco.swarm.discovery.progress import moved_past
-from p2p_diloco.training.stage import Stage
-from p2p_diloco.training.state.swarm_state import StateError
 
 logger = logging.getLogger(__name__)
 REMEMBERED_ROUNDS = 4
@@ -79,11 +80,6 @@ def bootstrap_peer_ids(initial_peers) -> frozenset[str]:
     """The peer ids in ``dht.initial_peers`` multiaddrs (``.../p2p/<peer id>``; the config requires one in each)."""
     return frozenset(maddr.rstrip("/").rsplit("/p2p/", 1)[1].split("/")[0] for maddr in initial_peers
                      if "/p2p/" in maddr)
-
-
-def lower_median(values: list[int]) -> int:
-    ordered = sorted(values)
-    return ordered[(len(ordered) - 1) // 2]
 
 
 def anchor_votes(records, applied_round: int) -> dict[str, list[str]]:
@@ -136,7 +132,7 @@ class SwarmSync:
         # a round this stage's anchor lacks: a reload in delayed mode from a donor whose last round was still
         # averaging (that average goes to the donor's group only). Until a resync, this stage's anchor gets no
         # vote from that round on: where only one other peer has published a round yet, the tie-break must not
-        # make the anchor known to be off the canonical one (seen in CI: the reloaded peer never resynced)
+        # make the anchor known to be off the canonical one (the reloaded peer would then never resync)
         self.missed_round: int | None = None
         # while above 0, the records of a later level of TRUST_LEVELS count: a download from the earlier levels
         # gave no usable state (see _download)
@@ -234,14 +230,14 @@ class SwarmSync:
         swarm_round = lower_median([r.round for r in others]) if others else 0
         mine = self.stage.round_index
         # a peer one round ahead whose average of this stage's round is still in flight (delayed mode: it is
-        # applied at the end of the next round) can still be joined in that round: no reload then (reloading
-        # skipped the round the others were still matching for, and they fell back on it; seen in CI)
+        # applied at the end of the next round) can still be joined in that round: no reload then (a reload
+        # skips the round the others are still matching for, and they fall back on it)
         behind = self._majority(others, self._ahead_of(mine))
         reason = "joining the swarm" if not resumed else \
             f"{swarm_round - self.stage.round_index} round(s) behind the swarm"
         # resumed with a round in flight (delayed/eager) that no other peer can still average: its average cannot
-        # be had any more and the others' anchors hold it; waiting out the round's timeouts for it left a
-        # restarted peer behind a fast swarm to its end (seen in make test)
+        # be had any more and the others' anchors hold it; waiting out the round's timeouts for it leaves a
+        # restarted peer behind a fast swarm to the run's end
         pending = self.stage.pending
         if not behind and pending is not None and not pending.settled and moved_past(others, pending.round_index):
             behind, reason = True, f"round {pending.round_index}, in flight here, was averaged without this peer"
@@ -255,7 +251,7 @@ class SwarmSync:
         if self.stage.diloco_cfg.round_end == "swarm":
             # a peer that ended this stage's round (it publishes the next one before averaging) is still
             # averaging it until it applies it: this stage ends its round at its next step and joins them
-            # (reloading instead lost this stage's round in flight and cost it a resync; seen in make test)
+            # (a reload instead loses this stage's round in flight and costs it a resync)
             behind = self._majority(others, self._ahead_of(mine))
         else:  # rounds of H steps: a peer a round ahead is a whole round's compute ahead
             behind = self._majority(others, lambda r: r.round > mine)
@@ -275,7 +271,7 @@ class SwarmSync:
         own anchor, would otherwise keep averaging pseudo-gradients onto different anchors forever). The
         tie-break must not change from round to round: peers compare at whichever applied round their records
         happen to share, and a tie-break by the fingerprint itself could name one peer at one round and the
-        other at the next, so that neither ever resyncs (seen on a loaded machine)."""
+        other at the next, so that neither ever resyncs."""
         for applied, mine in sorted(self.fingerprints.items(), reverse=True):
             # a peer that applied the next round since (delayed mode: a few steps into it) still tells its anchor
             # after this one: a peer that ends its rounds a little behind the others compares all the same
@@ -302,9 +298,9 @@ class SwarmSync:
         state, in the same order.
 
         ``own_round``: this stage's round, where it trains with the swarm (a resync): it counts in the swarm's round.
-        Left out, a dead peer's record (it stays in the DHT for its TTL) was the lower median of a survivor's two
-        others, and the live survivor looked too far ahead to be a donor: two survivors of a broken round averaged
-        onto their two anchors to the run's end (seen in CI)."""
+        Left out, a dead peer's record (it stays in the DHT for its TTL) can be the lower median of a survivor's two
+        others, and the live survivor looks too far ahead to be a donor: two survivors of a broken round then
+        average onto their two anchors to the run's end."""
         if not others:
             return []
         swarm_round = lower_median([r.round for r in others] + ([own_round] if own_round is not None else []))
@@ -330,7 +326,7 @@ class SwarmSync:
         steps: the wait below). A tie of single votes decides only for a stage that holds a state of that round
         itself: the survivors of a round
         that every member had to apply alone converge on the tie-break's anchor (waiting for a second vote that never
-        comes left a peer 30 s late, out of the next group: seen in make test); a newcomer there keeps waiting. Until
+        comes makes a peer late for the next group, which forms without it); a newcomer there keeps waiting. Until
         some record gives one (a donor serves the anchor after an average it may not have published yet), it waits,
         at most ``verify_wait_s``."""
         if self.num_rounds is not None and meta["round"] >= self.num_rounds > self.stage.round_index:
@@ -365,8 +361,8 @@ class SwarmSync:
     def _verify_wait_s(self) -> float:
         """How long a downloaded state waits for its second voucher: ``verify_wait_s``, and for a stage that trains
         (it knows its step time) at most :data:`VERIFY_WAIT_ROUNDS` of its rounds, at least
-        :data:`MIN_VERIFY_WAIT_S`: the wait holds its training, and 30 s of it in a swarm of 2 s rounds left a peer
-        alone for its next rounds and its groupmates without it (seen in fresh-clone runs)."""
+        :data:`MIN_VERIFY_WAIT_S`: the wait holds its training, and 30 s of it in a swarm of 2 s rounds leaves a peer
+        alone for its next rounds and its groupmates without it."""
         step_s = self.stage.seconds_per_step
         if not step_s > 0:
             return self.verify_wait_s
@@ -377,7 +373,7 @@ class SwarmSync:
         """A checked state from a donor holding the agreed anchor, or None (logged). The donor's inner step is moved
         on by the steps it trained while the state travelled, so that a reloading peer reaches the round's end with
         it. ``at_most_round``: only donors whose records are on that round or before are asked (a resync cannot use
-        a later one: downloading it anyway cost a newcomer the seconds in which its next group formed, in CI)."""
+        a later one: downloading it anyway costs a newcomer the seconds in which its next group forms)."""
         if self.stage.averager is None:
             return None
         started = time.monotonic()
@@ -488,20 +484,20 @@ class SwarmSync:
     def at_end(self, deadline: float) -> None:
         """The run's end, with the last round applied: one final anchor for every peer.
 
-        Before, a run's last round could leave the swarm on several anchors with no round left to resync them: a
-        group of 4 whose matchmaking split it into two pairs ended as two models (seen in the fresh-clone busy CI of
-        the mixed-split test), a peer whose last round failed kept its own pseudo-gradient, and a round failed for
-        the whole group just before the last one left every member on its own anchor (the last round's average,
-        the same for all, moves each anchor by the same step). So the stage waits (until ``deadline``) for the peers
-        still averaging the last round to apply it, and takes the canonical anchor after it (most votes, ties to
-        the smallest node id: what every peer computes from the same records, as the resync after any round) if it
-        does not hold it: only peers off it download. In a calm run everyone has applied it by now (the groupmates
-        were waited for) and everyone holds it: nothing is downloaded."""
+        Without this, a run's last round can leave the swarm on several anchors with no round left to resync them:
+        a group of 4 whose matchmaking splits it into two pairs ends as two models, a peer whose last round failed
+        keeps its own pseudo-gradient, and a round failed for the whole group just before the last one leaves every
+        member on its own anchor (the last round's average, the same for all, moves each anchor by the same step).
+        So the stage waits (until ``deadline``) for the peers still averaging the last round to apply it, and takes
+        the canonical anchor after it (most votes, ties to the smallest node id: what every peer computes from the
+        same records, as the resync after any round) if it does not hold it: only peers off it download. In a calm
+        run everyone has applied it by now (the groupmates were waited for) and everyone holds it: nothing is
+        downloaded."""
         last = (self.num_rounds or 0) - 1
         if self.num_rounds is None or self.stage.applied_round != last or self.stage.averager is None:
             return
         # every signed record, not only the believed ones: the peer still averaging may be one this peer never met
-        # (the odd one out of every round, in the test); only the votes below are the believed peers'
+        # (say, the odd one out of every round); only the votes below are the believed peers'
         finishing = [r.node for r in self.swarm.others() if r.round >= last and r.applied_round < last]
         if finishing:
             self.swarm.wait_for_groupmates(finishing, last, timeout_s=max(0.0, deadline - time.monotonic()))
@@ -523,8 +519,8 @@ class SwarmSync:
         meta, tensors = state
         if meta["round"] > self.stage.round_index:
             # the donor trains a later round: taking its anchor while staying on this round would leave this
-            # stage a round behind with a round nobody else averages (seen under load: resync, then reload, then
-            # resync again, round after round). A reload, decided by all stages together, catches up instead.
+            # stage a round behind with a round nobody else averages (it would resync, then reload, then resync
+            # again, round after round). A reload, decided by all stages together, catches up instead.
             logger.info(f"{self.stage.label}: the donor is on a later round ({meta['round']}, this "
                         f"stage {self.stage.round_index}); resync later")
             return
@@ -554,8 +550,8 @@ class SyncGroup:
     a resync is each fragment's own (it keeps the round and the progress).
 
     The collectives through ``executor`` are the same in number on every stage process of the peer, whatever
-    fragments each holds (one decision, one agreement on the reload point): a stage that decided alone waited in
-    the reload's collective while another trained on (a hang seen in CI)."""
+    fragments each holds (one decision, one agreement on the reload point): a stage that decides alone waits in
+    the reload's collective while another trains on, and the peer hangs."""
 
     def __init__(self, syncs: list[SwarmSync], executor):
         self.syncs, self.executor = syncs, executor
@@ -612,8 +608,8 @@ class SyncGroup:
                 logger.warning(f"Behind the swarm, but no usable state for every fragment and stage of this peer could "
                                f"be downloaded now ({where}); trying again after the next round")
                 return True
-            # another stage process of this peer got states of a later round (the swarm moved on while they came,
-            # seen with a newcomer next to a fast swarm: it then trained a whole round alone before trying again):
+            # another stage process of this peer got states of a later round (the swarm moved on while they came;
+            # a newcomer next to a fast swarm would train a whole round alone before trying again):
             # the states that end before the peer's common window begins are downloaded again, from its round
             states = self._download_again(states, swarm_rounds, self._late(states, lo), lo)
         step = max(lo, min(hi, max(p[2] for p in points)))
@@ -649,7 +645,7 @@ class SyncGroup:
     def _download_all(self, swarm_rounds: list[int]) -> list:
         """Every unit's state for a reload, downloaded at the same time (each from its own donors); a unit whose
         state's round ends before another's begins is downloaded again (twice at most): the swarm moved on while
-        the first came (seen in the mixed-split test: fragment states of rounds 9 and 10, no reload for a round)."""
+        the first came (fragment states of rounds 9 and 10, say, leave the peer without a reload for a round)."""
         if len(self.syncs) == 1:
             return [self.syncs[0].reload_state(swarm_rounds[0])]
         with ThreadPoolExecutor(len(self.syncs), thread_name_prefix="reload") as pool:

@@ -25,8 +25,9 @@ import torch
 
 from p2p_diloco.config import Config
 from p2p_diloco.monitoring.sinks import open_sinks
+from p2p_diloco.round.outcome import RoundReport
+from p2p_diloco.round.stage import Stage
 from p2p_diloco.training.metrics import MetricsWriter
-from p2p_diloco.training.stage import RoundReport, Stage
 from p2p_diloco.training.state.persist import resume_stage, save_stage
 from p2p_diloco.training.summary import (
     NullReporter,
@@ -172,8 +173,8 @@ class Trainer:
         wanted = self.cfg.train.wait_for_peers
         if self.swarm is not None and self.round_index > 0 and self.swarm.joined_swarm:
             # resumed mid-run (a restart after a crash): the swarm's records take a moment to reach a fresh DHT node,
-            # and deciding on none made a peer resumed with a round in flight wait out that round's timeouts for a
-            # group the others had long finished (seen in benchmarks/churn.py), instead of reloading at once
+            # and deciding on none makes a peer resumed with a round in flight wait out that round's timeouts for a
+            # group the others have long finished, instead of reloading at once
             bound = self.cfg.averaging.matchmaking_time_s
             if self.swarm.wait_for_peers(self.stage.position(), 2, bound, poll_s=0.25) < 2:
                 logger.info(f"No other peer of this stage visible after {bound:.0f} s; going on")
@@ -328,8 +329,8 @@ class Trainer:
 
     def _expected_group_sizes(self, units: list[Held]) -> list[int | None]:
         """Each unit's expected group for the round that ends, read from its records; a stage process holding several
-        fragments reads their records at the same time (one after the other, the four reads of a P = 1 peer took
-        1.2 s on a busy machine, and it came late to the last fragment's group: seen in the mixed-split test)."""
+        fragments reads their records at the same time (one after the other, the four reads of a P = 1 peer can take
+        over a second on a busy machine, and it comes late to the last fragment's group)."""
         def expected(unit: Held) -> int | None:
             return unit.swarm.expected_group_size(unit.stage.round_index) if unit.swarm is not None else 1
 
@@ -356,7 +357,7 @@ class Trainer:
 
         A peer's own all-reduce ends when it has every part of the average it needs; the parts it reduced for
         its groupmates may still be on the wire, and a process that exits then cuts them off: the groupmate
-        waits out its timeouts and falls back on a round everyone else averaged (seen in make test). So the
+        waits out its timeouts and falls back on a round everyone else averaged. So the
         peer publishes that it has applied the last round and waits until each groupmate's record says the same
         (or is gone), at most ``averaging.next_chunk_timeout_s``: the time after which a groupmate stops waiting
         for a part anyway.

@@ -334,14 +334,14 @@ def test_a_round_end_uses_the_watchs_fresh_read_of_the_records(swarm, run, monke
     (a read every 0.5 s, asked at every inner step) read less than ``fresh_read_s`` ago, instead of a DHT search of
     its own (up to 2.7 s on a busy machine: the peer came late to its round's group); an older read is read again."""
     from p2p_diloco.swarm import SwarmLink
-    from p2p_diloco.swarm.discovery import progress
+    from p2p_diloco.swarm.discovery import link as swarm_link
 
     a, b, _ = swarm
     link = SwarmLink(a, run, "QmPeerA")
     publish_progress(b, run, record(4, peer="QmPeerB", applied_round=2), ttl_s=60)
     assert wait_for(lambda: link.others_ended_round(3))  # the watch has read b's record (b is on round 4)
     searches = []
-    monkeypatch.setattr(progress, "fetch_progress", lambda *args, **kwargs: searches.append(args) or [])
+    monkeypatch.setattr(swarm_link, "fetch_progress", lambda *args, **kwargs: searches.append(args) or [])
     link.fresh_read_s = 30.0
     assert link.expected_group_size(4) == 2 and searches == []  # b counted, from the watch's read
     link.fresh_read_s = 0.0

@@ -131,8 +131,7 @@ def test_stage_refuses_checkpoint_of_other_shape(tmp_path):
 def test_the_round_in_flight_and_the_merge_report_survive_a_checkpoint_of_either_format():
     """A settled round in flight (its average and residual) and a delayed-mode merge report go through the
     checkpoint's JSON and come back whole; a format-1 checkpoint (the outcome's fields beside the round's) loads."""
-    from p2p_diloco.swarm.averaging.averager import RoundOutcome
-    from p2p_diloco.training.stage import PendingRound, RoundReport
+    from p2p_diloco.round.outcome import PendingRound, RoundOutcome, RoundReport
 
     cfg = load_config(None, [("diloco.mode", "delayed")])
 

@@ -20,8 +20,8 @@ import torch
 from p2p_diloco.config import load_config
 from p2p_diloco.data import ShardDataset, WindowSampler
 from p2p_diloco.model import ModelArgs, Transformer, loss_fn
-from p2p_diloco.swarm.averaging.averager import RoundOutcome
-from p2p_diloco.swarm.discovery.progress import Position
+from p2p_diloco.round.outcome import RoundOutcome
+from p2p_diloco.round.position import Position
 from p2p_diloco.training import LocalExecutor, Stage, Trainer, inner_lr, read_metrics
 from tests.helpers import TINY_ARGS, make_shards
 
@@ -149,6 +149,8 @@ class InProcessExactAverager:
 
 
 class _View:
+    compresses, round_settled = False, False
+
     def __init__(self, shared: InProcessExactAverager, index: int):
         self.shared, self.index, self.pending = shared, index, None
 

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from p2p_diloco.config import load_config
-from p2p_diloco.swarm.averaging.averager import RoundOutcome
+from p2p_diloco.round.outcome import RoundOutcome
 from p2p_diloco.training import Stage
 from p2p_diloco.training.simulate import ExactGroup
 
@@ -49,7 +49,7 @@ def train(stage: Stage, round_index: int, worker: int = 0) -> None:
 class FailingAverager:
     """Every round fails (nobody to average with, a dead group, a timeout)."""
 
-    cfg = load_config(None, [("averaging.compression", "none")]).averaging
+    compresses, round_settled = False, False
 
     def __init__(self):
         self.round = None

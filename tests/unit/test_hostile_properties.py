@@ -23,9 +23,9 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from p2p_diloco.compression.codecs import decode_tensor
+from p2p_diloco.round.swarm_state import StateError
 from p2p_diloco.swarm.discovery.progress import parse_progress
 from p2p_diloco.swarm.discovery.records import swarm_validators, with_signer
-from p2p_diloco.training.state.swarm_state import StateError
 from tests.unit.test_swarm_state import make_stage
 
 PROPERTIES = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

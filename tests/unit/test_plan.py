@@ -14,13 +14,13 @@ from p2p_diloco.plan import (
     PAPER_NUM_PARAMS,
     PAPER_SPEEDUP,
     PlanInputs,
-    format_plan,
     make_plan,
     min_inner_steps_to_hide,
     paper_inputs,
     plan_as_dict,
     preset_num_params,
 )
+from p2p_diloco.plan_text import format_plan
 
 GB = 1e9
 

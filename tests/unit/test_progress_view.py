@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 
-from p2p_diloco.swarm.discovery import progress
-from p2p_diloco.swarm.discovery.progress import Position, ProgressRecord, SwarmLink
+from p2p_diloco.round.position import Position
+from p2p_diloco.swarm.discovery import link as swarm_link
+from p2p_diloco.swarm.discovery.link import SwarmLink
+from p2p_diloco.swarm.discovery.progress import ProgressRecord
 
 SYBILS = [f"sybil{i}" for i in range(5)]
 
@@ -37,15 +39,15 @@ def watched(swarm: SwarmLink, records: list[ProgressRecord], monkeypatch) -> Swa
         future.set_result(records)
         return future
 
-    monkeypatch.setattr(progress, "request_progress", answer)
-    monkeypatch.setattr(progress, "parse_progress", lambda found: found)
+    monkeypatch.setattr(swarm_link, "request_progress", answer)
+    monkeypatch.setattr(swarm_link, "parse_progress", lambda found: found)
     swarm.others_ended_round(0)  # starts the watch's read, answered at once
     return swarm
 
 
 def test_an_empty_read_soon_after_seeing_others_is_unknown_not_alone(monkeypatch):
     reads = [[record("other", 3)], [], []]
-    monkeypatch.setattr(progress, "fetch_progress", lambda dht, run_id: reads.pop(0))
+    monkeypatch.setattr(swarm_link, "fetch_progress", lambda dht, run_id: reads.pop(0))
     swarm = link()
     assert swarm.expected_group_size(3) == 2
     assert swarm.expected_group_size(4) is None  # a failed read: try the network, bounded by matchmaking
@@ -54,7 +56,7 @@ def test_an_empty_read_soon_after_seeing_others_is_unknown_not_alone(monkeypatch
 
 
 def test_a_peer_that_never_saw_another_is_alone_after_its_first_round(monkeypatch):
-    monkeypatch.setattr(progress, "fetch_progress", lambda dht, run_id: [])
+    monkeypatch.setattr(swarm_link, "fetch_progress", lambda dht, run_id: [])
     assert link().expected_group_size(0) is None  # the first round of a joiner: records may not be in yet
     assert link().expected_group_size(2) == 1
     assert link(joined=False).expected_group_size(0) == 1
@@ -65,7 +67,7 @@ def test_a_groupmate_whose_records_run_far_ahead_is_still_expected(monkeypatch):
     benchmarks/byzantine.py) still joins the groups: counted, or the group forms one peer short every round; a
     record far ahead of a peer never met (a Sybil's) is not."""
     records = [record("honest", 3), record("liar", 1003), record("sybil", 1003), record("behind", 1)]
-    monkeypatch.setattr(progress, "fetch_progress", lambda dht, run_id: records)
+    monkeypatch.setattr(swarm_link, "fetch_progress", lambda dht, run_id: records)
     assert link().expected_group_size(3) == 2
     assert link(met=frozenset({"honest", "liar", "behind"})).expected_group_size(3) == 3
 
@@ -75,15 +77,15 @@ def test_groupmates_that_finished_the_run_are_not_expected(monkeypatch):
     a peer rounds behind them is alone, not waiting out each round's timeouts for them. One on the last round
     that has not applied it yet (delayed mode, its last average in flight) is still expected."""
     done = [record("a", 24, applied_round=23), record("b", 24, applied_round=23)]
-    monkeypatch.setattr(progress, "fetch_progress", lambda dht, run_id: done)
+    monkeypatch.setattr(swarm_link, "fetch_progress", lambda dht, run_id: done)
     met = frozenset({"a", "b"})
     assert link(num_rounds=24, met=met).expected_group_size(15) == 1
     swarm = link(num_rounds=24, met=met)
-    swarm._others_seen_at = progress.time.monotonic()  # others seen a moment ago: an empty read would be "unknown",
+    swarm._others_seen_at = swarm_link.time.monotonic()  # others seen a moment ago: an empty read would be "unknown",
     assert swarm.expected_group_size(16) == 1  # but records that say they finished are an answer
     assert link(met=met).expected_group_size(15) == 3  # the run's end unknown: counted, as before
     flushing = [record("a", 24, applied_round=22), record("b", 24, applied_round=23)]
-    monkeypatch.setattr(progress, "fetch_progress", lambda dht, run_id: flushing)
+    monkeypatch.setattr(swarm_link, "fetch_progress", lambda dht, run_id: flushing)
     assert link(num_rounds=24, met=met).expected_group_size(23) == 2
 
 
@@ -111,7 +113,7 @@ def test_strangers_never_outnumber_the_believed_peers_in_the_group_size(monkeypa
     (a newcomer announces the round it reloads into). In a private swarm outsiders count for nothing; a stage that
     has met nobody yet counts every record (its first group)."""
     records = [record("a", 3), record("b", 3)] + [record(node, 3) for node in SYBILS]
-    monkeypatch.setattr(progress, "fetch_progress", lambda dht, run_id: records)
+    monkeypatch.setattr(swarm_link, "fetch_progress", lambda dht, run_id: records)
     assert link(met=frozenset({"a", "b"})).expected_group_size(3) == 5
     assert link(met=frozenset({"a"})).expected_group_size(3) == 3
     assert link(allowlist=frozenset({"a", "b"})).expected_group_size(3) == 3
@@ -124,9 +126,9 @@ def test_strangers_never_outnumber_the_believed_peers_in_the_group_size(monkeypa
 def test_a_strangers_finished_record_does_not_make_a_stage_alone(monkeypatch):
     """Records that say their peers finished the run make a stage alone only when they are believed peers'."""
     done = [record(node, 24, applied_round=23) for node in SYBILS]
-    monkeypatch.setattr(progress, "fetch_progress", lambda dht, run_id: done + [record("a", 15)])
+    monkeypatch.setattr(swarm_link, "fetch_progress", lambda dht, run_id: done + [record("a", 15)])
     assert link(num_rounds=24, met=frozenset({"a"})).expected_group_size(15) == 2
-    monkeypatch.setattr(progress, "fetch_progress", lambda dht, run_id: done + [record("a", 24, applied_round=23)])
+    monkeypatch.setattr(swarm_link, "fetch_progress", lambda dht, run_id: done + [record("a", 24, applied_round=23)])
     assert link(num_rounds=24, met=frozenset({"a"})).expected_group_size(15) == 1
 
 
@@ -136,7 +138,7 @@ def test_only_strangers_keep_a_round_waiting_for_its_group_for_a_bounded_time(mo
     looking for its group, no longer (a lone peer next to a few never-met records waited out its whole round
     timeout every round); strangers that say they moved past end the wait only where no believed peer could join."""
     sybils = [record(node, 3) for node in SYBILS]
-    monkeypatch.setattr(progress, "fetch_progress", lambda dht, run_id: sybils)
+    monkeypatch.setattr(swarm_link, "fetch_progress", lambda dht, run_id: sybils)
     swarm = link(met=frozenset({"a"}))
     assert swarm.expected_group_size(3) == 2  # looking for its group from now on, one stranger waited for
     assert not swarm.moved_past(3)
@@ -144,9 +146,9 @@ def test_only_strangers_keep_a_round_waiting_for_its_group_for_a_bounded_time(mo
     assert swarm.moved_past(3)
     assert not link().moved_past(3)  # met nobody yet: every record is believed, and waited for
     ahead = [record(node, 5, applied_round=4) for node in SYBILS]
-    monkeypatch.setattr(progress, "fetch_progress", lambda dht, run_id: ahead + [record("a", 3)])
+    monkeypatch.setattr(swarm_link, "fetch_progress", lambda dht, run_id: ahead + [record("a", 3)])
     assert not link(met=frozenset({"a"})).moved_past(3)
-    monkeypatch.setattr(progress, "fetch_progress", lambda dht, run_id: ahead + [record("a", 4, applied_round=3)])
+    monkeypatch.setattr(swarm_link, "fetch_progress", lambda dht, run_id: ahead + [record("a", 4, applied_round=3)])
     assert link(met=frozenset({"a"})).moved_past(3)
 
 
@@ -156,7 +158,7 @@ def test_a_groupmate_that_ended_the_next_round_and_still_collects_this_one_keeps
     waiting for r must not call the round hopeless (it did, while the others were in r's all-reduce with it, and
     the whole group fell back on r). Once it applied r, or if it names a round further ahead, it has moved past."""
     def moved_past(*records):
-        monkeypatch.setattr(progress, "fetch_progress", lambda dht, run_id: list(records))
+        monkeypatch.setattr(swarm_link, "fetch_progress", lambda dht, run_id: list(records))
         return link(met=frozenset({"a", "b"})).moved_past(3)
 
     assert not moved_past(record("a", 5, applied_round=2), record("b", 5, applied_round=2))
@@ -168,7 +170,7 @@ def test_a_groupmate_that_ended_the_next_round_and_still_collects_this_one_keeps
 def test_waiting_for_peers_in_a_private_swarm_counts_its_members_only(monkeypatch):
     """``train.wait_for_peers``: outsiders' records of a private swarm do not end the wait before its members came."""
     records = [record(node, 0) for node in SYBILS]
-    monkeypatch.setattr(progress, "fetch_progress", lambda dht, run_id: records)
+    monkeypatch.setattr(swarm_link, "fetch_progress", lambda dht, run_id: records)
     here = Position(0, 0, -1)
     assert link(allowlist=frozenset({"a"})).wait_for_peers(here, 2, timeout_s=0.1, poll_s=0.05) == 1
     assert link().wait_for_peers(here, 2, timeout_s=0.1, poll_s=0.05) == 6

@@ -15,6 +15,7 @@ from hivemind.p2p import PeerID
 from hivemind.utils import MSGPackSerializer
 
 from p2p_diloco.faults import HONEST, HOSTILITY_OPTION, parse_hostility
+from p2p_diloco.medians import lower_median, upper_median
 from p2p_diloco.swarm.averaging.allreduce import RobustPartReducer
 from p2p_diloco.swarm.averaging.gathered import GatheredError, check_gathered
 from p2p_diloco.swarm.averaging.guard import PeerGuard, read_group
@@ -23,7 +24,6 @@ from p2p_diloco.swarm.averaging.robust import (
     average_bound,
     cap_weights,
     combine,
-    lower_median,
     weighted_mean,
 )
 
@@ -139,6 +139,7 @@ def test_combination_is_deterministic():
 
 def test_claimed_weights_are_capped_at_a_multiple_of_the_median():
     assert lower_median([3.0, 1.0, 2.0]) == 2.0 and lower_median([4.0, 1.0]) == 1.0
+    assert upper_median([3.0, 1.0, 2.0]) == 2.0 and upper_median([4.0, 1.0]) == 4.0
     assert cap_weights([1024.0, 1024.0, 1024.0, 1e12], 2.0) == [1024.0, 1024.0, 1024.0, 2048.0]
     assert cap_weights([512.0, 1024.0, 1536.0], 2.0) == [512.0, 1024.0, 1536.0]
     assert cap_weights([1.0, 1e12], 0.0) == [1.0, 1e12]

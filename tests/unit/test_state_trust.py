@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from p2p_diloco.training.state.swarm_state import StateError
+from p2p_diloco.round.swarm_state import StateError
 from tests.unit.test_swarm_state import Record, make_stage
 from tests.unit.test_sync_trust import fingerprint, state_at, sync_of
 
@@ -74,7 +74,7 @@ def test_the_state_a_donor_serves_after_an_average_is_the_one_it_holds_once_appl
             m.copy_(torch.randn_like(m))
         donor.outer_optimizer.num_steps = 3
         average = [torch.randn_like(t) * 1e-2 for t in donor.anchor]
-        from p2p_diloco.training.stage import PendingRound
+        from p2p_diloco.round.outcome import PendingRound
         donor.pending = PendingRound(3, [torch.zeros_like(t) for t in donor.anchor], 1.0)
         served = donor.shareable_state("run", finished_average=average)
         donor.pending = None

@@ -11,10 +11,9 @@ import torch
 
 from p2p_diloco.config import load_config
 from p2p_diloco.model import ModelArgs, Transformer
-from p2p_diloco.swarm.averaging.averager import RoundOutcome
+from p2p_diloco.round.outcome import PendingRound, RoundOutcome
+from p2p_diloco.round.swarm_state import StateError
 from p2p_diloco.training import Stage
-from p2p_diloco.training.stage import PendingRound
-from p2p_diloco.training.state.swarm_state import StateError
 from p2p_diloco.training.sync import SwarmSync
 from tests.helpers import TINY_ARGS
 
@@ -123,6 +122,8 @@ class FakeSwarm:
 
 
 class FakeAverager:
+    compresses, round_settled = False, False
+
     def __init__(self, state, result=None):
         self.state, self.downloads, self.state_sharing_priority, self.client_mode = state, 0, 0.0, False
         self.result, self.finished = result, 0

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from p2p_diloco.training.state.swarm_state import anchor_digest
+from p2p_diloco.round.swarm_state import anchor_digest
 from p2p_diloco.training.sync import SwarmSync
 from tests.unit.test_swarm_state import FakeSwarm, OneStage, Record, make_stage
 

@@ -26,7 +26,7 @@ that says it is in no group at all (it gave up on the leader, who had counted it
 group re-forms with it, and leaves it out after its second time in a round (``PeerGuard.absent``).
 
 A reducer's stream of averages can break half-way through while the reducer and the others finish the all-reduce
-(seen on busy machines: the stream to one member ends a few parts short, as if closed, and only that member falls
+(on a busy machine the stream to one member can end a few parts short, as if closed, and only that member falls
 back). So each reducer keeps the averages of its slice for a while (:class:`ServedAverages`, the exact bytes every
 groupmate got), and a member whose stream ended short or broke asks the reducer for them again
 (``rpc_fetch_averages``, served by the averager) and takes the parts it is missing, with the same checks.

@@ -21,7 +21,7 @@ matchmaking through the DHT, butterfly all-reduce over libp2p) with these additi
   falls back to its own pseudo-gradient.
 
 At most one round is in flight per averager (its shared buffers hold one round's contribution).
-Called by :class:`p2p_diloco.training.stage.Stage`.
+Called by :class:`p2p_diloco.round.stage.Stage`.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import typing
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -47,6 +47,7 @@ from p2p_diloco.compression.policy import CompressionPolicy
 from p2p_diloco.config import AveragingConfig
 from p2p_diloco.faults import HONEST, Honest, fault_point
 from p2p_diloco.process import die_with_parent, leave_signals_to_parent, lower_priority, ready_or_killed
+from p2p_diloco.round.outcome import RoundOutcome
 from p2p_diloco.swarm.averaging.allreduce import BYTES_RECEIVED, BYTES_SENT, ExactAllReduceRunner, ServedAverages
 from p2p_diloco.swarm.averaging.digests import exchange_digests, judge
 from p2p_diloco.swarm.averaging.guard import MAX_CATCH_UP, GroupView, GuardedAverager, PeerGuard, read_group
@@ -113,47 +114,6 @@ def fragment_prefix(run_id: str, fragment: int, num_fragments: int) -> str:
 
 def round_bits(round_index: int) -> str:
     return format(round_index % (1 << ROUND_BITS), f"0{ROUND_BITS}b")
-
-
-@dataclass(frozen=True)
-class RoundOutcome:
-    """What averaging one round's contribution gave this peer: the one record of it, from the averager to the round
-    report, the metrics and the summary (same names everywhere). The default is a round that never reached the
-    network (``averaged`` False)."""
-
-    average: Optional[list[torch.Tensor]] = field(default=None, metadata={"tensors": True})
-    """The group's average; None when the round fell back (this peer applies its own contribution)."""
-    residual: Optional[list[torch.Tensor]] = field(default=None, metadata={"tensors": True})
-    """This peer's error feedback: its contribution minus what the wire carried of it."""
-    group_size: int = 1
-    group_tokens: float = 0.0
-    """The tokens of the whole group (claims capped as in the average): this peer's share is its weight over these."""
-    group_peers: tuple[str, ...] = ()
-    """DHT peer ids of the group (empty when it fell back)."""
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    averaging_s: float = 0.0
-    fallback_reason: str = ""
-    compression: dict = field(default_factory=dict)
-    """Rank, codecs, payload bytes, relative compression error, measured bandwidth."""
-    suspects: dict = field(default_factory=dict)
-    """Groupmates flagged in the round (peer id -> reasons: see :mod:`p2p_diloco.swarm.averaging.guard`)."""
-    banned: tuple[str, ...] = ()
-    """Peers this peer no longer groups with."""
-    averaged: bool = False
-    """The group's average came back (``average`` holds it until the round is applied)."""
-
-    def facts(self) -> dict:
-        """Everything but the tensors (metrics, checkpoints); :meth:`from_facts` reads it back."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if not f.metadata.get("tensors")} | \
-            {"group_peers": list(self.group_peers), "banned": list(self.banned)}
-
-    @classmethod
-    def from_facts(cls, facts: dict) -> RoundOutcome:
-        """The outcome (without tensors) of :meth:`facts`, or of any dict with these keys among others."""
-        known = {f.name for f in fields(cls) if not f.metadata.get("tensors")}
-        kept = {k: v for k, v in facts.items() if k in known}
-        return cls(**kept | {k: tuple(kept[k]) for k in ("group_peers", "banned") if k in kept})
 
 
 @dataclass
@@ -263,9 +223,9 @@ class PseudoGradientAverager(GuardedAverager, DecentralizedAverager):
     async def _unless_cancelled(work: typing.Awaitable, round_index: int):
         """``work`` (the all-reduce of this task's step), ended at once if the training process cancels the step.
 
-        hivemind sees a cancel only while a step is matching: a step cancelled just as its group formed (its round
-        found hopeless a moment before) ran its all-reduce to the end or to the timeout, and the next round's step
-        waited for it (a restarted peer's next averaging started 10 s late, off the swarm's anchor: busy CI)."""
+        hivemind sees a cancel only while a step is matching: a step cancelled just as its group forms (its round
+        found hopeless a moment before) runs its all-reduce to the end or to the timeout, and the next round's step
+        waits for it (a restarted peer's next averaging then starts seconds late, off the swarm's anchor)."""
         step = _STEP.get()
         work = asyncio.ensure_future(work)
         if step is None:
@@ -279,8 +239,8 @@ class PseudoGradientAverager(GuardedAverager, DecentralizedAverager):
         finally:
             cancelled.cancel()
         # the cancel's own signal decides, not step.cancelled(): StepControl.cancel() sends the signal before it
-        # marks the step cancelled, and a training process descheduled between the two (a busy machine) left the
-        # all-reduce running to its timeout (the step's test failed so in a two-at-a-time busy make test)
+        # marks the step cancelled, and a training process descheduled between the two (a busy machine) would leave
+        # the all-reduce running to its timeout
         if work.done() or not _was_signalled(cancelled):
             return await work
         work.cancel()
@@ -506,8 +466,8 @@ class PseudoGradientAverager(GuardedAverager, DecentralizedAverager):
     def _await_step_ended(self, timeout_s: float = 10.0) -> None:
         """Wait until the background process has ended the previous round's step. A cancel reaches it through
         another pipe than the next round's group key: a step cancelled but still matching when the key changes
-        would look for a group under the new round's key, with the old round's metadata (seen on a loaded
-        machine: the newcomer's stale step joined the others' next group, and its real step came too late)."""
+        would look for a group under the new round's key, with the old round's metadata (on a loaded machine a
+        newcomer's stale step joins the others' next group, and its real step comes too late)."""
         control, self._last_control = self._last_control, None
         deadline = time.monotonic() + timeout_s
         while control is not None and control.stage != AveragingStage.FINISHED:
@@ -674,6 +634,11 @@ class PseudoGradientAverager(GuardedAverager, DecentralizedAverager):
             logger.debug(f"Peer {peer_id} did not send its state")
             return None
         return metadata, tensors
+
+    @property
+    def compresses(self) -> bool:
+        """Whether what is sent differs from the contribution (then the stage keeps error feedback)."""
+        return self.cfg.compression != "none"
 
     @property
     def round_settled(self) -> bool:

@@ -43,6 +43,7 @@ from functools import partial
 from typing import Optional
 
 from p2p_diloco.faults import HONEST, Honest
+from p2p_diloco.medians import lower_median
 from p2p_diloco.swarm.averaging.digests import EQUIVOCATED, OUTVOTED
 from p2p_diloco.swarm.averaging.gathered import (
     MAX_GATHERED_BYTES,
@@ -62,7 +63,7 @@ from p2p_diloco.swarm.averaging.hivemind_api import (
     set_data_for_gather,
 )
 from p2p_diloco.swarm.averaging.limits import StateGate
-from p2p_diloco.swarm.averaging.robust import MALFORMED, NONFINITE, TOO_LARGE, cap_weights, lower_median
+from p2p_diloco.swarm.averaging.robust import MALFORMED, NONFINITE, TOO_LARGE, cap_weights
 
 logger = logging.getLogger(__name__)
 
@@ -400,10 +401,10 @@ class GuardedAverager:
     async def _await_registered(self, allreduce_id: bytes) -> bool:
         """hivemind's wait for an all-reduce this peer has not registered (its leader may have begun it before its
         BEGIN_ALLREDUCE reached this peer): until a group of this peer registers. But False once this peer has
-        followed no leader and assembled no group for one request timeout: a follower that gave up waiting for its
-        leader (on a busy machine) after the leader had counted it in is in no group, and the senders waited out
-        their reducer timeout for its averages while it went on looking for the round's group, and the round fell
-        back for every member (seen in a busy CI run). Told at once, they re-form and meet it again."""
+        followed no leader and assembled no group for one request timeout: a follower that gives up waiting for its
+        leader (on a busy machine) after the leader has counted it in is in no group, and the senders wait out
+        their reducer timeout for its averages while it goes on looking for the round's group, and the round falls
+        back for every member. Told at once, they re-form and meet it again."""
         matchmaking, loop = self._matchmaking, asyncio.get_event_loop()
         alone_since = None
         while allreduce_id not in self._running_groups and not self._pending_groups_registered.is_set():

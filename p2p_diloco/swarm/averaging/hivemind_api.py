@@ -95,8 +95,8 @@ def cancel_step(control: StepControl) -> None:
 
     hivemind's ``StepControl.cancel()`` sends the signal to the averager process, then marks the step cancelled, and
     the averager decides on ``step.cancelled()`` when the signal arrives: a training process descheduled between the
-    two (a busy machine) left the step looking for its group (or averaging) to its timeout, and the next round of a
-    restarted peer started 10 s late, off the swarm's anchor (a two-at-a-time busy ``make test``). The step's state
+    two (a busy machine) leaves the step looking for its group (or averaging) to its timeout, and the next round of a
+    restarted peer starts late, off the swarm's anchor. The step's state
     is shared memory, written here first; hivemind's own cancel then sends the signal."""
     MPFuture.cancel(control)  # (this process made the step: the shared state, no message)
     control.cancel()

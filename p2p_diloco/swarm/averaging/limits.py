@@ -146,8 +146,8 @@ class StateGate:
         if self.preempted.get(peer, 0.0) > now:  # else a few identities would keep every slot young by turns
             return f"{self.max_streams} state streams served already, and it lost a slot to another recently"
         # the slowest stream, if it has run PREEMPT_AFTER_S: a younger one would let a few identities keep every
-        # slot young by turns, and the slowest *old* one instead was, with the others re-admitted squatters, the one
-        # honest reader, cut off 98% into its download (in a fresh-clone run)
+        # slot young by turns, and the slowest *old* one instead can be, with the others re-admitted squatters, the
+        # one honest reader, cut off near the end of its download
         started = [s for s in self.streams.values() if s.first_at is not None]
         slowest = min(started, key=lambda s: s.rate(now), default=None)
         if slowest is None or now - slowest.first_at < PREEMPT_AFTER_S:

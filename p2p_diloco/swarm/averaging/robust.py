@@ -41,6 +41,8 @@ from typing import Optional
 
 import torch
 
+from p2p_diloco.medians import lower_median
+
 MALFORMED, NONFINITE, TOO_LARGE, CLIPPED = "malformed", "nonfinite", "norm", "clipped"
 CLIP_ITERATIONS = 5  # CenteredClip converges in a few steps from the mean (the paper uses 1-3 from a momentum)
 SPREAD_SAMPLE = 65536  # coordinates the clip radius is estimated on (a fixed stride: the same on every call)
@@ -65,12 +67,6 @@ class Combined:
     """The combined part; None when no part was usable."""
     flags: dict[int, str] = field(default_factory=dict)
     """Sender index -> why its part was left out or clipped."""
-
-
-def lower_median(values: Sequence[float]) -> float:
-    """The median, the lower of the two middle values for an even count (of two values: the smaller)."""
-    ordered = sorted(values)
-    return ordered[(len(ordered) - 1) // 2]
 
 
 def cap_weights(claims: Sequence[float], ratio: float) -> list[float]:
@@ -101,8 +97,8 @@ def combine(parts: Sequence[Optional[torch.Tensor]], weights: Sequence[float], r
         claims: the tokens each sender claims to have trained on (default: the weights). With 3 or more parts the
             outlier test compares norms per claimed token: an honest peer that trained on 5 times the tokens of the
             others (they joined the round late) has a part 5 to 20 times larger (more during the warmup's rising
-            learning rate), and was left out as an outlier (seen in a calm swarm on a busy machine). A claim counts
-            for at most ``outlier_ratio`` times the median claim.
+            learning rate), so a test of plain norms would leave it out as an outlier, even in a calm swarm. A claim
+            counts for at most ``outlier_ratio`` times the median claim.
     """
     flags: dict[int, str] = {}
     kept = []

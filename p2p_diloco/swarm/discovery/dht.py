@@ -17,7 +17,7 @@ from typing import Optional
 import hivemind
 
 from p2p_diloco.config import DHTConfig
-from p2p_diloco.config.sections import JOIN_MARGIN_S
+from p2p_diloco.config.network import JOIN_MARGIN_S
 from p2p_diloco.process import die_with_parent, leave_signals_to_parent, ready_or_killed
 from p2p_diloco.swarm.discovery.identity import IdentityLock, ensure_identity, load_signing_key
 from p2p_diloco.swarm.discovery.records import bind_signer, with_signer
@@ -26,7 +26,7 @@ from p2p_diloco.swarm.errors import SwarmError
 logger = logging.getLogger(__name__)
 
 _KILL_WAIT_S = 5.0  # how long a SIGKILLed node process may take to be reaped
-READY_MARGIN_S = JOIN_MARGIN_S  # see its docstring in config.sections
+READY_MARGIN_S = JOIN_MARGIN_S  # see its docstring in config.network
 RETRY_AFTER_S = 1.0  # between two starts of a node whose initial peers did not answer a ping in time
 
 
@@ -128,7 +128,7 @@ def start_dht(cfg: DHTConfig, record_validators: Iterable = (), check_identity_f
         except Exception as e:
             if _no_answer_to_a_ping(e) and time.monotonic() < retry_until:
                 # hivemind pings the initial peers once, for 3 s: an answer late on a busy machine or link is
-                # not an unreachable peer (seen beside the busy loops); ask again while the start-up time lasts
+                # not an unreachable peer; ask again while the start-up time lasts
                 logger.info(f"No initial peer answered its ping in time; asking again ({e})")
                 time.sleep(RETRY_AFTER_S)
                 continue

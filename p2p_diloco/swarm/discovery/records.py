@@ -36,7 +36,7 @@ from hivemind.dht.protocol import DHTProtocol
 from hivemind.dht.routing import DHTID
 from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
-from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
+from hivemind.utils.crypto import RSAPrivateKey
 from pydantic.v1 import BaseModel, Extra, Field, StrictBool, confloat, conint, conlist, constr, root_validator
 
 from p2p_diloco.swarm.discovery.averager_keys import AveragerKeys, averager_prefixes
@@ -136,13 +136,16 @@ def peer_id_of_owner(owner: bytes) -> str:
     """The libp2p peer id (base58) of the RSA key an owner subkey (``[owner:<key>]``) names; ValueError if it names
     none. The libp2p rule: the multihash (sha2-256) of the key's protobuf (type RSA, DER SubjectPublicKeyInfo)."""
     from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
     from hivemind.p2p import PeerID
     from hivemind.proto import crypto_pb2
 
     found = _OWNER.search(owner) if isinstance(owner, bytes) else None
     if found is None:
         raise ValueError("the subkey names no public key")
-    key = RSAPublicKey.from_bytes(found.group(1))._public_key
+    key = serialization.load_ssh_public_key(found.group(1))  # what hivemind's RSAPublicKey.from_bytes reads
+    if not isinstance(key, rsa.RSAPublicKey):
+        raise ValueError("the subkey names a key that is not RSA")
     der = key.public_bytes(encoding=serialization.Encoding.DER, format=serialization.PublicFormat.SubjectPublicKeyInfo)
     encoded = crypto_pb2.PublicKey(key_type=crypto_pb2.RSA, data=der).SerializeToString()
     return PeerID(b"\x12\x20" + hashlib.sha256(encoded).digest()).to_base58()  # multihash: sha2-256, 32 bytes

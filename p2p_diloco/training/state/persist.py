@@ -1,6 +1,6 @@
 """Saving a stage process's checkpoint and resuming from one, in agreement with the peer's other stages.
 
-A checkpoint holds the stage (:mod:`p2p_diloco.training.state.stage_state`), the sampler position, the torch RNG
+A checkpoint holds the stage (:mod:`p2p_diloco.round.stage_state`), the sampler position, the torch RNG
 and the summary so far. All stages of a peer resume from the same inner step: the newest one for which
 every stage has a checkpoint. Called by :class:`p2p_diloco.training.trainer.Trainer`.
 """
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from p2p_diloco.training.stage import Stage
+from p2p_diloco.round.stage import Stage
 from p2p_diloco.training.state.checkpoint import (
     CheckpointError,
     checkpoint_steps,

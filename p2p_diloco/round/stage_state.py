@@ -17,11 +17,11 @@ import dataclasses
 
 import torch
 
-from p2p_diloco.swarm.averaging.averager import RoundOutcome
+from p2p_diloco.round.outcome import PendingRound, RoundOutcome, RoundReport
 
 
 class StageCheckpoint:
-    """What a checkpoint holds of a :class:`~p2p_diloco.training.stage.Stage`, written and restored by the stage's own
+    """What a checkpoint holds of a :class:`~p2p_diloco.round.stage.Stage`, written and restored by the stage's own
     methods (a mixin of the Stage: it owns the state it changes)."""
 
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict]:
@@ -72,8 +72,6 @@ class StageCheckpoint:
     @torch.no_grad()
     def load_state_dict(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
         """Restore the stage from :meth:`state_dict`'s tensors and metadata; ValueError naming the first mismatch."""
-        from p2p_diloco.training.stage import PendingRound, RoundReport
-
         unit = self.unit
         if {key: meta.get(key) for key in unit} != unit:
             raise ValueError(f"checkpoint is of {_unit_name(meta, unit)}, this is {_unit_name(unit, unit)}")

@@ -14,72 +14,21 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field, fields
 
 import torch
 from torch import nn
 
 from p2p_diloco.config import DiLoCoConfig, InnerConfig
-from p2p_diloco.swarm.averaging.averager import RoundOutcome
-from p2p_diloco.swarm.discovery.progress import Position
-from p2p_diloco.training.outer import OuterOptimizer
-from p2p_diloco.training.round import RULES
-from p2p_diloco.training.schedule import inner_lr
-from p2p_diloco.training.state.stage_state import StageCheckpoint
-from p2p_diloco.training.state.swarm_state import StateSharing
+from p2p_diloco.round.averager import RoundAverager
+from p2p_diloco.round.inner import inner_lr, make_inner_optimizer
+from p2p_diloco.round.outcome import PendingRound, RoundOutcome, RoundReport
+from p2p_diloco.round.outer import OuterOptimizer
+from p2p_diloco.round.position import Position
+from p2p_diloco.round.rules import RULES
+from p2p_diloco.round.stage_state import StageCheckpoint
+from p2p_diloco.round.swarm_state import StateSharing
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class RoundReport:
-    """What one round end did on one stage, for metrics and the console.
-
-    In ``none`` mode the round that ended is also the round applied; in ``delayed``/``eager`` the round
-    applied is the previous one (``applied_round`` is None at the end of the first round: nothing to apply).
-    """
-
-    round_index: int
-    tokens: int = 0
-    """Tokens this peer trained on in the round that ended (its averaging weight)."""
-    applied_round: int | None = None
-    outcome: RoundOutcome = field(default_factory=RoundOutcome)
-    """The applied round's averaging, as the averager gave it (the default: nothing applied)."""
-    waited_s: float = 0.0
-    """How long the training loop waited for the network at this round end."""
-    round_end_s: float = 0.0
-    """Time the round end took on the training thread, waiting included (overhead = this - waited_s)."""
-    delta_norm: float = 0.0
-
-    def record(self) -> dict:
-        """The report as one flat row (metrics, checkpoints): its own fields and the outcome's, no tensors."""
-        own = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "outcome"}
-        return own | self.outcome.facts()
-
-    @classmethod
-    def from_record(cls, row: dict) -> RoundReport:
-        own = {f.name for f in fields(cls) if f.name != "outcome"}
-        return cls(**{k: v for k, v in row.items() if k in own}, outcome=RoundOutcome.from_facts(row))
-
-
-@dataclass
-class PendingRound:
-    """A round's contribution whose average has not been applied yet (delayed/eager modes)."""
-
-    round_index: int
-    contribution: list[torch.Tensor]
-    weight: float
-    in_flight: bool = False
-    """Its averaging is running in the background."""
-    outcome: RoundOutcome | None = None
-    """Known once its averaging is over (or was never started: then with the reason)."""
-    share: float = 1.0
-    """eager mode: the share of this contribution already in the peer's eager parameters (taken back when the
-    round's average is applied, so that the contribution counts exactly once)."""
-
-    @property
-    def settled(self) -> bool:
-        return self.outcome is not None
 
 
 class Stage(StageCheckpoint, StateSharing):
@@ -92,14 +41,16 @@ class Stage(StageCheckpoint, StateSharing):
         inner_cfg: the ``[inner]`` section.
         diloco_cfg: the ``[diloco]`` section.
         total_steps: length of the inner lr schedule.
-        averager: a :class:`PseudoGradientAverager`, or None to train alone (benchmarks, tests).
+        averager: what averages this stage's rounds (:class:`~p2p_diloco.round.averager.RoundAverager`: the swarm's
+            or the simulator's), or None to train alone.
         fragment: (f, F) when the run averages by fragment (``diloco.fragments``): this Stage holds fragment f of
             the model (``module`` a :class:`~p2p_diloco.model.fragments.FragmentView`), on pipeline stage
             ``stage_index``; its state is the fragment's, served to and taken from peers of any split.
     """
 
     def __init__(self, module: nn.Module, *, stage_index: int, num_stages: int, inner_cfg: InnerConfig,
-                 diloco_cfg: DiLoCoConfig, total_steps: int, averager=None, fragment: tuple[int, int] | None = None):
+                 diloco_cfg: DiLoCoConfig, total_steps: int, averager: RoundAverager | None = None,
+                 fragment: tuple[int, int] | None = None):
         self.module = module
         self.stage_index, self.num_stages = stage_index, num_stages
         self.fragment = fragment  # (f, F) in a run averaged by fragment: this Stage is fragment f of the model
@@ -109,15 +60,15 @@ class Stage(StageCheckpoint, StateSharing):
         self.param_names = [name for name, _ in named]
         self.params = [p for _, p in named]
         self.anchor = [p.detach().to(device="cpu", dtype=torch.float32, copy=True) for p in self.params]
-        self.rule = RULES[diloco_cfg.mode]  # the round end of this mode (training/round.py)
+        self.rule = RULES[diloco_cfg.mode]  # the round end of this mode (round/rules.py)
         self.mode = self.rule.name
         # phi0: in blocking mode every round starts from the anchor; with overlap, from the rebased params
         self.round_start = [t.clone() for t in self.anchor] if self.rule.overlaps else self.anchor
         self.pending: PendingRound | None = None
         # error feedback e (fp32, CPU), kept while pseudo-gradients are compressed
-        compressed = getattr(getattr(averager, "cfg", None), "compression", "none") != "none"
+        compressed = averager is not None and averager.compresses
         self.feedback = [torch.zeros_like(t) for t in self.anchor] if compressed else None
-        self.inner_optimizer = _make_adamw(named, inner_cfg)
+        self.inner_optimizer = make_inner_optimizer(named, inner_cfg)
         self.outer_optimizer = self._make_outer(self.anchor)
         # eager mode: this peer's own copy of the outer state (docs/design.md §2.7); the shared anchor stays the
         # agreed one (state sharing, fingerprints, evaluation) and this copy is where the peer trains from
@@ -176,9 +127,9 @@ class Stage(StageCheckpoint, StateSharing):
         """Steps 2-6 of the round (docs/design.md §2.4) (see :meth:`_end_round`), under the state lock.
 
         In delayed/eager mode the wait for the previous round's average comes first, outside the lock: state
-        serving goes on meanwhile. (Held through the wait, the lock kept a peer whose rounds all failed after
-        their timeouts from serving newcomers almost all the time: seen in CI, a peer one round behind it could
-        never download and catch up, so the two never met in a round again.)"""
+        serving goes on meanwhile. (Held through the wait, the lock keeps a peer whose rounds all fail after
+        their timeouts from serving newcomers almost all the time: a peer one round behind it can
+        never download and catch up, so the two never meet in a round again.)"""
         waited = self._settle(self.pending) if self.pending is not None and self.rule.overlaps else 0.0
         with self.state_lock:
             report = self._end_round(tokens, expected_group_size, compute_s)
@@ -229,7 +180,7 @@ class Stage(StageCheckpoint, StateSharing):
         pending = self.pending
         if pending.settled:
             return True
-        return pending.in_flight and bool(getattr(self.averager, "round_settled", False))
+        return pending.in_flight and self.averager is not None and self.averager.round_settled
 
     def merge(self) -> float:
         """delayed mode, once the previous round's average has arrived (at the latest ``overlap_steps`` into this
@@ -356,27 +307,6 @@ class Stage(StageCheckpoint, StateSharing):
             self.feedback = outcome.residual
         return outcome.average
 
-    def eager_step(self, previous: PendingRound | None, applied: list[torch.Tensor] | None,
-                    fresh: list[torch.Tensor]) -> float:
-        """Step this peer's eager outer state (arXiv 2502.12996) and return the share of ``fresh`` it took.
-
-        The eager outer gradient is the previous round's applied average with this peer's stale contribution
-        replaced by its fresh one: ``avg(r-1) - s(r-1) c(r-1) + s(r) c(r)``. The share taken out is the one put
-        in a round earlier, so every contribution counts exactly once (with outer momentum 0 the eager params
-        are ``theta0 - lr (sum of the applied averages + s(r) c(r))``). ``s(r)`` is this peer's share in its
-        last group (its tokens over the group's), 1 before its first group, after a failed round, and alone:
-        then eager is blocking DiLoCo exactly. A failed round's own contribution is applied whole (``applied``
-        is that contribution), so nothing of it is dropped.
-        """
-        done = previous.outcome if previous is not None else None
-        previous_ok = done is not None and done.averaged and done.group_tokens > 0
-        share = min(1.0, previous.weight / done.group_tokens) if previous_ok else 1.0
-        gradient = [share * c for c in fresh]
-        if previous is not None:
-            gradient = [g + a - previous.share * old for g, a, old in zip(gradient, applied, previous.contribution)]
-        self.eager_optimizer.step(gradient)
-        return share
-
     def _make_outer(self, anchor: list[torch.Tensor]) -> OuterOptimizer:
         cfg = self.diloco_cfg
         return OuterOptimizer(anchor, lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=cfg.nesterov)
@@ -450,12 +380,3 @@ class Stage(StageCheckpoint, StateSharing):
             self.averager.cancel_round()
             self.averager.shutdown()
             self.averager = None
-
-
-def _make_adamw(named_params: list[tuple[str, nn.Parameter]], cfg: InnerConfig) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (norm gains and other vectors are not decayed)."""
-    decay = [p for _, p in named_params if p.dim() >= 2]
-    no_decay = [p for _, p in named_params if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
-                             eps=cfg.eps)

@@ -3,7 +3,7 @@
 Pure tensor maths on fp32 CPU tensors, deterministic, so that every peer that applies the same average
 to the same anchor gets a bit-identical result. Follows ``torch.optim.SGD`` (dampening 0):
 ``m = mu * m + g``; ``theta -= lr * (g + mu * m)`` with Nesterov, ``theta -= lr * m`` without.
-Called by :class:`p2p_diloco.training.stage.Stage` and by the reference simulation in the tests.
+Called by :class:`p2p_diloco.round.stage.Stage` and by the reference simulation in the tests.
 """
 
 from __future__ import annotations

@@ -73,7 +73,7 @@ class StateError(ValueError):
 
 
 class StateSharing:
-    """The state a :class:`~p2p_diloco.training.stage.Stage` serves to the swarm, and how it takes one over: the
+    """The state a :class:`~p2p_diloco.round.stage.Stage` serves to the swarm, and how it takes one over: the
     stage's own methods (a mixin of the Stage: it owns the state it changes)."""
 
     def shareable_state(self, run_id: str, finished_average: list[torch.Tensor] | None = None,

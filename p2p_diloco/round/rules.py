@@ -20,8 +20,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from p2p_diloco.round.outcome import PendingRound, RoundReport
+
 if TYPE_CHECKING:
-    from p2p_diloco.training.stage import RoundReport, Stage
+    from p2p_diloco.round.stage import Stage
 
 
 class Blocking:
@@ -81,10 +83,32 @@ class Eager(Blocking):
         contribution = stage.with_feedback(delta)  # 3.
         if applied is not None:
             stage.outer_optimizer.step(applied)  # 6. theta = outer_step(theta, avg_prev)
-        share = stage.eager_step(previous, applied, contribution)  # 6'. the eager state, this round included
+        share = self.eager_step(stage, previous, applied, contribution)  # 6'. the eager state, this round included
         start(contribution, share)  # 4.
         stage.set_params(stage.eager_anchor)
         stage.restart_from_params()
+
+    @staticmethod
+    def eager_step(stage: Stage, previous: PendingRound | None, applied: list[torch.Tensor] | None,
+                   fresh: list[torch.Tensor]) -> float:
+        """Step this peer's eager outer state (arXiv 2502.12996) and return the share of ``fresh`` it took.
+
+        The eager outer gradient is the previous round's applied average with this peer's stale contribution
+        replaced by its fresh one: ``avg(r-1) - s(r-1) c(r-1) + s(r) c(r)``. The share taken out is the one put
+        in a round earlier, so every contribution counts exactly once (with outer momentum 0 the eager params
+        are ``theta0 - lr (sum of the applied averages + s(r) c(r))``). ``s(r)`` is this peer's share in its
+        last group (its tokens over the group's), 1 before its first group, after a failed round, and alone:
+        then eager is blocking DiLoCo exactly. A failed round's own contribution is applied whole (``applied``
+        is that contribution), so nothing of it is dropped.
+        """
+        done = previous.outcome if previous is not None else None
+        previous_ok = done is not None and done.averaged and done.group_tokens > 0
+        share = min(1.0, previous.weight / done.group_tokens) if previous_ok else 1.0
+        gradient = [share * c for c in fresh]
+        if previous is not None:
+            gradient = [g + a - previous.share * old for g, a, old in zip(gradient, applied, previous.contribution)]
+        stage.eager_optimizer.step(gradient)
+        return share
 
 
 RULES = {rule.name: rule for rule in (Blocking(), Delayed(), Eager())}
