@@ -34,8 +34,9 @@ from p2p_diloco.model.fragments import (
 from p2p_diloco.round.stage import Stage
 from p2p_diloco.training.executor import LocalExecutor
 from p2p_diloco.training.summary import Reporter, TrainSummary
-from p2p_diloco.training.sync import SwarmSync, bootstrap_peer_ids
+from p2p_diloco.training.sync import SwarmSync
 from p2p_diloco.training.trainer import Held, Trainer
+from p2p_diloco.training.witnesses import bootstrap_peer_ids
 
 logger = logging.getLogger(__name__)
 

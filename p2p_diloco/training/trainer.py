@@ -114,7 +114,7 @@ class Trainer:
             if unit.swarm is not None:  # a round nobody can join any more fails at once, not after its timeout
                 unit.stage.round_is_hopeless = unit.swarm.moved_past
                 if unit.sync is not None:  # the peers met in recent groups: their records time the rounds
-                    unit.swarm.peers_met = unit.sync.recently_met
+                    unit.swarm.peers_met = unit.sync.witnesses.recently_met
 
     @property
     def stages(self) -> list[Stage]:
@@ -436,7 +436,7 @@ class Trainer:
         for unit, report in zip(units, reports):
             self._last_group[self.held.index(unit)] = list(report.outcome.group_peers)
             if unit.sync is not None:
-                unit.sync.met_group(list(report.outcome.group_peers))
+                unit.sync.witnesses.met_group(list(report.outcome.group_peers))
         self._note_anchor(units)
         for unit, report in zip(units, reports):
             self.metrics.write("round", **report.record(), **self._unit_facts(unit), inner_step=self.stage.inner_step,
