@@ -16,6 +16,7 @@ from hivemind.p2p import PeerID
 
 from p2p_diloco.swarm.averaging.guard import keep_round_key
 from p2p_diloco.swarm.averaging.hivemind_api import (
+    ATTRIBUTES,
     CALLED,
     HIVEMIND_BASES,
     REPLACED,
@@ -108,6 +109,36 @@ def test_every_method_our_averaging_replaces_exists_in_hivemind_with_the_paramet
     for (cls, name), parameters in (REPLACED | CALLED).items():
         assert hasattr(cls, name), (cls.__name__, name)
         assert tuple(inspect.signature(getattr(cls, name)).parameters) == parameters, (cls.__name__, name)
+
+
+def test_every_private_attribute_we_use_is_one_hivemind_sets():
+    """Each private attribute of :data:`ATTRIBUTES` is assigned in its hivemind class (a renamed one would make the
+    adapter's accessor raise AttributeError deep in a round)."""
+    import re
+
+    for (cls, name), _what in ATTRIBUTES.items():
+        if name in vars(cls):  # a method (replaced on instances: REPLACED checks its parameters)
+            continue
+        source = inspect.getsource(cls)
+        assert re.search(rf"self\.{name}\s*(:[^=\n]*)?=[^=]", source), (cls.__name__, name)
+
+
+def test_no_private_hivemind_name_is_used_outside_the_adapter():
+    """The private names of hivemind that the adapter lists (attributes read or written, methods replaced or called)
+    appear nowhere else in the package: everything reaches them through hivemind_api.py."""
+    private = {name for _cls, name in (*ATTRIBUTES, *REPLACED, *CALLED) if name.startswith("_")}
+    assert {"_running_groups", "_matchmaking", "_ban_sender", "_request_join_group"} <= private
+    package = Path(__file__).resolve().parents[2] / "p2p_diloco"
+    offenders = []
+    for path in package.rglob("*.py"):
+        if path.name == "hivemind_api.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            named = node.attr if isinstance(node, ast.Attribute) else \
+                node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
+            if named in private:
+                offenders.append(f"{path.relative_to(package)}:{node.lineno}: {named}")
+    assert not offenders, offenders
 
 
 def test_another_hivemind_version_is_refused_with_the_one_to_install():
