@@ -10,7 +10,6 @@ summary for ``p2p-diloco swarm``. Called by :mod:`p2p_diloco.stage_process`.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import logging
@@ -25,6 +24,7 @@ import torch
 
 from p2p_diloco.config import Config
 from p2p_diloco.monitoring.sinks import open_sinks
+from p2p_diloco.round.fragments import Fragments
 from p2p_diloco.round.outcome import RoundReport
 from p2p_diloco.round.stage import Stage
 from p2p_diloco.training.metrics import MetricsWriter
@@ -83,6 +83,9 @@ class Trainer:
                  held: list[Held] | None = None):
         self.held = held or [Held(stage, swarm, sync)]
         stage, swarm, sync = self.held[0].stage, self.held[0].swarm, self.held[0].sync
+        self.fragments = Fragments([unit.stage for unit in self.held])  # the same order: position i is held[i]
+        if cfg.diloco.streaming:  # fragments' rounds staggered (a whole stage's are not)
+            self.fragments.stagger(cfg.train.num_rounds)
         self.cfg, self.stage, self.executor, self.sampler = cfg, stage, executor, sampler
         self.eval_data, self.swarm, self.output_dir = eval_data, swarm, Path(output_dir)
         self.reporter = reporter or NullReporter()
@@ -118,7 +121,7 @@ class Trainer:
 
     @property
     def stages(self) -> list[Stage]:
-        return [unit.stage for unit in self.held]
+        return self.fragments.stages
 
     @property
     def round_index(self) -> int:
@@ -220,24 +223,22 @@ class Trainer:
             inputs, targets = self.sampler.next_batch()
             loss = self.executor.forward_backward(inputs, targets)
             # per-tensor, all fragments and stages in model order: the clip is bit-identical whatever the split
-            norms = self.executor.gather_across_stages(torch.cat([stage.grad_norms() for stage in self.stages]))
+            norms = self.executor.gather_across_stages(self.fragments.grad_norms())
             total_norm = torch.linalg.vector_norm(norms, 2)
-            lr = [stage.inner_update(total_norm) for stage in self.stages][0]
+            lr = self.fragments.inner_update(total_norm)
             if slowdown > 1:  # a slower machine, for tests and benchmarks of unequal peers
                 time.sleep((slowdown - 1) * (time.monotonic() - step_started))
             step_s = time.monotonic() - step_started
             self.summary.train_s += step_s
             self.summary.tokens += self.tokens_per_step
-            due = [stage for stage in self.stages if stage.merge_due]
+            merge_started = time.monotonic()
+            due = self.fragments.merge_due()
             if due:  # delayed mode: the previous round's average is applied now
-                merge_started = time.monotonic()
-                for stage in due:
-                    stage.merge()
                 self.summary.train_s += time.monotonic() - merge_started
                 # the anchor changed: the records published from now on name the round just applied, so they
                 # must carry its fingerprint (a stale one made peers that compare at this round see divergence
                 # where there was none, and miss it where there was)
-                self._note_anchor([unit for unit in self.held if unit.stage in due])
+                self._note_anchor([self.held[i] for i in due])
                 self._publish(loss, self.tokens_per_s, force=True)
             seconds_per_step = step_s if not self.stage.seconds_per_step else \
                 0.9 * self.stage.seconds_per_step + 0.1 * step_s
@@ -246,8 +247,7 @@ class Trainer:
             window_tokens += self.tokens_per_step
             self._record_loss(loss)
             step = self.stage.inner_step
-            early = [unit for unit in self.held if unit.stage.round_index == peer_round
-                     and step == unit.stage.round_end_step(peer_round) < (peer_round + 1) * H]
+            early = [self.held[i] for i in self.fragments.ending_early(peer_round, step)]
             if early:  # streaming sync: these fragments' rounds end now, a few steps before the regular round end
                 round_started = time.monotonic()
                 self._round_reports += self._end_rounds(early, loss)
@@ -263,12 +263,7 @@ class Trainer:
         if self.stage.inner_step < (peer_round + 1) * H:  # ended by the swarm: skip the rest of it
             logger.info(f"Stage {self.stage.stage_index} round {peer_round}: ended by the swarm after "
                         f"{self._round_steps} of {H} steps")
-            skipped = (peer_round + 1) * H - self.stage.inner_step
-            for stage in self.stages:  # the skipped steps are nobody's: a round's tokens count the steps trained
-                started = stage.round_first_step if stage.round_first_step is not None else \
-                    stage.round_start_step(stage.round_index)
-                stage.round_first_step = started + skipped
-                stage.inner_step = (peer_round + 1) * H
+            self.fragments.skip_to((peer_round + 1) * H)
         self._round_compute_s = self.summary.train_s - train_s_before
         return True
 
@@ -278,7 +273,7 @@ class Trainer:
 
     def _after_round(self) -> None:
         peer_round = self._peer_round  # the round just trained (the inner step is on the next one now)
-        ending = [unit for unit in self.held if unit.stage.round_index == peer_round]
+        ending = [self.held[i] for i in self.fragments.ending(peer_round)]
         if self.follow_swarm:  # the others end this round now too (they wait for this peer's contribution)
             for unit in ending:
                 unit.swarm.announce(unit.stage.position(), unit.stage.round_index + 1,
@@ -308,13 +303,7 @@ class Trainer:
         if not units:  # streaming: every fragment of this stage process ended its round earlier in it
             return []
         step = self.stage.inner_step
-        tokens = []
-        for unit in units:
-            stage = unit.stage
-            started = stage.round_first_step if stage.round_first_step is not None else \
-                stage.round_start_step(stage.round_index)
-            tokens.append(max(0, step - started) * self.tokens_per_step)
-            stage.round_first_step = None
+        tokens = [self.fragments.round_tokens(unit.stage, step, self.tokens_per_step) for unit in units]
         expected = self._expected_group_sizes(units)
         if len(units) == 1:
             reports = [units[0].stage.end_round(tokens[0], expected[0], compute_s=self._round_compute_s)]
@@ -342,7 +331,7 @@ class Trainer:
     def _flush(self) -> None:
         """Apply the round still in flight (overlap modes), then evaluate the final anchor."""
         flush_started = time.monotonic()
-        reports = [stage.flush() for stage in self.stages]
+        reports = self.fragments.flush()
         self.summary.train_s += time.monotonic() - flush_started  # the last round's wait counts, as all others
         flushed = [(unit, report) for unit, report in zip(self.held, reports) if report is not None]
         if flushed:
@@ -466,9 +455,7 @@ class Trainer:
     def _evaluate(self) -> float | None:
         if not self.eval_data:
             return None
-        with contextlib.ExitStack() as anchors:
-            for stage in self.stages:
-                anchors.enter_context(stage.anchor_weights())
+        with self.fragments.anchor_weights():
             loss = self.executor.evaluate(self.eval_data)
         return loss if self.executor.is_last_stage else None
 
