@@ -32,9 +32,10 @@ from p2p_diloco.model.fragments import (
 )
 from p2p_diloco.round.stage import Stage
 from p2p_diloco.training.executor import LocalExecutor
+from p2p_diloco.training.ledger import Held
 from p2p_diloco.training.summary import Reporter, TrainSummary
 from p2p_diloco.training.sync import SwarmSync
-from p2p_diloco.training.trainer import Held, Trainer
+from p2p_diloco.training.trainer import Trainer
 from p2p_diloco.training.witnesses import bootstrap_peer_ids
 
 logger = logging.getLogger(__name__)
