@@ -209,3 +209,21 @@ def test_any_digest_claim_is_parsed_or_dropped(entries, members):
         for value in entries.values():
             parse_claim(value, {m: None for m in members})
     assert claims == {}  # nothing here is signed by a member's key
+
+
+OWNER_KEYS = [b"ssh-foo " + __import__("base64").b64encode(b"\x00\x00\x00\x07ssh-foo" + b"\x00" * 8),
+              b"ecdsa-sha2-nistp999 AAAA", b"ssh-rsa AAAAB3NzaC1yc2EAAAADAQABAAAAgQ==", b"\xff\xfe"]
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(key=st.one_of(st.sampled_from(OWNER_KEYS), st.binary(max_size=300)))
+@example(key=OWNER_KEYS[0])  # a key type cryptography does not know: it raised its own UnsupportedAlgorithm
+def test_any_owner_subkey_names_a_peer_id_or_is_refused_with_a_value_error(key):
+    """Every reader of a record's writer (the digests' exchange, the config check, the record validator) refuses a
+    subkey on ValueError: any other exception from a peer's bytes would end that reader, not the record."""
+    from p2p_diloco.swarm.discovery.records import peer_id_of_owner
+
+    try:
+        peer_id_of_owner(b"[owner:" + key + b"]")
+    except ValueError:
+        pass

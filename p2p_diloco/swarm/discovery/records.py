@@ -143,7 +143,10 @@ def peer_id_of_owner(owner: bytes) -> str:
     found = _OWNER.search(owner) if isinstance(owner, bytes) else None
     if found is None:
         raise ValueError("the subkey names no public key")
-    key = serialization.load_ssh_public_key(found.group(1))  # what hivemind's RSAPublicKey.from_bytes reads
+    try:  # what hivemind's RSAPublicKey.from_bytes reads; a key type cryptography does not know raises its own error
+        key = serialization.load_ssh_public_key(found.group(1))
+    except Exception as e:  # noqa: BLE001 (any failure on a peer's bytes is a refusal, the documented ValueError)
+        raise ValueError(f"the subkey names no readable key ({type(e).__name__})") from None
     if not isinstance(key, rsa.RSAPublicKey):
         raise ValueError("the subkey names a key that is not RSA")
     der = key.public_bytes(encoding=serialization.Encoding.DER, format=serialization.PublicFormat.SubjectPublicKeyInfo)
