@@ -165,6 +165,13 @@ def test_a_groupmate_that_ended_the_next_round_and_still_collects_this_one_keeps
     assert not moved_past(record("a", 5, applied_round=3), record("b", 5, applied_round=2))
     assert moved_past(record("a", 5, applied_round=3), record("b", 5, applied_round=3))
     assert moved_past(record("a", 4, applied_round=3), record("b", 5, applied_round=4))
+    # a stranger's such record keeps the round waiting for the strangers' bound only, as every stranger's does
+    monkeypatch.setattr(swarm_link, "fetch_progress", lambda dht, run_id: [record(n, 5, applied_round=2)
+                                                                            for n in SYBILS])
+    stranger_view = link(met=frozenset({"a"}))
+    assert not stranger_view.moved_past(3)
+    stranger_view._matching_since[3] -= stranger_view.stranger_wait_s
+    assert stranger_view.moved_past(3)
 
 
 def test_waiting_for_peers_in_a_private_swarm_counts_its_members_only(monkeypatch):
