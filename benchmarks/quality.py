@@ -41,11 +41,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from p2p_diloco.config import load_config  # noqa: E402
 from p2p_diloco.data import WindowSampler, eval_batches  # noqa: E402
 from p2p_diloco.model import build_stage_model, model_args_from_config  # noqa: E402
-from p2p_diloco.model.fragments import fragment_parts, split_parameters  # noqa: E402
+from p2p_diloco.model.fragments import FragmentView, fragment_parts, split_parameters  # noqa: E402
+from p2p_diloco.round.fragments import Fragments  # noqa: E402
 from p2p_diloco.stage_process import load_data  # noqa: E402
 from p2p_diloco.training import LocalExecutor, Stage  # noqa: E402
 from p2p_diloco.training.simulate import ExactGroup  # noqa: E402
-from p2p_diloco.training.streaming import FragmentStages  # noqa: E402
 
 # the 3.35M-parameter model of benchmarks/wan.py: matrices large enough for low rank to engage
 WAN_MODEL = [("model.preset", "small"), ("model.dim", "256"), ("model.n_layers", "4"), ("model.n_heads", "8"),
@@ -110,19 +110,36 @@ class Setting:
         return WindowSampler(self.data.train, self.args.seq, batch or self.args.batch, base + worker)
 
 
-def evaluate(executor: LocalExecutor, stages: FragmentStages | None, eval_data) -> float:
-    """Eval loss of the anchor (every fragment's), or of the working params with ``stages`` None."""
-    with stages.anchor_weights() if stages is not None else contextlib.nullcontext():
+def evaluate(executor: LocalExecutor, units: Fragments | None, eval_data) -> float:
+    """Eval loss of the anchor (every fragment's), or of the working params with ``units`` None."""
+    with units.anchor_weights() if units is not None else contextlib.nullcontext():
         return executor.evaluate(eval_data)
 
 
-def inner_step(stages: FragmentStages, executor: LocalExecutor, sampler) -> float:
-    """One inner step as the trainer takes it: forward/backward, the peer's total norm, clipped AdamW (and in
-    delayed mode the merge of the previous round's average when it is due)."""
+def inner_step(units: Fragments, executor: LocalExecutor, sampler) -> float:
+    """One inner step as the peer's trainer takes it (the same holder of the units): forward/backward, the total
+    norm over every unit, clipped AdamW, and in delayed mode the merge of the previous round's average when due."""
     inputs, targets = sampler.next_batch()
     loss = executor.forward_backward(inputs.to(executor.device), targets.to(executor.device))
-    stages.inner_update()
+    units.inner_update(torch.linalg.vector_norm(units.grad_norms(), 2))
+    units.merge_due()
     return loss
+
+
+def worker_units(model, parts: list[int], averagers: dict, cfg, total_steps: int, rounds: int) -> Fragments:
+    """One worker's units as a peer's stage process holds them: the whole model as one stage (F = 1), or one stage
+    per fragment over a view of its parameters, with the fragments' rounds staggered (streaming sync)."""
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    held = split_parameters(named, parts)
+    if len(held) == 1:
+        units = [(None, model, 0)]
+    else:
+        units = [((f, len(held)), FragmentView(params), f) for f, params in held.items()]
+    fragments = Fragments([Stage(view, stage_index=0, num_stages=1, inner_cfg=cfg.inner, diloco_cfg=cfg.diloco,
+                                 total_steps=total_steps, averager=averagers.get(f), fragment=fragment)
+                           for fragment, view, f in units])
+    fragments.stagger(rounds)
+    return fragments
 
 
 def run_plain(setting: Setting, seed: int, workers: int, name: str) -> RowResult:
@@ -130,8 +147,7 @@ def run_plain(setting: Setting, seed: int, workers: int, name: str) -> RowResult
     args, started = setting.args, time.monotonic()
     cfg = setting.config("none", "none")
     model = setting.model(seed)
-    stage = FragmentStages(model, fragment_parts(setting.model_args, 1), inner_cfg=cfg.inner, diloco_cfg=cfg.diloco,
-                           total_steps=args.rounds * args.h)
+    stage = worker_units(model, fragment_parts(setting.model_args, 1), {}, cfg, args.rounds * args.h, args.rounds)
     executor = LocalExecutor(model, setting.device)
     samplers = [setting.sampler(seed, k) for k in range(workers)]
 
@@ -156,10 +172,10 @@ def run_diloco(setting: Setting, seed: int, workers: int, mode: str, compression
                arrival_steps: int | None = None, fragments: int = 1) -> RowResult:
     """K workers of p2p-diloco's round code, averaging through an exact in-process group.
 
-    ``fragments`` F > 1: streaming sync (:class:`~p2p_diloco.training.streaming.FragmentStages`): each worker's
-    model is F fragments, each its own :class:`Stage` with its own group, averaged one at a time. Each fragment's
-    bandwidth budget is 1/F of the round's compute (it must be sent before the next fragment's turn). F = 1 is
-    the all-at-once round."""
+    ``fragments`` F > 1: streaming sync, as a peer runs it (:class:`~p2p_diloco.round.fragments.Fragments`): each
+    worker's model is F fragments, each its own :class:`Stage` with its own group, their rounds staggered, averaged
+    one at a time; every fragment's last round ends on the run's last step. Each fragment's bandwidth budget is 1/F
+    of the round's compute (it must be sent before the next fragment's turn). F = 1 is the all-at-once round."""
     args, started = setting.args, time.monotonic()
     cfg = setting.config(mode, compression)
     models = [setting.model(seed) for _ in range(workers)]
@@ -170,8 +186,8 @@ def run_diloco(setting: Setting, seed: int, workers: int, mode: str, compression
                             seed=f"quality{seed}" + (f"f{f}" if f else ""),
                             arrival_steps=arrival_steps or args.arrival_steps or args.h)
               for f, named in shapes.items()} if workers > 1 else {}
-    units = [FragmentStages(m, parts, averagers={f: g.view(k) for f, g in groups.items()}, inner_cfg=cfg.inner,
-                            diloco_cfg=cfg.diloco, total_steps=args.rounds * args.h) for k, m in enumerate(models)]
+    units = [worker_units(m, parts, {f: g.view(k) for f, g in groups.items()}, cfg, args.rounds * args.h,
+                          args.rounds) for k, m in enumerate(models)]
     executors = [LocalExecutor(m, setting.device) for m in models]
     samplers = [setting.sampler(seed, k) for k in range(workers)]
     result, payload = RowResult(name, seed), []
@@ -197,31 +213,34 @@ def run_diloco(setting: Setting, seed: int, workers: int, mode: str, compression
 
     count = len(units[0].stages)
     compute = [[0.0] * count for _ in range(workers)]  # each worker's compute since each fragment's round end
-    total = args.rounds * args.h
-    for step in range(1, total + 1):
+
+    def end_round(i: int, step: int) -> None:
+        """Unit ``i`` of every worker ends its round after inner ``step``, all at once (they average together)."""
+        tokens = [Fragments.round_tokens(u.stages[i], step, setting.tokens_per_step) for u in units]
+        reports = end_all(i, lambda stage, k: stage.end_round(tokens[k], workers, compute_s=compute[k][i] / count))
         for k in range(workers):
-            t0 = time.monotonic()
-            inner_step(units[k], executors[k], samplers[k])
-            spent = time.monotonic() - t0
-            compute[k] = [c + spent for c in compute[k]]
-        for i in units[0].ending(step):
-            tokens = units[0].steps_in_round(i, step) * setting.tokens_per_step
-            reports = end_all(i, lambda stage, k, i=i, tokens=tokens:
-                              stage.end_round(tokens, workers, compute_s=compute[k][i] / count))
+            compute[k][i] = 0.0
+        _account(result, reports, payload)
+        _check_identical([u.stages[i] for u in units], name, step)
+
+    for r in range(args.rounds):
+        for step in range(r * args.h + 1, (r + 1) * args.h + 1):
             for k in range(workers):
-                compute[k][i] = 0.0
-                units[k].ended(i, step)
-            _account(result, reports, payload)
-            _check_identical([u.stages[i] for u in units], name, step)
-        if step % args.h == 0:
-            r = step // args.h - 1
-            if (r + 1) % args.eval_every == 0 or r + 1 == args.rounds:
-                if r + 1 == args.rounds and mode != "none":
-                    for i in range(count):
-                        _account(result, end_all(i, lambda stage, k: stage.flush()), payload)
-                        _check_identical([u.stages[i] for u in units], name, step)
-                result.curve.append(((r + 1) * args.h * setting.tokens_per_step,
-                                     evaluate(executors[0], units[0], setting.eval_data)))
+                t0 = time.monotonic()
+                inner_step(units[k], executors[k], samplers[k])
+                spent = time.monotonic() - t0
+                compute[k] = [c + spent for c in compute[k]]
+            for i in units[0].ending_early(r, step):  # streaming: these fragments' rounds end a few steps early
+                end_round(i, step)
+        for i in units[0].ending(r):
+            end_round(i, (r + 1) * args.h)
+        if (r + 1) % args.eval_every == 0 or r + 1 == args.rounds:
+            if r + 1 == args.rounds and mode != "none":
+                for i in range(count):
+                    _account(result, end_all(i, lambda stage, k: stage.flush()), payload)
+                    _check_identical([u.stages[i] for u in units], name, (r + 1) * args.h)
+            result.curve.append(((r + 1) * args.h * setting.tokens_per_step,
+                                 evaluate(executors[0], units[0], setting.eval_data)))
     result.final, result.wall_s = result.curve[-1][1], time.monotonic() - started
     events_per_round = len(payload) / args.rounds if payload else 0
     result.bytes_per_round = statistics.mean(payload) * events_per_round if payload else 0.0

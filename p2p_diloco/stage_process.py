@@ -28,14 +28,15 @@ from p2p_diloco.model.fragments import (
     check_split_fits,
     fitting_split,
     fragment_parts,
-    round_shifts,
     split_parameters,
 )
 from p2p_diloco.round.stage import Stage
 from p2p_diloco.training.executor import LocalExecutor
+from p2p_diloco.training.ledger import Held
 from p2p_diloco.training.summary import Reporter, TrainSummary
-from p2p_diloco.training.sync import SwarmSync, bootstrap_peer_ids
-from p2p_diloco.training.trainer import Held, Trainer
+from p2p_diloco.training.sync import SwarmSync
+from p2p_diloco.training.trainer import Trainer
+from p2p_diloco.training.witnesses import bootstrap_peer_ids
 
 logger = logging.getLogger(__name__)
 
@@ -185,9 +186,6 @@ def run_stage(cfg: Config, *, pipeline=None, reporter: Optional[Reporter] = None
                 cfg=cfg.averaging, behaviour=behaviour or HONEST, fragment=fragment)
             stage = Stage(module, stage_index=stage_index, num_stages=len(split), inner_cfg=cfg.inner,
                           diloco_cfg=cfg.diloco, total_steps=total_steps, averager=averager, fragment=fragment)
-            if fragment is not None and cfg.diloco.streaming and len(parts) > 1:  # streaming sync: staggered rounds
-                stage.round_shift = round_shifts(len(parts), cfg.diloco.inner_steps)[fragment[0]]
-                stage.last_round = cfg.train.num_rounds - 1
             held.append(Held(stage))
             averager.state_provider = partial(_serve_state, stage, averager, cfg.run.run_id,
                                               wait_s=donor_wait_s(cfg.averaging))

@@ -48,55 +48,28 @@ exception while handling a donor's data is that donor's: its state is refused an
 serves a state its own signed record contradicts (and not the agreed one) is lying: its records count for nothing
 for :data:`DISCREDIT_ROUNDS` rounds.
 
-The stages of a pipelined peer change rounds together or not at all. Called by the trainer.
+The stages of a pipelined peer change rounds together or not at all. Called by the trainer. Whose records count
+and which donors hold the agreed state: :mod:`p2p_diloco.training.witnesses`; a state's download and its checks:
+:mod:`p2p_diloco.training.fetch`.
 """
 
 from __future__ import annotations
 
 import logging
-import random
 import time
-from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
 from p2p_diloco.medians import lower_median
 from p2p_diloco.round.stage import Stage
-from p2p_diloco.round.swarm_state import StateError
 from p2p_diloco.swarm.discovery.progress import moved_past
+from p2p_diloco.training.fetch import StateFetcher
+from p2p_diloco.training.witnesses import Witnesses, anchor_votes, canonical_of
 
 logger = logging.getLogger(__name__)
 REMEMBERED_ROUNDS = 4
-TRUST_LEVELS = ("the peers met in recent groups", "the bootstrap peers", "every signed record")
 # a peer's stage processes agree on one reload point this many times at most, downloading again the states a round
 # behind the others' in between; then they train the round and try again after it
 RELOAD_ATTEMPTS = 3
-TRUSTED_ROUNDS = 8  # the groups of this many recent rounds are the peers whose records count
-VERIFY_WAIT_ROUNDS = 3  # a training stage waits for a state's second voucher at most this many of its rounds
-DISCREDIT_ROUNDS = 3  # a donor caught serving a state its own record does not claim counts for nothing this long
-MIN_VERIFY_WAIT_S = 5.0  # ... and at least this long (records are refreshed at round ends and every 10 s)
-
-
-def bootstrap_peer_ids(initial_peers) -> frozenset[str]:
-    """The peer ids in ``dht.initial_peers`` multiaddrs (``.../p2p/<peer id>``; the config requires one in each)."""
-    return frozenset(maddr.rstrip("/").rsplit("/p2p/", 1)[1].split("/")[0] for maddr in initial_peers
-                     if "/p2p/" in maddr)
-
-
-def anchor_votes(records, applied_round: int) -> dict[str, list[str]]:
-    """Fingerprint -> the nodes whose records say it is the anchor after ``applied_round`` (their anchor, or the
-    anchor before theirs for a record one round further on)."""
-    votes: dict[str, list[str]] = {}
-    for r in records:
-        fingerprint = r.anchor if r.applied_round == applied_round else \
-            r.prior_anchor if r.applied_round == applied_round + 1 else ""
-        if fingerprint:
-            votes.setdefault(fingerprint, []).append(r.node)
-    return votes
-
-
-def canonical_of(votes: dict[str, list[str]]) -> str:
-    """Most votes; a tie goes to the fingerprint held by the smallest node id (the same on every peer, every round)."""
-    return min(votes, key=lambda fp: (-len(votes[fp]), min(votes[fp])))
 
 
 class SwarmSync:
@@ -118,15 +91,12 @@ class SwarmSync:
 
     def __init__(self, stage: Stage, swarm, executor, run_id: str, download_timeout_s: float,
                  num_rounds: int | None = None, allowlist=(), verify_wait_s: float = 30.0, bootstrap=()):
-        self.stage, self.swarm, self.executor, self.run_id = stage, swarm, executor, run_id
-        self.download_timeout_s, self.num_rounds, self.verify_wait_s = download_timeout_s, num_rounds, verify_wait_s
-        self.allowlist, self.bootstrap = frozenset(allowlist), frozenset(bootstrap)
-        self.met: deque[frozenset] = deque(maxlen=TRUSTED_ROUNDS)  # the groups of the last rounds
-        # the anchor every peer starts from (the run's init seed): a state before any round is checked against it
-        self.initial_fingerprint = stage.state_fingerprint()[0] if stage.applied_round < 0 else None
+        self.stage, self.swarm, self.executor, self.num_rounds = stage, swarm, executor, num_rounds
+        self.witnesses = Witnesses(swarm.node, lambda: stage.round_index, allowlist, bootstrap)
         self.fingerprints: dict[int, str] = {}  # applied round -> this stage's state fingerprint after it
+        self.fetcher = StateFetcher(stage, swarm, self.witnesses, self.fingerprints, run_id, download_timeout_s,
+                                    num_rounds, verify_wait_s)
         self.events: list[dict] = []
-        self.last_download: dict = {}  # duration and bytes of the last state download
         self.holds_canonical = True  # this stage's anchor is the one the swarm agrees on (see _diverged_round)
         self.canonical: str | None = None  # that anchor's fingerprint, for the last diverged round
         # a round this stage's anchor lacks: a reload in delayed mode from a donor whose last round was still
@@ -134,12 +104,6 @@ class SwarmSync:
         # vote from that round on: where only one other peer has published a round yet, the tie-break must not
         # make the anchor known to be off the canonical one (the reloaded peer would then never resync)
         self.missed_round: int | None = None
-        # while above 0, the records of a later level of TRUST_LEVELS count: a download from the earlier levels
-        # gave no usable state (see _download)
-        self._widening = 0
-        # donor -> the last round of this stage in which its records count for nothing: it served a state that its
-        # own signed record contradicts (see _contradicts_own_record)
-        self.discredited: dict[str, int] = {}
 
     def remember(self, fingerprint: str) -> None:
         """Note this stage's anchor fingerprint after its last applied round."""
@@ -148,63 +112,8 @@ class SwarmSync:
             for old in sorted(self.fingerprints)[:-REMEMBERED_ROUNDS]:
                 del self.fingerprints[old]
 
-    def met_group(self, peers) -> None:
-        """Note the group of a round this stage averaged in (their records count from now on)."""
-        if peers:
-            self.met.append(frozenset(peers) - {self.swarm.node})
-
-    def recently_met(self) -> frozenset:
-        """The nodes of this stage's groups of the last :data:`TRUSTED_ROUNDS` rounds."""
-        return frozenset().union(*self.met)
-
-    def counted(self, records) -> list:
-        """The records whose word counts (see the module docstring), less those of discredited donors."""
-        if self.allowlist:
-            return [r for r in self._credited(records) if r.node in self.allowlist]
-        levels = self._levels(records)
-        return levels[min(self._widening, len(levels) - 1)][1] if levels else []
-
-    def _credited(self, records) -> list:
-        now = self.stage.round_index
-        self.discredited = {node: until for node, until in self.discredited.items() if until >= now}
-        return [r for r in records if r.node not in self.discredited]
-
-    def _contradicts_own_record(self, donor: str, meta: dict, tensors) -> str | None:
-        """Why ``donor``'s served state (checked well-formed) is not the one its own signed record claims for that
-        round, or None: the record names another fingerprint for the state's applied round (its anchor, or the
-        anchor before it for a record one round on). Signed record and served bytes together are the donor's own
-        word against itself: its records count for nothing here for :data:`DISCREDIT_ROUNDS` rounds.
-
-        Without it, one groupmate that lies in its records and serves another state kept an honest peer that had
-        fallen a round behind from ever reloading in a swarm of three: the one honest peer ahead found no second
-        voucher (the liar's records contradicted it), and the lagging peer trained alone to the run's end, as did
-        the newcomer that needed both. A state the counted records agree on is not held against its donor (a
-        peer that has just resynced serves the agreed state before its record says so)."""
-        applied = meta["applied_round"]
-        records = self.swarm.others()  # one read for the donor's claim and the votes
-        record = next((r for r in records if r.node == donor), None)
-        if record is None:
-            return None
-        claimed = record.anchor if record.applied_round == applied else \
-            record.prior_anchor if record.applied_round == applied + 1 else ""
-        fingerprint = self.stage.served_fingerprint(meta, tensors)
-        if not claimed or claimed == fingerprint:
-            return None
-        votes = anchor_votes(self.counted(records), applied)
-        if votes and canonical_of(votes) == fingerprint:
-            return None
-        self.discredited[donor] = self.stage.round_index + DISCREDIT_ROUNDS
-        return (f"its state after round {applied} is not the one its own record claims: its records count for "
-                f"nothing here for {DISCREDIT_ROUNDS} rounds")
-
-    def _levels(self, records) -> list[tuple[str, list]]:
-        """The levels of :data:`TRUST_LEVELS` that have live records, in order: (name, their records)."""
-        met, records = self.recently_met(), self._credited(records)
-        chosen = ([r for r in records if r.node in met], [r for r in records if r.node in self.bootstrap], records)
-        return [(name, level) for name, level in zip(TRUST_LEVELS, chosen) if level]
-
     def _others(self) -> list:
-        return self.counted(self.swarm.others())
+        return self.witnesses.counted(self.swarm.others())
 
     @staticmethod
     def _majority(others, ahead) -> bool:
@@ -289,179 +198,6 @@ class SwarmSync:
         self.holds_canonical = True  # nobody to compare with
         return None
 
-    def donors(self, others, own_round: int | None = None, strangers=()) -> list[str]:
-        """Nodes to download from: the counted peers whose state is the agreed one after their applied round and
-        whose round is not beyond the swarm's (a record far ahead of the others' is not believed); those whose state
-        another counted peer vouches for first, the most advanced first (ties in random order, so that newcomers
-        spread over them), then those only they vouch for (a record one round ahead with a state nobody else
-        holds was asked first: the attacker's), then the ``strangers`` (other signed records) holding an agreed
-        state, in the same order.
-
-        ``own_round``: this stage's round, where it trains with the swarm (a resync): it counts in the swarm's round.
-        Left out, a dead peer's record (it stays in the DHT for its TTL) can be the lower median of a survivor's two
-        others, and the live survivor looks too far ahead to be a donor: two survivors of a broken round then
-        average onto their two anchors to the run's end."""
-        if not others:
-            return []
-        swarm_round = lower_median([r.round for r in others] + ([own_round] if own_round is not None else []))
-        counted = {r.node for r in others}
-        candidates = list(others) + [r for r in strangers if r.node not in counted]
-        ranked = []
-        for r in candidates:
-            votes = anchor_votes(others, r.applied_round)
-            if r.anchor and r.round <= swarm_round + 1 and votes and r.anchor == canonical_of(votes):
-                vouched = bool(set(votes[r.anchor]) - {r.node})
-                ranked.append((r.node not in counted, not vouched, -r.applied_round, random.random(), r.node))
-        return list(dict.fromkeys(node for *_, node in sorted(ranked)))
-
-    def refusal(self, meta: dict, tensors) -> str | None:
-        """Why a downloaded (well-formed) state cannot be taken, or None: its round is past the run's end, or its
-        anchor is not the one the counted records agree on for its applied round.
-
-        Agreed: the canonical fingerprint of the whole state (:meth:`StateSharing.state_fingerprint`: anchor,
-        momentum, counts) for that round (most votes, a tie to the smallest node id, as the resync decides),
-        confirmed by a second record unless this stage believes one peer only (a swarm of one other peer, one
-        bootstrap peer): one record alone, a round ahead of the others with a state only it holds, is what an
-        attacker publishes (the honest first peer to apply a round is confirmed by its groupmates within a few
-        steps: the wait below). A tie of single votes decides only for a stage that holds a state of that round
-        itself: the survivors of a round
-        that every member had to apply alone converge on the tie-break's anchor (waiting for a second vote that never
-        comes makes a peer late for the next group, which forms without it); a newcomer there keeps waiting. Until
-        some record gives one (a donor serves the anchor after an average it may not have published yet), it waits,
-        at most ``verify_wait_s``."""
-        if self.num_rounds is not None and meta["round"] >= self.num_rounds > self.stage.round_index:
-            # (a stage at the run's end itself takes a finished donor's anchor: the agreement at the end)
-            return f"its round {meta['round']} is past the run's end ({self.num_rounds} rounds)"
-        fingerprint, applied = self.stage.served_fingerprint(meta, tensors), meta["applied_round"]
-        if applied < 0:
-            return None if fingerprint == self.initial_fingerprint else \
-                "its state before any round is not the run's initial one"
-        if self.fingerprints.get(applied) == fingerprint:
-            # this stage held that very state after that round itself: the second voucher, and the one it trusts
-            # most (a peer reloading onto a groupmate's state it shared found no other: a hostile third member's
-            # records lie, and the groupmate's own record moves on within a round in a fast swarm)
-            return None
-        deadline = time.monotonic() + self._verify_wait_s()
-        while True:
-            others = self._others()
-            votes = anchor_votes(others, applied)
-            if votes:
-                canonical = canonical_of(votes)
-                if fingerprint not in votes or fingerprint != canonical and len(set(votes[canonical])) >= 2:
-                    return f"its state after round {applied} is not the one the swarm agrees on"
-                alone = len({r.node for r in others}) == 1
-                if fingerprint == canonical and (len(set(votes[canonical])) >= 2 or alone
-                                                 or applied in self.fingerprints):
-                    return None
-            if time.monotonic() >= deadline:
-                return f"no two peers agree on the state after round {applied}" if votes else \
-                    f"no peer vouches for its state after round {applied}"
-            time.sleep(0.5)
-
-    def _verify_wait_s(self) -> float:
-        """How long a downloaded state waits for its second voucher: ``verify_wait_s``, and for a stage that trains
-        (it knows its step time) at most :data:`VERIFY_WAIT_ROUNDS` of its rounds, at least
-        :data:`MIN_VERIFY_WAIT_S`: the wait holds its training, and 30 s of it in a swarm of 2 s rounds leaves a peer
-        alone for its next rounds and its groupmates without it."""
-        step_s = self.stage.seconds_per_step
-        if not step_s > 0:
-            return self.verify_wait_s
-        rounds_s = VERIFY_WAIT_ROUNDS * self.stage.diloco_cfg.inner_steps * step_s
-        return min(self.verify_wait_s, max(MIN_VERIFY_WAIT_S, rounds_s))
-
-    def _download(self, at_least_round: int, at_most_round: int | None = None):
-        """A checked state from a donor holding the agreed anchor, or None (logged). The donor's inner step is moved
-        on by the steps it trained while the state travelled, so that a reloading peer reaches the round's end with
-        it. ``at_most_round``: only donors whose records are on that round or before are asked (a resync cannot use
-        a later one: downloading it anyway costs a newcomer the seconds in which its next group forms)."""
-        if self.stage.averager is None:
-            return None
-        started = time.monotonic()
-        deadline = started + self.download_timeout_s
-        asked: set[str] = set()
-        if self.allowlist:
-            return self._download_from(self._others(), at_least_round, at_most_round, started, deadline, asked)
-        # Trust narrowed (against made-up identities) may give nothing: a hostile groupmate that alone shared a
-        # group with this stage would otherwise be the only record it believes, it says "behind" and serves states
-        # that are refused, and the stage never reloads. The next level counts then, for the donors and the state
-        # check alike, for this download only. The levels are read again after each try: a donor discredited by it
-        # (see _contradicts_own_record) leaves the level it was in.
-        tried: list[frozenset] = []
-        widening, state, previous = 0, None, None
-        while state is None and time.monotonic() < deadline:
-            levels = self._levels(self.swarm.others())
-            if widening >= len(levels):
-                break
-            name, level = levels[widening]
-            nodes = frozenset(r.node for r in level)
-            if nodes in tried:  # (the bootstrap peers are every peer there is, say)
-                widening += 1
-                continue
-            tried.append(nodes)
-            if previous is not None:
-                logger.warning(f"{self.stage.label}: no usable state from {previous}; asking {name}")
-            self._widening = widening
-            try:
-                state = self._download_from(self._others(), at_least_round, at_most_round, started, deadline, asked)
-            finally:
-                self._widening = 0
-            previous = name
-        return state
-
-    def _download_from(self, others, at_least_round: int, at_most_round: int | None, started: float,
-                       deadline: float, asked: set[str]):
-        """:meth:`_download` from the donors among ``others`` (then other signed records holding the state they
-        agree on) not yet ``asked``."""
-        strangers = self.swarm.others()
-        donors = self.donors(others, own_round=at_most_round, strangers=strangers)
-        if at_most_round is not None:
-            early = {r.node for r in [*others, *strangers] if r.round <= at_most_round}
-            donors = [d for d in donors if d in early]
-        for donor in donors:
-            if donor in asked:
-                continue
-            asked.add(donor)
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            downloaded = self.stage.averager.download_state([donor], timeout_s=remaining)
-            if downloaded is None:
-                continue
-            meta, tensors = downloaded
-            self.last_download = {"download_s": round(time.monotonic() - started, 3),
-                                  "state_bytes": sum(t.numel() * t.element_size() for t in tensors)}
-            try:
-                refusal = self._refusal_of(donor, meta, tensors, at_least_round, started)
-            except Exception as e:  # noqa: BLE001 (whatever the donor's bytes make fail is the donor's offence)
-                refusal = f"its state could not be checked ({type(e).__name__}: {e})"
-                logger.debug("the check of a donor's state failed", exc_info=True)
-            if refusal is not None:
-                logger.warning(f"{self.stage.label}: refused the state of {donor}: {refusal}")
-                continue
-            return meta, tensors
-        return None
-
-    def _refusal_of(self, donor: str, meta: dict, tensors, at_least_round: int, started: float) -> str | None:
-        """Why ``donor``'s downloaded state cannot be taken (None: it can; its inner step is then moved on by the
-        steps the donor trained while it travelled, so that a reloading peer reaches the round's end with it)."""
-        try:
-            self.stage.check_state(self.run_id, meta, tensors)  # every field in range before any arithmetic
-        except StateError as e:
-            return str(e)
-        contradiction = self._contradicts_own_record(donor, meta, tensors)
-        if contradiction is not None:
-            return contradiction
-        if meta["round"] < at_least_round:
-            return f"its round {meta['round']} is behind {at_least_round}"
-        refusal = self.refusal(meta, tensors)
-        if refusal is not None:
-            return refusal
-        step_s = meta["seconds_per_step"]  # 0.0 (not measured yet) or within [1e-6, 86400] s: checked above
-        if step_s > 0:
-            travelled = int(min(time.monotonic() - started, self.download_timeout_s) / step_s)
-            meta["inner_step"] = min(meta["inner_step"] + travelled, self.stage.round_end_step(meta["round"]) - 1)
-        return None
-
     def reload_state(self, swarm_round: int, at_least_round: int | None = None):
         """Step 1 of a reload: announce the swarm's round (the others count this stage in while it downloads) and
         download a state not behind this stage or the swarm (the records announce the next round as a round
@@ -469,7 +205,7 @@ class SwarmSync:
         if swarm_round > self.stage.round_index:
             self.swarm.announce(self.stage.position(), swarm_round)
         floor = max(self.stage.round_index, swarm_round - 1, at_least_round if at_least_round is not None else -1)
-        return self._download(at_least_round=floor)
+        return self.fetcher.download(at_least_round=floor)
 
     def take_reload(self, state, reason: str, inner_step: int) -> None:
         """Step 2 of a reload: become the donor of ``state`` at ``inner_step`` (agreed by the whole peer)."""
@@ -501,7 +237,7 @@ class SwarmSync:
         finishing = [r.node for r in self.swarm.others() if r.round >= last and r.applied_round < last]
         if finishing:
             self.swarm.wait_for_groupmates(finishing, last, timeout_s=max(0.0, deadline - time.monotonic()))
-        if self._diverged_round(self.counted(self.swarm.others())) == last:
+        if self._diverged_round(self.witnesses.counted(self.swarm.others())) == last:
             self._resync(last)
 
     def agreed_at_end(self) -> bool:
@@ -513,7 +249,7 @@ class SwarmSync:
         return mine is None or set(anchor_votes(self.swarm.others(), last)) <= {mine}
 
     def _resync(self, diverged_round: int) -> None:
-        state = self._download(at_least_round=self.stage.round_index, at_most_round=self.stage.round_index)
+        state = self.fetcher.download(at_least_round=self.stage.round_index, at_most_round=self.stage.round_index)
         if state is None:
             return
         meta, tensors = state
@@ -540,7 +276,7 @@ class SwarmSync:
                        f"{self.stage.round_index}, anchor after round {self.stage.applied_round}")
         self.events.append({"action": kind, "reason": reason, "round": self.stage.round_index,
                             "applied_round": self.stage.applied_round, "donor_round": meta["round"],
-                            **self.last_download})
+                            **self.fetcher.last_download})
 
 
 class SyncGroup:

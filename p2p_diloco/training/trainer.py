@@ -10,23 +10,23 @@ summary for ``p2p-diloco swarm``. Called by :mod:`p2p_diloco.stage_process`.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import logging
 import resource
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
-from typing import Optional
 
 import torch
 
 from p2p_diloco.config import Config
 from p2p_diloco.monitoring.sinks import open_sinks
+from p2p_diloco.round.fragments import Fragments
 from p2p_diloco.round.outcome import RoundReport
 from p2p_diloco.round.stage import Stage
+from p2p_diloco.training.ledger import Held, Ledger
 from p2p_diloco.training.metrics import MetricsWriter
 from p2p_diloco.training.state.persist import resume_stage, save_stage
 from p2p_diloco.training.summary import (
@@ -34,22 +34,10 @@ from p2p_diloco.training.summary import (
     Reporter,
     TrainSummary,
     anchor_digest,
-    combined_report,
 )
 from p2p_diloco.training.sync import SwarmSync, SyncGroup
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class Held:
-    """One unit this stage process averages: its whole stage, or (``diloco.fragments``) one fragment it holds, with
-    the fragment's own Stage (anchor, outer state, averager), progress records and sync."""
-
-    stage: Stage
-    swarm: Optional[object] = None
-    """Its :class:`~p2p_diloco.swarm.SwarmLink`, or None to train alone."""
-    sync: Optional[SwarmSync] = None
 
 
 def unit_folder(stage: Stage) -> str:
@@ -83,6 +71,9 @@ class Trainer:
                  held: list[Held] | None = None):
         self.held = held or [Held(stage, swarm, sync)]
         stage, swarm, sync = self.held[0].stage, self.held[0].swarm, self.held[0].sync
+        self.fragments = Fragments([unit.stage for unit in self.held])  # the same order: position i is held[i]
+        if cfg.diloco.streaming:  # fragments' rounds staggered (a whole stage's are not)
+            self.fragments.stagger(cfg.train.num_rounds)
         self.cfg, self.stage, self.executor, self.sampler = cfg, stage, executor, sampler
         self.eval_data, self.swarm, self.output_dir = eval_data, swarm, Path(output_dir)
         self.reporter = reporter or NullReporter()
@@ -91,11 +82,9 @@ class Trainer:
         self.tokens_per_s = 0.0  # last measured: for progress records and the metrics endpoint
         self._round_compute_s = 0.0
         self._round_steps = 0  # inner steps this peer trained in the round that just ended
-        self._last_group: dict[int, list[str]] = {}  # per unit held: the group of its last round applied
         self._round_reports: list[RoundReport] = []  # fragments whose round ended early in this round (streaming)
         self._peer_round = 0  # the round _train_round trained
         self._reloaded_at: int | None = None  # the inner step a reload put the peer at, until its round is trained
-        self._fingerprints: list[str] = [""] * len(self.held)  # each unit's anchor sha256, as last noted
         # a round ends when another peer has ended it (peers of unequal speed meet at the round end)
         self.follow_swarm = swarm is not None and cfg.diloco.round_end == "swarm"
         tag = f"stage{stage.stage_index}"
@@ -109,16 +98,18 @@ class Trainer:
         num_params = sum(p.numel() for unit in self.held for p in unit.stage.params)
         self.summary = TrainSummary(peer_name, cfg.run.run_id, stage.stage_index, stage.num_stages, num_params,
                                     mode=stage.mode)
+        self.ledger = Ledger(self.held, self.metrics, self.summary, self.reporter, cfg.diloco.inner_steps,
+                             cfg.train.anchor_digest)
         self.syncs = SyncGroup([u.sync for u in self.held], executor) if sync is not None else None
         for unit in self.held:
             if unit.swarm is not None:  # a round nobody can join any more fails at once, not after its timeout
                 unit.stage.round_is_hopeless = unit.swarm.moved_past
                 if unit.sync is not None:  # the peers met in recent groups: their records time the rounds
-                    unit.swarm.peers_met = unit.sync.recently_met
+                    unit.swarm.peers_met = unit.sync.witnesses.recently_met
 
     @property
     def stages(self) -> list[Stage]:
-        return [unit.stage for unit in self.held]
+        return self.fragments.stages
 
     @property
     def round_index(self) -> int:
@@ -136,7 +127,7 @@ class Trainer:
         started = time.monotonic()
         resumed = self.cfg.checkpoint.resume and self._resume()
         H, num_rounds = self.cfg.diloco.inner_steps, self.cfg.train.num_rounds
-        self._note_anchor()  # the records carry this stage's anchor from the start (donors are chosen by it)
+        self.ledger.note_anchor()  # the records carry this stage's anchor from the start (donors are chosen by it)
         self._publish(loss=float("nan"), tokens_per_s=0.0, force=True)
         self._wait_for_peers()
         if self.syncs is not None:
@@ -220,24 +211,22 @@ class Trainer:
             inputs, targets = self.sampler.next_batch()
             loss = self.executor.forward_backward(inputs, targets)
             # per-tensor, all fragments and stages in model order: the clip is bit-identical whatever the split
-            norms = self.executor.gather_across_stages(torch.cat([stage.grad_norms() for stage in self.stages]))
+            norms = self.executor.gather_across_stages(self.fragments.grad_norms())
             total_norm = torch.linalg.vector_norm(norms, 2)
-            lr = [stage.inner_update(total_norm) for stage in self.stages][0]
+            lr = self.fragments.inner_update(total_norm)
             if slowdown > 1:  # a slower machine, for tests and benchmarks of unequal peers
                 time.sleep((slowdown - 1) * (time.monotonic() - step_started))
             step_s = time.monotonic() - step_started
             self.summary.train_s += step_s
             self.summary.tokens += self.tokens_per_step
-            due = [stage for stage in self.stages if stage.merge_due]
+            merge_started = time.monotonic()
+            due = self.fragments.merge_due()
             if due:  # delayed mode: the previous round's average is applied now
-                merge_started = time.monotonic()
-                for stage in due:
-                    stage.merge()
                 self.summary.train_s += time.monotonic() - merge_started
                 # the anchor changed: the records published from now on name the round just applied, so they
                 # must carry its fingerprint (a stale one made peers that compare at this round see divergence
                 # where there was none, and miss it where there was)
-                self._note_anchor([unit for unit in self.held if unit.stage in due])
+                self.ledger.note_anchor([self.held[i] for i in due])
                 self._publish(loss, self.tokens_per_s, force=True)
             seconds_per_step = step_s if not self.stage.seconds_per_step else \
                 0.9 * self.stage.seconds_per_step + 0.1 * step_s
@@ -246,8 +235,7 @@ class Trainer:
             window_tokens += self.tokens_per_step
             self._record_loss(loss)
             step = self.stage.inner_step
-            early = [unit for unit in self.held if unit.stage.round_index == peer_round
-                     and step == unit.stage.round_end_step(peer_round) < (peer_round + 1) * H]
+            early = [self.held[i] for i in self.fragments.ending_early(peer_round, step)]
             if early:  # streaming sync: these fragments' rounds end now, a few steps before the regular round end
                 round_started = time.monotonic()
                 self._round_reports += self._end_rounds(early, loss)
@@ -263,12 +251,7 @@ class Trainer:
         if self.stage.inner_step < (peer_round + 1) * H:  # ended by the swarm: skip the rest of it
             logger.info(f"Stage {self.stage.stage_index} round {peer_round}: ended by the swarm after "
                         f"{self._round_steps} of {H} steps")
-            skipped = (peer_round + 1) * H - self.stage.inner_step
-            for stage in self.stages:  # the skipped steps are nobody's: a round's tokens count the steps trained
-                started = stage.round_first_step if stage.round_first_step is not None else \
-                    stage.round_start_step(stage.round_index)
-                stage.round_first_step = started + skipped
-                stage.inner_step = (peer_round + 1) * H
+            self.fragments.skip_to((peer_round + 1) * H)
         self._round_compute_s = self.summary.train_s - train_s_before
         return True
 
@@ -278,7 +261,7 @@ class Trainer:
 
     def _after_round(self) -> None:
         peer_round = self._peer_round  # the round just trained (the inner step is on the next one now)
-        ending = [unit for unit in self.held if unit.stage.round_index == peer_round]
+        ending = [self.held[i] for i in self.fragments.ending(peer_round)]
         if self.follow_swarm:  # the others end this round now too (they wait for this peer's contribution)
             for unit in ending:
                 unit.swarm.announce(unit.stage.position(), unit.stage.round_index + 1,
@@ -287,7 +270,7 @@ class Trainer:
         reports, self._round_reports = self._round_reports + self._end_rounds(ending), []
         self.summary.train_s += time.monotonic() - round_started
         self.summary.rounds_completed += 1
-        self._account(reports)
+        self.ledger.account(reports)
         round_index = self.round_index
         every = self.cfg.train.eval_every_rounds
         if every and round_index % every == 0 and round_index < self.cfg.train.num_rounds:
@@ -308,13 +291,7 @@ class Trainer:
         if not units:  # streaming: every fragment of this stage process ended its round earlier in it
             return []
         step = self.stage.inner_step
-        tokens = []
-        for unit in units:
-            stage = unit.stage
-            started = stage.round_first_step if stage.round_first_step is not None else \
-                stage.round_start_step(stage.round_index)
-            tokens.append(max(0, step - started) * self.tokens_per_step)
-            stage.round_first_step = None
+        tokens = [self.fragments.round_tokens(unit.stage, step, self.tokens_per_step) for unit in units]
         expected = self._expected_group_sizes(units)
         if len(units) == 1:
             reports = [units[0].stage.end_round(tokens[0], expected[0], compute_s=self._round_compute_s)]
@@ -322,7 +299,7 @@ class Trainer:
             with ThreadPoolExecutor(len(units), thread_name_prefix="round-end") as pool:
                 reports = list(pool.map(lambda unit, n, size: unit.stage.end_round(
                     n, size, compute_s=self._round_compute_s), units, tokens, expected))
-        self._write_rounds(units, reports)
+        self.ledger.write_rounds(units, reports)
         if loss is not None:  # mid-round: the records name the round these fragments are on now
             self._publish(loss, self.tokens_per_s, force=True)
         return reports
@@ -342,12 +319,12 @@ class Trainer:
     def _flush(self) -> None:
         """Apply the round still in flight (overlap modes), then evaluate the final anchor."""
         flush_started = time.monotonic()
-        reports = [stage.flush() for stage in self.stages]
+        reports = self.fragments.flush()
         self.summary.train_s += time.monotonic() - flush_started  # the last round's wait counts, as all others
         flushed = [(unit, report) for unit, report in zip(self.held, reports) if report is not None]
         if flushed:
-            self._write_rounds([u for u, _ in flushed], [r for _, r in flushed], flush=True)
-            self._account([r for _, r in flushed])
+            self.ledger.write_rounds([u for u, _ in flushed], [r for _, r in flushed], flush=True)
+            self.ledger.account([r for _, r in flushed])
         if self.round_index == self.cfg.train.num_rounds:
             self._evaluate_and_log(self.round_index)
 
@@ -373,7 +350,7 @@ class Trainer:
         started = time.monotonic()
         deadline = started + self.cfg.averaging.next_chunk_timeout_s
         for i, unit in enumerate(self.held):
-            group = self._last_group.get(i, [])
+            group = self.ledger.last_group.get(i, [])
             if not group:
                 continue
             waiting = unit.swarm.wait_for_groupmates(group, unit.stage.applied_round,
@@ -391,69 +368,12 @@ class Trainer:
             logger.warning("Leaving while peers that finished the run still hold another final anchor (they could "
                            "not take the agreed one in time): their models differ from this one")
 
-    def _note_anchor(self, units: list[Held] | None = None) -> None:
-        """Publish where each of ``units`` (default: all) stands, after its anchor changed (divergence checks, donor
-        choice, state checks). Records carry the fingerprint of the whole shared state (anchor, momentum, counts:
-        ``StateSharing.state_fingerprint``); the metrics rows carry the anchor's full sha256, one of its inputs: each
-        tensor is hashed once per change."""
-        for unit in self.held if units is None else units:
-            fingerprint, self._fingerprints[self.held.index(unit)] = unit.stage.state_fingerprint()
-            if unit.swarm is not None:
-                unit.swarm.anchor_fingerprint = fingerprint
-            if unit.sync is not None:
-                unit.sync.remember(fingerprint)
-                if unit.swarm is not None:
-                    unit.swarm.prior_anchor_fingerprint = unit.sync.fingerprints.get(unit.stage.applied_round - 1, "")
-
     def _log_sync_events(self) -> bool:
-        """Note the anchors the reloads and resyncs just done changed, and write their metrics and summary; whether
-        there were any."""
-        any_events, reloaded = False, False
-        changed = [unit for unit in self.held if unit.sync.events]
-        self._note_anchor(changed)
-        for unit in changed:
-            events, unit.sync.events = unit.sync.events, []
-            for event in events:
-                any_events = True
-                digest = self._digest(unit)
-                self.metrics.write("sync", **event, **self._unit_facts(unit), inner_step=self.stage.inner_step,
-                                   anchor_sha256=digest)
-                if event["action"] == "reload":
-                    reloaded = True  # the stage process reloads once, all its fragments together
-                else:
-                    self.summary.resyncs += 1
-        self.summary.reloads += reloaded
+        """The reloads and resyncs just done, noted (:meth:`Ledger.log_sync_events`); whether there were any."""
+        any_events, reloaded = self.ledger.log_sync_events()
         if reloaded:
             self._reloaded_at = self.stage.inner_step
         return any_events
-
-    def _unit_facts(self, unit: Held) -> dict:
-        """How metrics rows name a fragment (nothing when the stage is the unit)."""
-        return {} if unit.stage.fragment is None else {"fragment": unit.stage.fragment[0]}
-
-    def _write_rounds(self, units: list[Held], reports: list[RoundReport], flush: bool = False) -> None:
-        """The metrics row of each unit's round end, and what it tells the sync (the group met, the new anchor)."""
-        for unit, report in zip(units, reports):
-            self._last_group[self.held.index(unit)] = list(report.outcome.group_peers)
-            if unit.sync is not None:
-                unit.sync.met_group(list(report.outcome.group_peers))
-        self._note_anchor(units)
-        for unit, report in zip(units, reports):
-            self.metrics.write("round", **report.record(), **self._unit_facts(unit), inner_step=self.stage.inner_step,
-                               anchor_sha256=self._digest(unit), anchor_applied_round=unit.stage.applied_round,
-                               flush=flush)
-
-    def _digest(self, unit: Held) -> str:
-        """The metrics rows' ``anchor_sha256`` of a unit (already computed with its fingerprint), if asked for."""
-        return self._fingerprints[self.held.index(unit)] if self.cfg.train.anchor_digest else ""
-
-    def _account(self, reports: list[RoundReport]) -> None:
-        """One round of the peer in the summary and on the console (every unit's round end of it)."""
-        if not reports:
-            return
-        report = combined_report(reports)
-        self.summary.account(report, self.cfg.diloco.inner_steps)
-        self.reporter.on_round(report)
 
     # ---- pieces -------------------------------------------------------------------------------------
     def _record_loss(self, loss: float) -> None:
@@ -466,9 +386,7 @@ class Trainer:
     def _evaluate(self) -> float | None:
         if not self.eval_data:
             return None
-        with contextlib.ExitStack() as anchors:
-            for stage in self.stages:
-                anchors.enter_context(stage.anchor_weights())
+        with self.fragments.anchor_weights():
             loss = self.executor.evaluate(self.eval_data)
         return loss if self.executor.is_last_stage else None
 

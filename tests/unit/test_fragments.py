@@ -1,4 +1,4 @@
-"""Fragments of the model (model/fragments.py) and streaming sync (training/streaming.py): the cut, which
+"""Fragments of the model (model/fragments.py) and streaming sync (round/fragments.py): the cut, which
 parameters each holds, splits that fit, the staggered round ends, stages of fragments training exactly as one
 stage of the whole model does, and each fragment averaged exactly when its round ends."""
 
@@ -24,9 +24,39 @@ from p2p_diloco.model.fragments import (
     split_parameters,
     stage_fragments,
 )
+from p2p_diloco.round.fragments import Fragments
 from p2p_diloco.training import Stage
 from p2p_diloco.training.simulate import ExactGroup
-from p2p_diloco.training.streaming import FragmentStages
+
+
+def fragment_units(module, parts: list[int], cfg, total_steps: int, averagers=None) -> Fragments:
+    """A stage process's units over ``module``: one Stage per fragment (over a view of its parameters), or the
+    module itself for one fragment, as the peer and the quality benchmark build them."""
+    averagers = averagers or {}
+    named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+    held = split_parameters(named, parts)
+    if len(held) == 1:
+        return Fragments([Stage(module, stage_index=0, num_stages=1, inner_cfg=cfg.inner, diloco_cfg=cfg.diloco,
+                                total_steps=total_steps, averager=averagers.get(0))])
+    return Fragments([Stage(FragmentView(params), stage_index=0, num_stages=1, inner_cfg=cfg.inner,
+                            diloco_cfg=cfg.diloco, total_steps=total_steps, averager=averagers.get(f),
+                            fragment=(f, len(held))) for f, params in held.items()])
+
+
+def round_ends(units: Fragments, rounds: int) -> dict[int, list[tuple[int, int]]]:
+    """Unit -> (inner step its round ended after, its steps), driven as the trainer drives them (no training)."""
+    H, ends = units.H, {i: [] for i in range(len(units.stages))}
+    for r in range(rounds):
+        for step in range(r * H + 1, (r + 1) * H + 1):
+            for stage in units.stages:
+                stage.inner_step = step
+            for i in units.ending_early(r, step):
+                ends[i].append((step, Fragments.round_tokens(units.stages[i], step, 1)))
+                units.stages[i].round_index += 1
+        for i in units.ending(r):
+            ends[i].append(((r + 1) * H, Fragments.round_tokens(units.stages[i], (r + 1) * H, 1)))
+            units.stages[i].round_index += 1
+    return ends
 
 
 def args(n_layers: int = 4, dim: int = 32, vocab: int = 512, tie: bool = False) -> ModelArgs:
@@ -153,26 +183,23 @@ def test_stages_of_fragments_train_exactly_as_one_stage_of_the_whole_model():
         assert name == name2 and torch.equal(p, q), name
 
 
-def test_fragment_stages_end_their_rounds_staggered_and_all_at_the_last_step():
-    """H = 20, F = 4, 3 rounds: fragment f's rounds end after steps 20 r + 5 (f + 1) - (the regular end for the
-    last), and each fragment not just ended averages its last steps at step 60."""
+def test_fragment_rounds_end_staggered_and_the_last_one_on_the_runs_last_step():
+    """H = 20, F = 4, 3 rounds: fragment f's rounds end after steps 20 r + 5 (f + 1) (the regular end for the last
+    fragment), and every fragment's last round ends on the run's last step, longer by its shift: what a peer's
+    trainer and the quality benchmark both run (one holder, ``Fragments``)."""
     a = args(4, vocab=4096)
     cfg = load_config(None, [("diloco.inner_steps", "20")])
-    stages = FragmentStages(build_stage_model(a, [4], 0), fragment_parts(a, 4), inner_cfg=cfg.inner,
-                            diloco_cfg=cfg.diloco, total_steps=60)
-    ends: dict[int, list[tuple[int, int]]] = {i: [] for i in range(4)}
-    for step in range(1, 61):
-        for i in stages.ending(step):
-            ends[i].append((step, stages.steps_in_round(i, step)))
-            stages.ended(i, step)
-    assert ends == {0: [(5, 5), (25, 20), (45, 20), (60, 15)], 1: [(10, 10), (30, 20), (50, 20), (60, 10)],
-                    2: [(15, 15), (35, 20), (55, 20), (60, 5)], 3: [(20, 20), (40, 20), (60, 20)]}
-    together = FragmentStages(build_stage_model(a, [4], 0), fragment_parts(a, 4), inner_cfg=cfg.inner,
-                              diloco_cfg=cfg.diloco, total_steps=60, stream=False)
-    assert [together.ending(step) for step in (5, 20)] == [[], [0, 1, 2, 3]]
+    units = fragment_units(build_stage_model(a, [4], 0), fragment_parts(a, 4), cfg, total_steps=60)
+    units.stagger(num_rounds=3)
+    assert round_ends(units, 3) == {0: [(5, 5), (25, 20), (60, 35)], 1: [(10, 10), (30, 20), (60, 30)],
+                                    2: [(15, 15), (35, 20), (60, 25)], 3: [(20, 20), (40, 20), (60, 20)]}
+    together = fragment_units(build_stage_model(a, [4], 0), fragment_parts(a, 4), cfg, total_steps=60)
+    assert round_ends(together, 1) == {i: [(20, 20)] for i in range(4)}  # not staggered: all on the round end
     whole = build_stage_model(a, [4], 0)
-    one = FragmentStages(whole, fragment_parts(a, 1), inner_cfg=cfg.inner, diloco_cfg=cfg.diloco, total_steps=60)
-    assert len(one.stages) == 1 and one.stages[0].module is whole  # F = 1: the plain stage
+    one = fragment_units(whole, fragment_parts(a, 1), cfg, total_steps=60)
+    one.stagger(num_rounds=3)  # a whole stage is never staggered
+    assert len(one.stages) == 1 and one.stages[0].module is whole and one.stages[0].round_shift == 0
+    assert round_ends(one, 3) == {0: [(20, 20), (40, 20), (60, 20)]}
 
 
 def test_streamed_fragments_average_each_fragment_exactly_when_it_ends():
@@ -187,16 +214,21 @@ def test_streamed_fragments_average_each_fragment_exactly_when_it_ends():
     models = [build_stage_model(a, [4], 0) for _ in range(2)]
     named = split_parameters([(n, tuple(p.shape)) for n, p in models[0].named_parameters()], parts)
     groups = {f: ExactGroup(2, [s for _, s in v], cfg.averaging, timeout_s=60) for f, v in named.items()}
-    workers = [FragmentStages(m, parts, averagers={f: g.view(k) for f, g in groups.items()}, inner_cfg=cfg.inner,
-                              diloco_cfg=cfg.diloco, total_steps=8) for k, m in enumerate(models)]
+    workers = [fragment_units(m, parts, cfg, 8, averagers={f: g.view(k) for f, g in groups.items()})
+               for k, m in enumerate(models)]
+    for worker in workers:
+        worker.stagger(num_rounds=2)
     torch.manual_seed(1)
     for step in range(1, 9):
         for model, worker in zip(models, workers):
             tokens = torch.randint(0, 128, (2, 9))
             logits = model(tokens[:, :-1])
             torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
-            worker.inner_update()
-        for i in workers[0].ending(step):
+            worker.inner_update(torch.linalg.vector_norm(worker.grad_norms(), 2))
+            worker.merge_due()
+        r = (step - 1) // 4
+        ending = workers[0].ending_early(r, step) + (workers[0].ending(r) if step % 4 == 0 else [])
+        for i in ending:
             before = [[p.detach().clone() for p in w.stages[i].params] for w in workers]
             others = [[t.clone() for t in w.stages[j].anchor] for w in workers for j in range(2) if j != i]
             threads = [threading.Thread(target=w.stages[i].end_round, args=(100, 2)) for w in workers]
@@ -205,13 +237,12 @@ def test_streamed_fragments_average_each_fragment_exactly_when_it_ends():
             for t in threads:
                 t.join()
             for w in workers:
-                w.ended(i, step)
                 for anchor, p0, p1 in zip(w.stages[i].anchor, *before):
                     torch.testing.assert_close(anchor, (p0 + p1) / 2, rtol=0, atol=1e-6)
             assert all(torch.equal(x, y) for x, y in zip(workers[0].stages[i].anchor, workers[1].stages[i].anchor))
             after = [[t for t in w.stages[j].anchor] for w in workers for j in range(2) if j != i]
             assert all(torch.equal(x, y) for old, new in zip(others, after) for x, y in zip(old, new))
-    assert [workers[0].last_end[i] for i in range(2)] == [8, 8]
+    assert [stage.round_index for stage in workers[0].stages] == [2, 2]  # every fragment's rounds, to the last
 
 
 def test_a_run_by_fragment_fixes_the_fragment_count_not_the_split():

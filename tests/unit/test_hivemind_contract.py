@@ -16,6 +16,7 @@ from hivemind.p2p import PeerID
 
 from p2p_diloco.swarm.averaging.guard import keep_round_key
 from p2p_diloco.swarm.averaging.hivemind_api import (
+    ATTRIBUTES,
     CALLED,
     HIVEMIND_BASES,
     REPLACED,
@@ -110,6 +111,40 @@ def test_every_method_our_averaging_replaces_exists_in_hivemind_with_the_paramet
         assert tuple(inspect.signature(getattr(cls, name)).parameters) == parameters, (cls.__name__, name)
 
 
+def test_every_private_attribute_we_use_is_one_hivemind_sets():
+    """Each private attribute of :data:`ATTRIBUTES` is assigned in its hivemind class (a renamed one would make the
+    adapter's accessor raise AttributeError deep in a round)."""
+    import re
+
+    for (cls, name), _what in ATTRIBUTES.items():
+        if name in vars(cls):  # a method (replaced on instances: REPLACED checks its parameters)
+            continue
+        source = inspect.getsource(cls)
+        assert re.search(rf"self\.{name}\s*(:[^=\n]*)?=[^=]", source), (cls.__name__, name)
+
+
+def test_no_private_hivemind_name_is_used_outside_the_adapter():
+    """The private names of hivemind that the adapter lists (attributes read or written, methods replaced or called)
+    appear nowhere else in the package: everything reaches them through hivemind_api.py."""
+    private = {name for _cls, name in (*ATTRIBUTES, *REPLACED, *CALLED) if name.startswith("_")}
+    assert {"_running_groups", "_matchmaking", "_ban_sender", "_request_join_group"} <= private
+    offenders = []
+    for where, node in _nodes_outside_the_adapter():
+        named = node.attr if isinstance(node, ast.Attribute) else \
+            node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
+        if named in private:
+            offenders.append(f"{where}:{node.lineno}: {named}")
+    assert not offenders, offenders
+
+
+def _nodes_outside_the_adapter():
+    """(file, AST node) of every module of the package but hivemind_api.py."""
+    package = Path(__file__).resolve().parents[2] / "p2p_diloco"
+    for path in package.rglob("*.py"):
+        if path.name != "hivemind_api.py":
+            yield from ((path.relative_to(package), node) for node in ast.walk(ast.parse(path.read_text())))
+
+
 def test_another_hivemind_version_is_refused_with_the_one_to_install():
     check_version(SUPPORTED_VERSION)
     with pytest.raises(ImportError, match=f"pip install hivemind=={SUPPORTED_VERSION}"):
@@ -121,15 +156,9 @@ def test_only_the_adapter_imports_hivemind_internals():
     p2p_diloco/swarm/averaging/hivemind_api.py only."""
     internal = ("hivemind.averaging", "hivemind.utils.asyncio", "hivemind.utils.mpfuture")
     internal_names = {"averaging_pb2", "P2PContext", "MPFuture"}
-    package = Path(__file__).resolve().parents[2] / "p2p_diloco"
-    offenders = []
-    for path in package.rglob("*.py"):
-        if path.name == "hivemind_api.py":
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("hivemind") and (
-                    node.module.startswith(internal) or internal_names & {a.name for a in node.names}):
-                offenders.append(f"{path.relative_to(package)}: from {node.module} import ...")
+    offenders = [f"{where}: from {node.module} import ..." for where, node in _nodes_outside_the_adapter()
+                 if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("hivemind") and (
+                     node.module.startswith(internal) or internal_names & {a.name for a in node.names})]
     assert not offenders, offenders
 
 

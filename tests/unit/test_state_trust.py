@@ -35,12 +35,12 @@ def test_a_donor_serving_the_agreed_anchor_with_momentum_of_its_own_is_refused()
     records = [Record(6, 5, fingerprint(honest), node=n) for n in ("a", "b", "mallory")]  # mallory claims it too
     newcomer = make_stage()
     sync = sync_of(newcomer, records, {"a": honest, "b": honest, "mallory": poisoned})
-    sync.donors = lambda others, own_round=None, strangers=(): ["mallory", "a", "b"]  # the liar first
+    sync.witnesses.donors = lambda others, own_round=None, strangers=(): ["mallory", "a", "b"]  # the liar first
     sync.at_start(resumed=False)
     assert [e["action"] for e in sync.events] == ["reload"] and newcomer.averager.asked == ["mallory", "a"]
     assert all(torch.equal(m, torch.full_like(m, 0.01)) for m in momentum_of(newcomer))
     miscounted = (dict(honest[0], outer_steps=honest[0]["outer_steps"] + 1), honest[1])  # a count of its own
-    assert sync.refusal(*miscounted) == "its state after round 5 is not the one the swarm agrees on"
+    assert sync.fetcher.refusal(*miscounted) == "its state after round 5 is not the one the swarm agrees on"
 
 
 def test_a_claim_only_its_donor_vouches_for_is_asked_last_and_not_taken():
@@ -54,9 +54,9 @@ def test_a_claim_only_its_donor_vouches_for_is_asked_last_and_not_taken():
     newcomer = make_stage()
     sync = sync_of(newcomer, records, {"a": honest, "b": honest, "mallory": ahead})
     for _ in range(5):
-        assert sync.donors(records)[-1] == "mallory"
-    assert sync.refusal(*ahead) == "no two peers agree on the state after round 6"
-    sync.donors = lambda others, own_round=None, strangers=(): ["mallory", "a"]
+        assert sync.witnesses.donors(records)[-1] == "mallory"
+    assert sync.fetcher.refusal(*ahead) == "no two peers agree on the state after round 6"
+    sync.witnesses.donors = lambda others, own_round=None, strangers=(): ["mallory", "a"]
     sync.at_start(resumed=False)
     assert [e["action"] for e in sync.events] == ["reload"] and newcomer.averager.asked == ["mallory", "a"]
     assert newcomer.applied_round == 5
@@ -113,7 +113,7 @@ def test_a_tiny_clock_or_any_failure_on_a_donors_data_refuses_that_donor_only():
         records = [Record(6, 5, fingerprint(honest), node=n) for n in ("mallory", "a")]
         newcomer = make_stage()
         sync = sync_of(newcomer, records, {"mallory": bad, "a": honest})
-        sync.donors = lambda others, own_round=None, strangers=(): ["mallory", "a"]
+        sync.witnesses.donors = lambda others, own_round=None, strangers=(): ["mallory", "a"]
         sync.at_start(resumed=False)  # raised OverflowError (RuntimeError) out of the sync before
         assert [e["action"] for e in sync.events] == ["reload"] and newcomer.averager.asked == ["mallory", "a"]
 
@@ -129,13 +129,15 @@ def test_a_newcomer_believes_its_bootstrap_peers_before_a_majority_of_strangers(
     states = {"boot": None, "a": honest, **{r.node: forged for r in sybils}}  # the bootstrap peer is busy
     newcomer = make_stage()
     sync = sync_of(newcomer, records, states, bootstrap=["boot"])
-    assert [r.node for r in sync.counted(records)] == ["boot"]
-    assert sync.donors(sync.counted(records), strangers=records) == ["boot", "a"]  # a holds what boot vouches for
+    assert [r.node for r in sync.witnesses.counted(records)] == ["boot"]
+    counted = sync.witnesses.counted(records)
+    assert sync.witnesses.donors(counted, strangers=records) == ["boot", "a"]  # a holds what boot vouches for
     sync.at_start(resumed=False)
     assert [e["action"] for e in sync.events] == ["reload"]
     assert all(torch.equal(x, y) for x, y in zip(newcomer.anchor, honest[1]))
     assert not set(newcomer.averager.asked) & {r.node for r in sybils}
-    assert sync_of(make_stage(), records, states).counted(records) == records  # no bootstrap peer: the residual
+    unbooted = sync_of(make_stage(), records, states)  # no bootstrap peer: the residual
+    assert unbooted.witnesses.counted(records) == records
 
 
 def test_when_the_peers_met_give_nothing_the_bootstrap_peers_count_before_strangers():
@@ -149,7 +151,7 @@ def test_when_the_peers_met_give_nothing_the_bootstrap_peers_count_before_strang
     peer.round_index, peer.applied_round, peer.inner_step = 6, 5, 6 * peer.diloco_cfg.inner_steps
     states = {"liar": state_at(7, 6, poison=1.0), "boot": honest, **{r.node: forged for r in sybils}}
     sync = sync_of(peer, records, states, bootstrap=["boot"])
-    sync.met_group(["me", "liar"])
+    sync.witnesses.met_group(["me", "liar"])
     sync.after_round()
     assert [e["action"] for e in sync.events] == ["reload"], peer.averager.asked
     assert peer.averager.asked == ["liar", "boot"]
@@ -166,12 +168,12 @@ def test_a_state_this_stage_held_itself_after_that_round_needs_no_other_voucher(
     peer = make_stage()
     peer.round_index, peer.applied_round = 6, 5
     sync = sync_of(peer, records, {"a": honest})
-    assert sync.refusal(*honest) == "no two peers agree on the state after round 5"  # nobody else: refused
+    assert sync.fetcher.refusal(*honest) == "no two peers agree on the state after round 5"  # nobody else: refused
     sync.fingerprints[5] = fingerprint(honest)  # it held that state itself after round 5
-    assert sync.refusal(*honest) is None
+    assert sync.fetcher.refusal(*honest) is None
     del sync.fingerprints[5]
     sync.fingerprints[4] = fingerprint(honest)  # a state of another round vouches for nothing here
-    assert sync.refusal(*honest) == "no two peers agree on the state after round 5"
+    assert sync.fetcher.refusal(*honest) == "no two peers agree on the state after round 5"
 
 
 def test_a_training_stage_waits_for_a_second_voucher_a_few_of_its_rounds_at_most():
@@ -179,14 +181,14 @@ def test_a_training_stage_waits_for_a_second_voucher_a_few_of_its_rounds_at_most
     5 s), a newcomer the whole ``verify_wait_s``."""
     peer = make_stage()
     sync = sync_of(peer, [], {}, verify_wait_s=30.0)
-    assert sync._verify_wait_s() == 30.0  # no step time yet
+    assert sync.fetcher.verify_wait() == 30.0  # no step time yet
     H = peer.diloco_cfg.inner_steps
     peer.seconds_per_step = 2.0 / (3 * H)  # rounds of 0.67 s
-    assert sync._verify_wait_s() == 5.0
+    assert sync.fetcher.verify_wait() == 5.0
     peer.seconds_per_step = 4.0 / H  # rounds of 4 s: 12 s
-    assert sync._verify_wait_s() == pytest.approx(12.0)
+    assert sync.fetcher.verify_wait() == pytest.approx(12.0)
     peer.seconds_per_step = 60.0 / H
-    assert sync._verify_wait_s() == 30.0
+    assert sync.fetcher.verify_wait() == 30.0
 
 
 def test_a_groupmate_whose_served_state_its_own_record_contradicts_no_longer_counts():
@@ -203,16 +205,17 @@ def test_a_groupmate_whose_served_state_its_own_record_contradicts_no_longer_cou
     peer = make_stage()
     peer.round_index, peer.applied_round, peer.inner_step = 6, 5, 6 * peer.diloco_cfg.inner_steps
     sync = sync_of(peer, records, {"a": honest7, "x": poisoned})
-    sync.met_group(["me", "a", "x"])
-    assert sync.refusal(*honest7) == "no two peers agree on the state after round 7"  # x's record says otherwise
-    sync.donors = lambda others, own_round=None, strangers=(): ["x", "a"]  # the liar first
+    sync.witnesses.met_group(["me", "a", "x"])
+    # x's record says otherwise
+    assert sync.fetcher.refusal(*honest7) == "no two peers agree on the state after round 7"
+    sync.witnesses.donors = lambda others, own_round=None, strangers=(): ["x", "a"]  # the liar first
     sync.after_round()
     assert [e["action"] for e in sync.events] == ["reload"], peer.averager.asked
-    assert peer.averager.asked == ["x", "a"] and set(sync.discredited) == {"x"}
+    assert peer.averager.asked == ["x", "a"] and set(sync.witnesses.discredited) == {"x"}
     assert all(torch.equal(p, q) for p, q in zip(peer.anchor, honest7[1][:len(peer.anchor)]))
-    assert [r.node for r in sync.counted(records)] == ["a"]
+    assert [r.node for r in sync.witnesses.counted(records)] == ["a"]
     peer.round_index += 4  # DISCREDIT_ROUNDS later it counts again (and must be caught again)
-    assert [r.node for r in sync.counted(records)] == ["a", "x"]
+    assert [r.node for r in sync.witnesses.counted(records)] == ["a", "x"]
 
 
 def test_a_donor_that_serves_the_agreed_state_before_its_record_says_so_is_not_discredited():
@@ -222,7 +225,7 @@ def test_a_donor_that_serves_the_agreed_state_before_its_record_says_so_is_not_d
         [Record(6, 5, fingerprint(old), node="c")]
     newcomer = make_stage()
     sync = sync_of(newcomer, records, {"a": agreed, "b": agreed, "c": agreed})
-    sync.donors = lambda others, own_round=None, strangers=(): ["c", "a"]
+    sync.witnesses.donors = lambda others, own_round=None, strangers=(): ["c", "a"]
     sync.at_start(resumed=False)
     assert [e["action"] for e in sync.events] == ["reload"] and newcomer.averager.asked == ["c"]
-    assert not sync.discredited
+    assert not sync.witnesses.discredited

@@ -724,4 +724,4 @@ def test_at_the_runs_end_the_peers_off_the_canonical_final_anchor_take_it():
     behind = make_stage()
     behind.round_index, behind.applied_round = 3, 2
     sync = make_sync(behind, others, state, num_rounds=num_rounds)
-    assert "past the run's end" in sync.refusal(*state)
+    assert "past the run's end" in sync.fetcher.refusal(*state)

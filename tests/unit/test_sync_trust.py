@@ -65,7 +65,7 @@ def test_a_record_far_ahead_of_the_swarm_is_not_asked_for_its_state():
         [Record(1006, 1005, "f" * 64, node="liar")]
     newcomer = make_stage()
     sync = sync_of(newcomer, records, {"a": honest, "b": honest, "liar": state_at(6, 5, poison=1.0)})
-    assert sorted(sync.donors(records)) == ["a", "b"]
+    assert sorted(sync.witnesses.donors(records)) == ["a", "b"]
     sync.at_start(resumed=False)
     assert [e["action"] for e in sync.events] == ["reload"] and "liar" not in newcomer.averager.asked
 
@@ -77,12 +77,12 @@ def test_once_a_peer_has_met_its_group_records_of_strangers_do_not_count():
     friend = Record(3, 2, fingerprint(honest), node="friend")
     strangers = [Record(9, 8, "e" * 64, node=f"sybil{i}") for i in range(5)]  # a majority of made-up identities
     sync = sync_of(peer, [friend] + strangers, {"friend": honest})
-    sync.met_group(["me", "friend"])
+    sync.witnesses.met_group(["me", "friend"])
     sync.after_round()
     assert not sync.events and peer.averager.asked == [] and peer.round_index == 3
-    assert [r.node for r in sync.counted([friend] + strangers)] == ["friend"]
+    assert [r.node for r in sync.witnesses.counted([friend] + strangers)] == ["friend"]
     private = sync_of(peer, [friend] + strangers, {}, allowlist=["friend"])  # a private swarm: members only
-    assert [r.node for r in private.counted([friend] + strangers)] == ["friend"]
+    assert [r.node for r in private.witnesses.counted([friend] + strangers)] == ["friend"]
 
 
 def test_donors_are_the_holders_of_the_agreed_anchor_whatever_they_declare():
@@ -91,7 +91,7 @@ def test_donors_are_the_holders_of_the_agreed_anchor_whatever_they_declare():
                Record(6, 5, fingerprint(poisoned), node="mallory")]
     newcomer = make_stage()
     sync = sync_of(newcomer, records, {"a": honest, "b": honest, "mallory": poisoned})
-    assert sorted(sync.donors(records)) == ["a", "b"]
+    assert sorted(sync.witnesses.donors(records)) == ["a", "b"]
     sync.at_start(resumed=False)
     assert [e["action"] for e in sync.events] == ["reload"] and "mallory" not in newcomer.averager.asked
     assert all(torch.equal(a, b) for a, b in zip(newcomer.anchor, honest[1]))
@@ -107,7 +107,7 @@ def test_a_donor_serving_another_anchor_than_it_announced_is_refused_and_the_nex
     sync.at_start(resumed=False)
     assert not sync.events and newcomer.round_index == 0 and sorted(newcomer.averager.asked) == ["a", "b"]
     sync = sync_of(make_stage(), records, {"a": poisoned, "b": honest})
-    sync.donors = lambda others, own_round=None, strangers=(): ["a", "b"]  # the liar first
+    sync.witnesses.donors = lambda others, own_round=None, strangers=(): ["a", "b"]  # the liar first
     sync.at_start(resumed=False)
     assert [e["action"] for e in sync.events] == ["reload"] and sync.stage.averager.asked == ["a", "b"]
     assert all(torch.equal(a, b) for a, b in zip(sync.stage.anchor, honest[1]))
@@ -188,8 +188,8 @@ def test_survivors_of_a_round_every_member_applied_alone_converge_on_the_tie_bre
     sync.after_round()
     assert [e["action"] for e in sync.events] == ["resync"] and sync.stage.averager.asked == ["a"]
     assert all(torch.equal(x, y) for x, y in zip(sync.stage.anchor, a[1]))
-    sync.verify_wait_s = 0.0  # the other anchor is off the tie-break: not taken (after waiting for more votes)
-    assert sync.refusal(*b) == "no two peers agree on the state after round 0"
+    sync.fetcher.verify_wait_s = 0.0  # the other anchor is off the tie-break: not taken (after waiting for more votes)
+    assert sync.fetcher.refusal(*b) == "no two peers agree on the state after round 0"
 
 
 def test_a_resync_asks_only_donors_not_on_a_later_round():
@@ -207,7 +207,7 @@ def test_a_resync_asks_only_donors_not_on_a_later_round():
         peer.anchor[0].view(-1)[0] += 1.0  # its round 4 fell back while the others averaged
     sync = sync_of(peer, records, {"a": at_a, "b": at_b, "c": at_a, "d": at_b})
     sync.remember(peer.state_fingerprint()[0])  # this peer's own anchor after round 4: not the agreed one
-    assert sync.donors(records)[0] in ("b", "d")
+    assert sync.witnesses.donors(records)[0] in ("b", "d")
     sync.after_round()
     assert not {"b", "d"} & set(peer.averager.asked)
     assert [e["action"] for e in sync.events] == ["resync"] and peer.state_fingerprint()[0] == agreed
@@ -245,13 +245,14 @@ def test_a_hostile_groupmate_met_alone_does_not_keep_a_peer_from_the_swarms_stat
     peer = make_stage()
     peer.round_index, peer.applied_round, peer.inner_step = 6, 5, 6 * peer.diloco_cfg.inner_steps
     sync = sync_of(peer, records, {"a": honest, "b": honest, "liar": state_at(7, 6, poison=1.0)})
-    sync.met_group(["me", "liar"])
-    assert [r.node for r in sync.counted(records)] == ["liar"]
+    sync.witnesses.met_group(["me", "liar"])
+    assert [r.node for r in sync.witnesses.counted(records)] == ["liar"]
     sync.after_round()
     assert [e["action"] for e in sync.events] == ["reload"], peer.averager.asked
     assert peer.averager.asked[0] == "liar" and peer.round_index == 7
     assert all(torch.equal(x, y) for x, y in zip(peer.anchor, honest[1][:len(peer.anchor)]))
-    assert sync._widening == 0  # the widening lasts one download
+    assert sync.witnesses.widening == 0  # the widening lasts one download
     # and the liar, caught serving a state its own record contradicts, counts for nothing for a few rounds: the
     # peers met are then none, and every signed record counts (the liar's aside)
-    assert set(sync.discredited) == {"liar"} and [r.node for r in sync.counted(records)] == ["a", "b"]
+    assert set(sync.witnesses.discredited) == {"liar"}
+    assert [r.node for r in sync.witnesses.counted(records)] == ["a", "b"]

@@ -68,7 +68,10 @@ from p2p_diloco.swarm.averaging.hivemind_api import (
     amap_in_executor,
     attach_event_on_finished,
     averaging_pb2,
+    ban_sender,
     get_logger,
+    input_parts,
+    outputs_registered,
 )
 from p2p_diloco.swarm.averaging.robust import RobustRule, combine
 
@@ -165,7 +168,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         container = self.tensor_part_container
         container.return_deltas = False  # a failed reducer's parts fall back to our own values, not zeros
         my_index = self.ordered_peer_ids.index(self.peer_id)
-        self._my_part_infos = [info for _part, info in container._input_parts_by_peer[my_index]]
+        self._my_part_infos = [info for _part, info in input_parts(container, my_index)]
         self.tensor_part_reducer.finished.set()  # hivemind's plain reducer is replaced before it ever ran
         self.tensor_part_reducer = RobustPartReducer(
             self.tensor_part_reducer.part_shapes, [weights.get(peer_id, 0.0) for peer_id in self.sender_peer_ids],
@@ -184,7 +187,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         if peer_id == self.peer_id:
             return await self._reduce_own_parts(peer_index)
         stream = None
-        expected = len(self.tensor_part_container._input_parts_by_peer[peer_index])
+        expected = len(input_parts(self.tensor_part_container, peer_index))
         try:
             done_sending = asyncio.Event()
             inputs = attach_event_on_finished(self._generate_input_for_peer(peer_index), done_sending)
@@ -195,7 +198,7 @@ class ExactAllReduceRunner(AllReduceRunner):
             try:
                 received = await self._take_averages(peer_id, peer_index, stream, start=0)
             except (ConnectionError, P2PDaemonError, asyncio.IncompleteReadError) as e:  # the stream broke
-                received, broken = self.tensor_part_container._outputs_registered_by_peer[peer_index], e
+                received, broken = outputs_registered(self.tensor_part_container, peer_index), e
             if received < expected:
                 logger.info(f"The stream of reducer {peer_id}'s averages {f'broke ({broken!r})' if broken else 'ended'}"
                             f" after {received} of {expected} parts: asking it for them again")
@@ -209,8 +212,8 @@ class ExactAllReduceRunner(AllReduceRunner):
         except BaseException as e:
             if stream is not None and isinstance(e, asyncio.TimeoutError):  # the stream is open, and silent
                 self.flags.append((peer_id, STALL))
-            if isinstance(e, GONE) and expected and not self.tensor_part_container._outputs_registered_by_peer[
-                    peer_index]:  # gone or silent with this peer's parts (not an explicit refusal: a message code)
+            # gone or silent with this peer's parts (not an explicit refusal: a message code)
+            if isinstance(e, GONE) and expected and not outputs_registered(self.tensor_part_container, peer_index):
                 self.silent.append(peer_id)
             if isinstance(e, Exception):  # the round then fails here and is retried (the averager logs it too)
                 logger.warning(f"The averages of reducer {peer_id} did not all arrive: {e!r}")
@@ -221,7 +224,7 @@ class ExactAllReduceRunner(AllReduceRunner):
     async def _take_averages(self, peer_id: PeerID, peer_index: int, messages: AsyncIterator, start: int) -> int:
         """Check and register the averages ``peer_id`` sends for its slice, from part ``start`` on (the messages
         before it are skipped unread); returns how many parts of the slice are registered after."""
-        parts = self.tensor_part_container._input_parts_by_peer[peer_index]
+        parts = input_parts(self.tensor_part_container, peer_index)
         expected_shapes = [part.shape for part, _info in parts]
         largest = max((part.numel() for part, _info in parts), default=0)
 
@@ -369,7 +372,7 @@ class ExactAllReduceRunner(AllReduceRunner):
             if part_index != self.tensor_part_reducer.num_parts:
                 logger.warning(f"Sender {self.sender_peer_ids[sender_index]} got {part_index} of "
                                f"{self.tensor_part_reducer.num_parts} averaged parts from this reducer")
-                await self._ban_sender(self.sender_peer_ids[sender_index])
+                await ban_sender(self, self.sender_peer_ids[sender_index])
 
 
 class RobustPartReducer(TensorPartReducer):
@@ -458,10 +461,10 @@ class _CountingStub:
     """Wraps a groupmate's stub so that the averaged parts it returns are counted as received bytes."""
 
     def __init__(self, stub, traffic: torch.Tensor):
-        self._stub, self._traffic = stub, traffic
+        self._wrapped, self._traffic = stub, traffic
 
     async def rpc_aggregate_part(self, inputs):
-        return _count_received(await self._stub.rpc_aggregate_part(inputs), self._traffic)
+        return _count_received(await self._wrapped.rpc_aggregate_part(inputs), self._traffic)
 
 
 async def _skip(messages: AsyncIterator, count: int) -> AsyncIterator:

@@ -64,7 +64,12 @@ from p2p_diloco.swarm.averaging.hivemind_api import (
     averaging_pb2,
     cancel_step,
     enter_asynchronously,
+    groups_registered,
     load_balance_peers,
+    matchmaking_of,
+    outer_pipe,
+    p2p_of,
+    running_groups,
 )
 from p2p_diloco.swarm.averaging.reduce import RoundReducer
 from p2p_diloco.swarm.averaging.robust import RobustRule, average_bound
@@ -257,13 +262,13 @@ class PseudoGradientAverager(GuardedAverager, DecentralizedAverager):
         """A round runs up to three all-reduces in its group; register them all (as hivemind's PowerSGD does)."""
         try:
             for phase in PHASES:
-                self._running_groups[group_info.group_id + phase] = asyncio.Future()
-            self._pending_groups_registered.set()
+                running_groups(self)[group_info.group_id + phase] = asyncio.Future()
+            groups_registered(self).set()
             yield
         finally:
             for phase in PHASES:
-                self._running_groups.pop(group_info.group_id + phase, None)
-            self._pending_groups_registered.set()
+                running_groups(self).pop(group_info.group_id + phase, None)
+            groups_registered(self).set()
 
     async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs):
         """Agree on the round's plan, average under it, and leave the average and the residual in shared memory.
@@ -335,15 +340,15 @@ class PseudoGradientAverager(GuardedAverager, DecentralizedAverager):
             traffic=self.traffic, weights=view.weights, rule=self.rule, average_bound=offence_bound,
             plausible_bound=min(plausible, offence_bound),
             claims={peer_id: float(info["tokens"]) for peer_id, info in view.infos.items()},
-            behaviour=self.behaviour, p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors,
+            behaviour=self.behaviour, p2p=p2p_of(self), servicer_type=type(self), prefix=self.prefix, tensors=tensors,
             group_id=group_id,
             ordered_peer_ids=group_info.peer_ids, modes=view.modes,
             compression=PerTensorCompression([CODECS[c] for c in codecs]),
             tensor_infos=[CompressionInfo.from_tensor(t, key=i) for i, t in enumerate(tensors)], **kwargs,
         )
-        assert group_id in self._running_groups, f"group {group_id} was not registered"
+        assert group_id in running_groups(self), f"group {group_id} was not registered"
         self._keep_served(group_id, runner.served)
-        self._running_groups[group_id].set_result(runner)
+        running_groups(self)[group_id].set_result(runner)
         try:
             averaged = [average async for average in runner]
         finally:
@@ -408,8 +413,8 @@ class PseudoGradientAverager(GuardedAverager, DecentralizedAverager):
             yield reply
 
     async def _set_target_group_size(self, size: Optional[int], future) -> None:
-        self._matchmaking.target_group_size = size
-        self._matchmaking.potential_leaders.target_group_size = size
+        matchmaking_of(self).target_group_size = size
+        matchmaking_of(self).potential_leaders.target_group_size = size
         future.set_result(None)
 
     async def _report_flags(self, round_index: int, future) -> None:
@@ -422,7 +427,7 @@ class PseudoGradientAverager(GuardedAverager, DecentralizedAverager):
         target = self.cfg.target_group_size
         size = target if size is None or size < 2 else size if target is None else min(size, target)
         future = MPFuture()
-        self._outer_pipe.send(("_set_target_group_size", [], dict(size=size, future=future)))
+        outer_pipe(self).send(("_set_target_group_size", [], dict(size=size, future=future)))
         future.result(timeout=10)
 
     def start_round(self, contribution: Sequence[torch.Tensor], round_index: int, weight: float,
@@ -536,7 +541,7 @@ class PseudoGradientAverager(GuardedAverager, DecentralizedAverager):
         """The groupmates flagged in a round and the peers banned so far, from the background process."""
         future = MPFuture()
         try:
-            self._outer_pipe.send(("_report_flags", [], dict(round_index=round_index, future=future)))
+            outer_pipe(self).send(("_report_flags", [], dict(round_index=round_index, future=future)))
             report = future.result(timeout=10)
             return report["suspects"], report["banned"]
         except Exception as e:  # the report is for metrics only: never fail a round over it
@@ -561,7 +566,7 @@ class PseudoGradientAverager(GuardedAverager, DecentralizedAverager):
         template twice over (anchor and momentum), each fp32 of exactly its template's shape; a donor that sends
         more, or another layout, or too slowly for what is left of the bound, is dropped for the next one."""
         future = MPFuture()
-        self._outer_pipe.send(("_download_from", [], dict(donors=[str(d) for d in donors], timeout_s=timeout_s,
+        outer_pipe(self).send(("_download_from", [], dict(donors=[str(d) for d in donors], timeout_s=timeout_s,
                                                           future=future)))
         try:
             return future.result(timeout=timeout_s + 5)
@@ -599,7 +604,7 @@ class PseudoGradientAverager(GuardedAverager, DecentralizedAverager):
     async def _download_one(self, peer_id):
         """One donor's state, checked for size and layout as it arrives (see :meth:`download_state`)."""
         shapes = [tuple(t.shape) for t in self._residuals] * 2  # anchor, then momentum
-        stub = self.get_stub(self._p2p, peer_id, namespace=self.prefix)
+        stub = self.get_stub(p2p_of(self), peer_id, namespace=self.prefix)
         stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
         metadata, tensors, header, chunks, size = None, [], None, [], 0
 

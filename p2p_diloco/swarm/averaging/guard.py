@@ -60,7 +60,11 @@ from p2p_diloco.swarm.averaging.hivemind_api import (
     achain,
     as_aiter,
     averaging_pb2,
+    groups_registered,
+    matchmaking_of,
+    running_groups,
     set_data_for_gather,
+    wrap_join_request,
 )
 from p2p_diloco.swarm.averaging.limits import StateGate
 from p2p_diloco.swarm.averaging.robust import MALFORMED, NONFINITE, TOO_LARGE, cap_weights
@@ -365,7 +369,7 @@ class GuardedAverager:
             logger.info(f"Refused the join request of {context.remote_id}: {reason}")
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
-        reason = join_refusal(request, len(self._matchmaking.current_followers))
+        reason = join_refusal(request, len(matchmaking_of(self).current_followers))
         if reason is not None:
             logger.info(f"Refused the join request of {context.remote_id}: {reason}")
             if len(request.gather) > MAX_GATHERED_BYTES:  # its own bytes: a proof (a full group is nobody's fault)
@@ -390,7 +394,7 @@ class GuardedAverager:
         if not await self._await_registered(request.group_id):
             yield averaging_pb2.AveragingData(code=NOT_IN_GROUP)
             return
-        future = self._running_groups.get(request.group_id)
+        future = running_groups(self).get(request.group_id)
         if future is None:
             yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
             return
@@ -405,9 +409,9 @@ class GuardedAverager:
         leader (on a busy machine) after the leader has counted it in is in no group, and the senders wait out
         their reducer timeout for its averages while it goes on looking for the round's group, and the round falls
         back for every member. Told at once, they re-form and meet it again."""
-        matchmaking, loop = self._matchmaking, asyncio.get_event_loop()
+        matchmaking, loop = matchmaking_of(self), asyncio.get_event_loop()
         alone_since = None
-        while allreduce_id not in self._running_groups and not self._pending_groups_registered.is_set():
+        while allreduce_id not in running_groups(self) and not groups_registered(self).is_set():
             now = loop.time()
             if matchmaking.current_leader is not None or matchmaking.assembled_group.done():
                 alone_since = None
@@ -416,7 +420,7 @@ class GuardedAverager:
             elif now - alone_since >= matchmaking.request_timeout:
                 return False
             try:
-                await asyncio.wait_for(self._pending_groups_registered.wait(), timeout=REGISTERED_POLL_S)
+                await asyncio.wait_for(groups_registered(self).wait(), timeout=REGISTERED_POLL_S)
             except TimeoutError:
                 pass
         return True
@@ -449,7 +453,7 @@ class GuardedAverager:
         if step is not None and self.behaviour is not HONEST:  # a hostile test peer's record
             set_data_for_gather(step, self.behaviour.gathered(step.data_for_gather, self.serializer))
         self._guard_matchmaking()
-        keep_round_key(self._matchmaking.group_key_manager)
+        keep_round_key(matchmaking_of(self).group_key_manager)
         return await super()._step(**kwargs)
 
     def _guard_matchmaking(self) -> None:
@@ -457,21 +461,23 @@ class GuardedAverager:
         redirects to it). Note whom this peer followed into each group and the exact record it sent, and hand
         hivemind each group under its view id (:class:`GroupViews`). Runs in the background process, once, after
         hivemind made its Matchmaking."""
-        matchmaking = self._matchmaking
-        if "_request_join_group" in vars(matchmaking):
+        matchmaking = matchmaking_of(self)
+
+        def unless_refused(request_join_group):
+            async def join_unless_refused(leader):
+                reason = self.guard.refuses(leader, self._round_averaged())
+                if reason is None and not self.behaviour.follows_others:
+                    reason = "this hostile test peer follows nobody"
+                if reason is not None:
+                    logger.debug(f"Not following {leader}: {reason}")
+                    return None
+                return await request_join_group(leader)
+            return join_unless_refused
+
+        if not wrap_join_request(matchmaking, unless_refused):
             return
-        request_join_group = matchmaking._request_join_group
         look_for_group, follower_assemble_group = matchmaking.look_for_group, matchmaking.follower_assemble_group
         views = self.group_views
-
-        async def join_unless_refused(leader):
-            reason = self.guard.refuses(leader, self._round_averaged())
-            if reason is None and not self.behaviour.follows_others:
-                reason = "this hostile test peer follows nobody"
-            if reason is not None:
-                logger.debug(f"Not following {leader}: {reason}")
-                return None
-            return await request_join_group(leader)
 
         async def assemble_as_follower(leader, msg):
             if not self.behaviour.takes_group(self._round_averaged()):
@@ -489,7 +495,6 @@ class GuardedAverager:
             group_info = await look_for_group(step)
             return None if group_info is None else views.assembled(group_info, step.data_for_gather, self.peer_id)
 
-        matchmaking._request_join_group = join_unless_refused
         matchmaking.follower_assemble_group = assemble_as_follower
         matchmaking.look_for_group = look_for_viewed_group
 
@@ -497,7 +502,7 @@ class GuardedAverager:
         """Done with a group (averaged, refused or failed): parts sent for it from now on are refused at once, and
         so are those already waiting for one of its all-reduces that will not start."""
         self.group_views.leave(view_id)
-        for allreduce_id, future in list(self._running_groups.items()):
+        for allreduce_id, future in list(running_groups(self).items()):
             if allreduce_id.startswith(view_id) and not future.done():
                 future.set_exception(AllreduceException("this peer has left the group"))
                 future.exception()  # retrieved here: nobody may be waiting for it

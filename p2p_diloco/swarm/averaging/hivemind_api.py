@@ -27,6 +27,11 @@ than the cap is refused before they are read (hivemind buffers whatever length a
 Written by a test hook only: ``StepControl._data_for_gather`` (:func:`set_data_for_gather`: a hostile test peer's
 record, made in the averager process).
 
+Read or written, never named elsewhere: the private attributes of :data:`ATTRIBUTES` (the running groups, the
+matchmaking, the pipe to the background process, the P2P, a container's parts by reducer), each through one function
+of this module (``running_groups``, ``matchmaking_of``, ...); ``tests/unit/test_hivemind_contract.py`` checks that
+hivemind still sets each one and that no other module of the package names any of them.
+
 Wrapped, not replaced: ``StepControl.cancel`` (:func:`cancel_step`): the step reads as cancelled before the cancel's
 signal reaches the averager process (hivemind sends the signal first).
 
@@ -45,7 +50,7 @@ from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.averaging.key_manager import GroupKeyManager
 from hivemind.averaging.load_balancing import load_balance_peers
 from hivemind.averaging.matchmaking import Matchmaking, MatchmakingException
-from hivemind.averaging.partition import BannedException, TensorPartReducer
+from hivemind.averaging.partition import BannedException, TensorPartContainer, TensorPartReducer
 from hivemind.compression import CompressionInfo, PerTensorCompression
 from hivemind.p2p import P2P, P2PContext, P2PDaemonError, P2PHandlerError, PeerID
 from hivemind.proto import averaging_pb2
@@ -72,8 +77,21 @@ REPLACED = {
 
 CALLED = {
     (DecentralizedAverager, "get_stub"): ("p2p", "peer", "namespace"),
+    (AllReduceRunner, "_ban_sender"): ("self", "peer_id"),
 }
 """hivemind internals called directly (not replaced) -> their parameters, as we call them."""
+
+ATTRIBUTES = {
+    (DecentralizedAverager, "_running_groups"): "group id -> the future of its all-reduce runner (this process's)",
+    (DecentralizedAverager, "_pending_groups_registered"): "set whenever a group's runners are registered",
+    (DecentralizedAverager, "_matchmaking"): "the background process's Matchmaking",
+    (DecentralizedAverager, "_outer_pipe"): "the training process's end of the pipe to the background process",
+    (DecentralizedAverager, "_p2p"): "the background process's P2P",
+    (TensorPartContainer, "_input_parts_by_peer"): "reducer index -> this peer's parts of that reducer's slice",
+    (TensorPartContainer, "_outputs_registered_by_peer"): "reducer index -> the averaged parts taken from it so far",
+    (Matchmaking, "_request_join_group"): "the follower's join request (replaced on the instance: REPLACED)",
+}
+"""hivemind's private attributes our averaging reads or writes -> what they hold; only through the functions below."""
 
 HIVEMIND_BASES = (DecentralizedAverager, AllReduceRunner, TensorPartReducer)
 """The hivemind classes our averaging subclasses; every method a subclass redefines is a hook."""
@@ -96,10 +114,57 @@ def cancel_step(control: StepControl) -> None:
     hivemind's ``StepControl.cancel()`` sends the signal to the averager process, then marks the step cancelled, and
     the averager decides on ``step.cancelled()`` when the signal arrives: a training process descheduled between the
     two (a busy machine) leaves the step looking for its group (or averaging) to its timeout, and the next round of a
-    restarted peer starts late, off the swarm's anchor. The step's state
-    is shared memory, written here first; hivemind's own cancel then sends the signal."""
+    restarted peer starts late, off the swarm's anchor. The step's state is shared memory, written here first;
+    hivemind's own cancel then sends the signal."""
     MPFuture.cancel(control)  # (this process made the step: the shared state, no message)
     control.cancel()
+
+
+def running_groups(averager: DecentralizedAverager) -> dict:
+    return averager._running_groups
+
+
+def groups_registered(averager: DecentralizedAverager):
+    """The ``asyncio.Event`` hivemind sets whenever a group's all-reduce runners are registered."""
+    return averager._pending_groups_registered
+
+
+def matchmaking_of(averager: DecentralizedAverager) -> Matchmaking:
+    return averager._matchmaking
+
+
+def outer_pipe(averager: DecentralizedAverager):
+    """The training process's end of the pipe that calls methods in the averager's background process."""
+    return averager._outer_pipe
+
+
+def p2p_of(averager: DecentralizedAverager) -> P2P:
+    return averager._p2p
+
+
+def input_parts(container: TensorPartContainer, reducer_index: int) -> list:
+    """(part, compression info) of this peer's contribution to the slice of reducer ``reducer_index``."""
+    return container._input_parts_by_peer[reducer_index]
+
+
+def outputs_registered(container: TensorPartContainer, reducer_index: int) -> int:
+    """How many averaged parts of reducer ``reducer_index``'s slice have been taken so far."""
+    return container._outputs_registered_by_peer[reducer_index]
+
+
+async def ban_sender(runner: AllReduceRunner, peer_id: PeerID) -> None:
+    """hivemind's own way of refusing a sender for the rest of an all-reduce."""
+    await runner._ban_sender(peer_id)
+
+
+def wrap_join_request(matchmaking: Matchmaking, wrap) -> bool:
+    """Replace ``matchmaking``'s follower join request by ``wrap(original)``; False (nothing done) if it was replaced
+    already."""
+    if "_request_join_group" in vars(matchmaking):
+        return False
+    matchmaking._request_join_group = wrap(matchmaking._request_join_group)
+    return True
+
 
 def set_data_for_gather(control: StepControl, data: bytes) -> None:
     """Replace the record a step gathers into its groups (hivemind keeps it read-only; a test hook's use)."""
@@ -107,12 +172,13 @@ def set_data_for_gather(control: StepControl, data: bytes) -> None:
 
 
 __all__ = [
-    "CALLED", "P2P",
+    "ATTRIBUTES", "CALLED", "P2P",
     "AllReduceRunner", "AllreduceException", "AveragingMode", "AveragingStage", "BannedException", "CompressionInfo",
     "DecentralizedAverager", "GroupKeyManager", "HIVEMIND_BASES", "MPFuture", "Matchmaking", "MatchmakingException",
     "P2PContext", "P2PDaemonError", "P2PHandlerError", "PeerID", "PerTensorCompression", "REPLACED",
     "SUPPORTED_VERSION", "StepControl",
     "TensorPartReducer", "achain", "aiter_with_timeout", "amap_in_executor", "as_aiter", "attach_event_on_finished",
     "averaging_pb2", "cancel_step", "check_version", "enter_asynchronously", "get_logger", "load_balance_peers",
-    "set_data_for_gather",
+    "TensorPartContainer", "ban_sender", "groups_registered", "input_parts", "matchmaking_of", "outer_pipe",
+    "outputs_registered", "p2p_of", "running_groups", "set_data_for_gather", "wrap_join_request",
 ]

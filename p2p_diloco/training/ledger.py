@@ -1,0 +1,110 @@
+"""A stage process's units (:class:`Held`: each with its swarm link and sync) and what it notes of their rounds: the
+metrics rows, the summary and the console, and the anchor each unit's progress records and sync carry after it
+changed (a round applied, a merge, a reload or a resync).
+
+Used by :class:`~p2p_diloco.training.trainer.Trainer`, which owns the loop; the units are its ``held`` list.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from p2p_diloco.round.outcome import RoundReport
+from p2p_diloco.round.stage import Stage
+from p2p_diloco.training.metrics import MetricsWriter
+from p2p_diloco.training.summary import TrainSummary, combined_report
+from p2p_diloco.training.sync import SwarmSync
+
+
+@dataclass
+class Held:
+    """One unit this stage process averages: its whole stage, or (``diloco.fragments``) one fragment it holds, with
+    the fragment's own Stage (anchor, outer state, averager), progress records and sync."""
+
+    stage: Stage
+    swarm: Optional[object] = None
+    """Its :class:`~p2p_diloco.swarm.SwarmLink`, or None to train alone."""
+    sync: Optional[SwarmSync] = None
+
+
+class Ledger:
+    """The notes of one stage process's units.
+
+    Args:
+        held: the units, in model order.
+        metrics: the process's metrics writer.
+        summary: its run summary.
+        reporter: the console.
+        inner_steps: H.
+        anchor_digest: whether metrics rows carry each anchor's sha256 (``train.anchor_digest``).
+    """
+
+    def __init__(self, held: list, metrics: MetricsWriter, summary: TrainSummary, reporter, inner_steps: int,
+                 anchor_digest: bool):
+        self.held, self.metrics, self.summary, self.reporter = held, metrics, summary, reporter
+        self.inner_steps, self.anchor_digest = inner_steps, anchor_digest
+        self.last_group: dict[int, list[str]] = {}  # per unit held: the group of its last round applied
+        self.fingerprints: list[str] = [""] * len(held)  # each unit's anchor sha256, as last noted
+
+    def note_anchor(self, units: list[Held] | None = None) -> None:
+        """Publish where each of ``units`` (default: all) stands, after its anchor changed (divergence checks, donor
+        choice, state checks). Records carry the fingerprint of the whole shared state (anchor, momentum, counts:
+        ``StateSharing.state_fingerprint``); the metrics rows carry the anchor's full sha256, one of its inputs: each
+        tensor is hashed once per change."""
+        for unit in self.held if units is None else units:
+            fingerprint, self.fingerprints[self.held.index(unit)] = unit.stage.state_fingerprint()
+            if unit.swarm is not None:
+                unit.swarm.anchor_fingerprint = fingerprint
+            if unit.sync is not None:
+                unit.sync.remember(fingerprint)
+                if unit.swarm is not None:
+                    unit.swarm.prior_anchor_fingerprint = unit.sync.fingerprints.get(unit.stage.applied_round - 1, "")
+
+    def log_sync_events(self) -> tuple[bool, bool]:
+        """Note the anchors the reloads and resyncs just done changed, and write their metrics and summary: (whether
+        there were any, whether the stage process reloaded)."""
+        any_events, reloaded = False, False
+        changed = [unit for unit in self.held if unit.sync.events]
+        self.note_anchor(changed)
+        for unit in changed:
+            events, unit.sync.events = unit.sync.events, []
+            for event in events:
+                any_events = True
+                digest = self.digest(unit)
+                self.metrics.write("sync", **event, **self.unit_facts(unit), inner_step=self.held[0].stage.inner_step,
+                                   anchor_sha256=digest)
+                if event["action"] == "reload":
+                    reloaded = True  # the stage process reloads once, all its fragments together
+                else:
+                    self.summary.resyncs += 1
+        self.summary.reloads += reloaded
+        return any_events, reloaded
+
+    def unit_facts(self, unit: Held) -> dict:
+        """How metrics rows name a fragment (nothing when the stage is the unit)."""
+        return {} if unit.stage.fragment is None else {"fragment": unit.stage.fragment[0]}
+
+    def write_rounds(self, units: list[Held], reports: list[RoundReport], flush: bool = False) -> None:
+        """The metrics row of each unit's round end, and what it tells the sync (the group met, the new anchor)."""
+        for unit, report in zip(units, reports):
+            self.last_group[self.held.index(unit)] = list(report.outcome.group_peers)
+            if unit.sync is not None:
+                unit.sync.witnesses.met_group(list(report.outcome.group_peers))
+        self.note_anchor(units)
+        for unit, report in zip(units, reports):
+            self.metrics.write("round", **report.record(), **self.unit_facts(unit),
+                               inner_step=self.held[0].stage.inner_step, anchor_sha256=self.digest(unit),
+                               anchor_applied_round=unit.stage.applied_round, flush=flush)
+
+    def digest(self, unit: Held) -> str:
+        """The metrics rows' ``anchor_sha256`` of a unit (already computed with its fingerprint), if asked for."""
+        return self.fingerprints[self.held.index(unit)] if self.anchor_digest else ""
+
+    def account(self, reports: list[RoundReport]) -> None:
+        """One round of the peer in the summary and on the console (every unit's round end of it)."""
+        if not reports:
+            return
+        report = combined_report(reports)
+        self.summary.account(report, self.inner_steps)
+        self.reporter.on_round(report)

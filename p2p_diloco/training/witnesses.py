@@ -1,0 +1,124 @@
+"""Whose word counts for one stage: which signed progress records it believes, and which donors hold the state those
+records agree on (docs/design.md 4.1; the order of trust is in :mod:`p2p_diloco.training.sync`'s docstring).
+
+Pure logic over the records: :class:`Witnesses` keeps what this stage has seen of the swarm (the groups it averaged
+in, the donors caught lying) and never reads the network itself. Used by :class:`~p2p_diloco.training.sync.SwarmSync`
+(its decisions) and :class:`~p2p_diloco.training.fetch.StateFetcher` (its donors and the state check).
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from collections.abc import Callable
+
+from p2p_diloco.medians import lower_median
+
+TRUST_LEVELS = ("the peers met in recent groups", "the bootstrap peers", "every signed record")
+TRUSTED_ROUNDS = 8  # the groups of this many recent rounds are the peers whose records count
+DISCREDIT_ROUNDS = 3  # a donor caught serving a state its own record does not claim counts for nothing this long
+
+
+def bootstrap_peer_ids(initial_peers) -> frozenset[str]:
+    """The peer ids in ``dht.initial_peers`` multiaddrs (``.../p2p/<peer id>``; the config requires one in each)."""
+    return frozenset(maddr.rstrip("/").rsplit("/p2p/", 1)[1].split("/")[0] for maddr in initial_peers
+                     if "/p2p/" in maddr)
+
+
+def anchor_votes(records, applied_round: int) -> dict[str, list[str]]:
+    """Fingerprint -> the nodes whose records say it is the anchor after ``applied_round`` (their anchor, or the
+    anchor before theirs for a record one round further on)."""
+    votes: dict[str, list[str]] = {}
+    for r in records:
+        fingerprint = r.anchor if r.applied_round == applied_round else \
+            r.prior_anchor if r.applied_round == applied_round + 1 else ""
+        if fingerprint:
+            votes.setdefault(fingerprint, []).append(r.node)
+    return votes
+
+
+def canonical_of(votes: dict[str, list[str]]) -> str:
+    """Most votes; a tie goes to the fingerprint held by the smallest node id (the same on every peer, every round)."""
+    return min(votes, key=lambda fp: (-len(votes[fp]), min(votes[fp])))
+
+
+class Witnesses:
+    """The records one stage believes, in the order of :data:`TRUST_LEVELS` (an allowlist replaces them all).
+
+    Args:
+        node: this stage's own node id (never its own witness).
+        round_now: this stage's round now (a discredit lasts :data:`DISCREDIT_ROUNDS` of its rounds).
+        allowlist: ``averaging.allowlist`` (a private swarm's peer ids): only their records count.
+        bootstrap: the peer ids of ``dht.initial_peers``: what a stage that has met nobody believes, if they have
+            records.
+    """
+
+    def __init__(self, node: str, round_now: Callable[[], int], allowlist=(), bootstrap=()):
+        self.node, self.round_now = node, round_now
+        self.allowlist, self.bootstrap = frozenset(allowlist), frozenset(bootstrap)
+        self.met: deque[frozenset] = deque(maxlen=TRUSTED_ROUNDS)  # the groups of the last rounds
+        # while above 0, the records of a later level of TRUST_LEVELS count: a download from the earlier levels
+        # gave no usable state (see StateFetcher.download)
+        self.widening = 0
+        # donor -> the last round of this stage in which its records count for nothing: it served a state that its
+        # own signed record contradicts (see StateFetcher)
+        self.discredited: dict[str, int] = {}
+
+    def met_group(self, peers) -> None:
+        """Note the group of a round this stage averaged in (their records count from now on)."""
+        if peers:
+            self.met.append(frozenset(peers) - {self.node})
+
+    def recently_met(self) -> frozenset:
+        """The nodes of this stage's groups of the last :data:`TRUSTED_ROUNDS` rounds."""
+        return frozenset().union(*self.met)
+
+    def counted(self, records) -> list:
+        """The records whose word counts (the order of trust: :mod:`p2p_diloco.training.sync`), less those of
+        discredited donors."""
+        if self.allowlist:
+            return [r for r in self.credited(records) if r.node in self.allowlist]
+        levels = self.levels(records)
+        return levels[min(self.widening, len(levels) - 1)][1] if levels else []
+
+    def credited(self, records) -> list:
+        """``records`` less those of the donors discredited until now."""
+        now = self.round_now()
+        self.discredited = {node: until for node, until in self.discredited.items() if until >= now}
+        return [r for r in records if r.node not in self.discredited]
+
+    def discredit(self, node: str) -> None:
+        """``node`` served a state its own signed record contradicts: its records count for nothing for
+        :data:`DISCREDIT_ROUNDS` rounds."""
+        self.discredited[node] = self.round_now() + DISCREDIT_ROUNDS
+
+    def levels(self, records) -> list[tuple[str, list]]:
+        """The levels of :data:`TRUST_LEVELS` that have live records, in order: (name, their records)."""
+        met, records = self.recently_met(), self.credited(records)
+        chosen = ([r for r in records if r.node in met], [r for r in records if r.node in self.bootstrap], records)
+        return [(name, level) for name, level in zip(TRUST_LEVELS, chosen) if level]
+
+    def donors(self, others, own_round: int | None = None, strangers=()) -> list[str]:
+        """Nodes to download from: the counted peers whose state is the agreed one after their applied round and
+        whose round is not beyond the swarm's (a record far ahead of the others' is not believed); those whose state
+        another counted peer vouches for first, the most advanced first (ties in random order, so that newcomers
+        spread over them), then those only they vouch for (a record one round ahead with a state nobody else
+        holds was asked first: the attacker's), then the ``strangers`` (other signed records) holding an agreed
+        state, in the same order.
+
+        ``own_round``: this stage's round, where it trains with the swarm (a resync): it counts in the swarm's round.
+        Left out, a dead peer's record (it stays in the DHT for its TTL) can be the lower median of a survivor's two
+        others, and the live survivor looks too far ahead to be a donor: two survivors of a broken round then
+        average onto their two anchors to the run's end."""
+        if not others:
+            return []
+        swarm_round = lower_median([r.round for r in others] + ([own_round] if own_round is not None else []))
+        counted = {r.node for r in others}
+        candidates = list(others) + [r for r in strangers if r.node not in counted]
+        ranked = []
+        for r in candidates:
+            votes = anchor_votes(others, r.applied_round)
+            if r.anchor and r.round <= swarm_round + 1 and votes and r.anchor == canonical_of(votes):
+                vouched = bool(set(votes[r.anchor]) - {r.node})
+                ranked.append((r.node not in counted, not vouched, -r.applied_round, random.random(), r.node))
+        return list(dict.fromkeys(node for *_, node in sorted(ranked)))
