@@ -315,9 +315,13 @@ def test_a_reducer_that_sends_one_member_other_averages_is_named_and_banned_by_i
     average; the other members hold identical averages; no honest peer is named."""
     honest = [signed_network.averager() for _ in range(3)]
     liar = signed_network.averager("equivocate:1.5")
-    contributions, results = average_round(honest + [liar], round_index=0)
+    for round_index in range(3):  # what is tested needs the liar in the honest peers' group; on a busy machine the
+        # honest three may form theirs before its request arrives (then nobody met it: the round is run again)
+        contributions, results = average_round(honest + [liar], round_index=round_index)
+        if any(peer_id(liar) in result.group_peers for result in results[:3]):
+            break
     banned_by = [result for result in results[:3] if result.banned == (peer_id(liar),)]
-    assert len(banned_by) == 1, [(r.banned, r.suspects, r.fallback_reason) for r in results[:3]]
+    assert len(banned_by) == 1, [(r.banned, r.suspects, r.fallback_reason, r.group_peers) for r in results[:3]]
     assert banned_by[0].suspects[peer_id(liar)] == ["equivocated"]
     applied = [result for result in results[:3] if result.averaged and result is not banned_by[0]]
     assert len(applied) == 2
