@@ -113,9 +113,10 @@ class Attack:
     def stub(self, p2p, peer: str):
         from hivemind.p2p import PeerID
 
-        from p2p_diloco.swarm.averaging.averager import PseudoGradientAverager, group_prefix
+        from p2p_diloco.swarm.averaging.averager import group_prefix
+        from p2p_diloco.swarm.averaging.server import AveragingServer
 
-        return PseudoGradientAverager.get_stub(p2p, PeerID.from_base58(peer), namespace=group_prefix(self.run_id, 0, 1))
+        return AveragingServer.get_stub(p2p, PeerID.from_base58(peer), namespace=group_prefix(self.run_id, 0, 1))
 
 
 class Sybil(Attack):
@@ -150,9 +151,10 @@ class Sybil(Attack):
         """Whether the honest peer closed a stream that declared ``HUGE`` bytes before its first reply."""
         from hivemind.p2p import P2P, PeerID
 
-        from p2p_diloco.swarm.averaging.averager import PseudoGradientAverager, group_prefix
+        from p2p_diloco.swarm.averaging.averager import group_prefix
+        from p2p_diloco.swarm.averaging.server import AveragingServer
 
-        handler = PseudoGradientAverager._get_handle_name(group_prefix(self.run_id, 0, 1), "rpc_join_group")
+        handler = AveragingServer._get_handle_name(group_prefix(self.run_id, 0, 1), "rpc_join_group")
         _info, reader, writer = await self.p2ps[0].call_binary_stream_handler(PeerID.from_base58(peer), handler)
         try:
             writer.write(P2P.MESSAGE_MARKER + HUGE.to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) + b"\0" * 2**16)

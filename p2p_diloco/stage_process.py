@@ -181,19 +181,21 @@ def run_stage(cfg: Config, *, pipeline=None, reporter: Optional[Reporter] = None
             if data.eval is not None else []
         executor = _make_executor(cfg, pipeline, model, device)
         for fragment, module, params in units:
-            averager = PseudoGradientAverager(
-                [p for _, p in params], dht, run_id=cfg.run.run_id, stage_index=stage_index, num_stages=len(split),
-                cfg=cfg.averaging, behaviour=behaviour or HONEST, fragment=fragment)
-            stage = Stage(module, stage_index=stage_index, num_stages=len(split), inner_cfg=cfg.inner,
-                          diloco_cfg=cfg.diloco, total_steps=total_steps, averager=averager, fragment=fragment)
-            held.append(Held(stage))
-            averager.state_provider = partial(_serve_state, stage, averager, cfg.run.run_id,
-                                              wait_s=donor_wait_s(cfg.averaging))
             swarm = SwarmLink(dht, cfg.run.run_id, peer_name, stage_index=stage_index, num_stages=len(split),
                               inner_steps=cfg.diloco.inner_steps, fingerprint=fingerprint,
                               joined_swarm=bool(cfg.dht.initial_peers), num_rounds=cfg.train.num_rounds,
                               behaviour=behaviour or HONEST, fragment=fragment, allowlist=cfg.averaging.allowlist,
                               stranger_wait_s=cfg.averaging.matchmaking_time_s + cfg.averaging.request_timeout_s)
+            averager = PseudoGradientAverager(
+                [p for _, p in params], dht, run_id=cfg.run.run_id, stage_index=stage_index, num_stages=len(split),
+                cfg=cfg.averaging, behaviour=behaviour or HONEST, fragment=fragment)
+            # a round nobody can join any more (the records say so) fails at once, not after its timeout
+            stage = Stage(module, stage_index=stage_index, num_stages=len(split), inner_cfg=cfg.inner,
+                          diloco_cfg=cfg.diloco, total_steps=total_steps, averager=averager, fragment=fragment,
+                          records=swarm)
+            held.append(Held(stage))
+            averager.state_provider = partial(_serve_state, stage, averager, cfg.run.run_id,
+                                              wait_s=donor_wait_s(cfg.averaging))
             sync = SwarmSync(stage, swarm, executor, cfg.run.run_id, download_timeout_s=cfg.train.state_timeout_s,
                              num_rounds=cfg.train.num_rounds, allowlist=cfg.averaging.allowlist,
                              bootstrap=bootstrap_peer_ids(cfg.dht.initial_peers))

@@ -316,3 +316,12 @@ def resolve_data_path(cfg: DataConfig) -> Path:
         raise DataError(f"data.path: {path} has no {META_FILE}, so it is not a shards folder; make one with "
                         "`p2p-diloco prepare-data`")
     return path
+
+
+def recorded_data_path(cfg: DataConfig) -> str | None:
+    """The shards folder ``cfg`` names, absolute, for a checkpoint's record; None where it does not resolve (only a
+    record: a checkpoint is never lost for it)."""
+    try:
+        return str(resolve_data_path(cfg).resolve())
+    except Exception:  # noqa: BLE001
+        return None

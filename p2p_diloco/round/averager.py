@@ -1,8 +1,10 @@
-"""What a stage asks of the network for its rounds: the averager interface.
+"""What a stage asks of the network for its rounds: the averager interface and the records interface.
 
-The real averager (:class:`p2p_diloco.swarm.averaging.averager.PseudoGradientAverager`, hivemind in a background
-process) and the in-process simulator (:class:`p2p_diloco.training.simulate.ExactAverager`) both implement it; the
-stage and the round rules see only this.
+The real averager (:class:`p2p_diloco.swarm.averaging.averager.PseudoGradientAverager`, a client of hivemind's
+averager in a background process) and the in-process simulator (:class:`p2p_diloco.training.simulate.ExactAverager`)
+both implement :class:`RoundAverager`; the swarm's signed progress records
+(:class:`p2p_diloco.swarm.discovery.link.SwarmLink`) implement :class:`RoundRecords`. The stage and the round rules
+see only these.
 """
 
 from __future__ import annotations
@@ -47,3 +49,12 @@ class RoundAverager(Protocol):
 
     def shutdown(self) -> None:
         """Stop the averager."""
+
+
+@runtime_checkable
+class RoundRecords(Protocol):
+    """What a stage reads of the swarm's progress records for its rounds."""
+
+    def moved_past(self, round_index: int) -> bool:
+        """Whether no group can form for ``round_index`` any more (every other live peer of the unit has applied it
+        already): a round still matching then fails at once instead of waiting out its timeout. Never raises."""

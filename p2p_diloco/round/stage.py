@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from p2p_diloco.config import DiLoCoConfig, InnerConfig
-from p2p_diloco.round.averager import RoundAverager
+from p2p_diloco.round.averager import RoundAverager, RoundRecords
 from p2p_diloco.round.inner import inner_lr, make_inner_optimizer
 from p2p_diloco.round.outcome import PendingRound, RoundOutcome, RoundReport
 from p2p_diloco.round.outer import OuterOptimizer
@@ -43,6 +43,8 @@ class Stage(StageCheckpoint, StateSharing):
         total_steps: length of the inner lr schedule.
         averager: what averages this stage's rounds (:class:`~p2p_diloco.round.averager.RoundAverager`: the swarm's
             or the simulator's), or None to train alone.
+        records: the swarm's records of this unit's peers (:class:`~p2p_diloco.round.averager.RoundRecords`), read
+            while a round waits for its group; None: a round waits out its own bounds.
         fragment: (f, F) when the run averages by fragment (``diloco.fragments``): this Stage holds fragment f of
             the model (``module`` a :class:`~p2p_diloco.model.fragments.FragmentView`), on pipeline stage
             ``stage_index``; its state is the fragment's, served to and taken from peers of any split.
@@ -50,12 +52,12 @@ class Stage(StageCheckpoint, StateSharing):
 
     def __init__(self, module: nn.Module, *, stage_index: int, num_stages: int, inner_cfg: InnerConfig,
                  diloco_cfg: DiLoCoConfig, total_steps: int, averager: RoundAverager | None = None,
-                 fragment: tuple[int, int] | None = None):
+                 fragment: tuple[int, int] | None = None, records: RoundRecords | None = None):
         self.module = module
         self.stage_index, self.num_stages = stage_index, num_stages
         self.fragment = fragment  # (f, F) in a run averaged by fragment: this Stage is fragment f of the model
         self.inner_cfg, self.diloco_cfg, self.total_steps = inner_cfg, diloco_cfg, total_steps
-        self.averager = averager
+        self.averager, self.records = averager, records
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         self.param_names = [name for name, _ in named]
         self.params = [p for _, p in named]
@@ -85,7 +87,6 @@ class Stage(StageCheckpoint, StateSharing):
         self.inner_step = 0
         self.round_first_step: int | None = None  # set when this round's work began mid-round (after a reload)
         self.seconds_per_step = 0.0  # recent inner step time (set by the trainer; served to newcomers)
-        self.round_is_hopeless = None  # (round) -> True when no group can form for it any more (set by the trainer)
         self.round_index = 0
         self.applied_round = -1  # the last round whose average the anchor took
         self.state_lock = threading.RLock()  # held while the round end changes the anchor; state serving reads it
@@ -278,7 +279,7 @@ class Stage(StageCheckpoint, StateSharing):
         if not pending.in_flight:
             return 0.0
         started = time.monotonic()
-        outcome = self.averager.finish_round(hopeless=self.round_is_hopeless)
+        outcome = self.averager.finish_round(hopeless=None if self.records is None else self.records.moved_past)
         waited = time.monotonic() - started
         pending.in_flight, pending.outcome = False, outcome
         if outcome.suspects:

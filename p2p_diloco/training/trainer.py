@@ -15,20 +15,21 @@ import json
 import logging
 import resource
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 from p2p_diloco.config import Config
+from p2p_diloco.data.prepare import recorded_data_path
 from p2p_diloco.monitoring.sinks import open_sinks
 from p2p_diloco.round.fragments import Fragments
 from p2p_diloco.round.outcome import RoundReport
 from p2p_diloco.round.stage import Stage
 from p2p_diloco.training.ledger import Held, Ledger
 from p2p_diloco.training.metrics import MetricsWriter
-from p2p_diloco.training.state.persist import resume_stage, save_stage
+from p2p_diloco.training.round_ends import end_rounds, wait_for_groupmates
+from p2p_diloco.training.state.persist import resume_stage, save_stage, unit_folder
 from p2p_diloco.training.summary import (
     NullReporter,
     Reporter,
@@ -38,13 +39,6 @@ from p2p_diloco.training.summary import (
 from p2p_diloco.training.sync import SwarmSync, SyncGroup
 
 logger = logging.getLogger(__name__)
-
-
-def unit_folder(stage: Stage) -> str:
-    """A unit's checkpoint folder: ``stage<j>of<P>``, or ``fragment<f>of<F>`` in a run averaged by fragment."""
-    if stage.fragment is None:
-        return f"stage{stage.stage_index}of{stage.num_stages}"
-    return "fragment{}of{}".format(*stage.fragment)
 
 
 class Trainer:
@@ -102,10 +96,8 @@ class Trainer:
                              cfg.train.anchor_digest)
         self.syncs = SyncGroup([u.sync for u in self.held], executor) if sync is not None else None
         for unit in self.held:
-            if unit.swarm is not None:  # a round nobody can join any more fails at once, not after its timeout
-                unit.stage.round_is_hopeless = unit.swarm.moved_past
-                if unit.sync is not None:  # the peers met in recent groups: their records time the rounds
-                    unit.swarm.peers_met = unit.sync.witnesses.recently_met
+            if unit.swarm is not None and unit.sync is not None:  # the peers met in recent groups time the rounds
+                unit.swarm.peers_met = unit.sync.witnesses.recently_met
 
     @property
     def stages(self) -> list[Stage]:
@@ -285,36 +277,16 @@ class Trainer:
                 self._publish(self.summary.last_loss or float("nan"), self.tokens_per_s, force=True)
 
     def _end_rounds(self, units: list[Held], loss: float | None = None) -> list[RoundReport]:
-        """End the round of each of ``units`` now: its pseudo-gradient weighted by the steps it trained in its round,
-        the averaging (each fragment's at the same time: one after the other, blocking mode took F averagings),
-        its metrics row and its records."""
+        """End the round of each of ``units`` now (:func:`~p2p_diloco.training.round_ends.end_rounds`), with its
+        metrics row and its records."""
         if not units:  # streaming: every fragment of this stage process ended its round earlier in it
             return []
-        step = self.stage.inner_step
-        tokens = [self.fragments.round_tokens(unit.stage, step, self.tokens_per_step) for unit in units]
-        expected = self._expected_group_sizes(units)
-        if len(units) == 1:
-            reports = [units[0].stage.end_round(tokens[0], expected[0], compute_s=self._round_compute_s)]
-        else:
-            with ThreadPoolExecutor(len(units), thread_name_prefix="round-end") as pool:
-                reports = list(pool.map(lambda unit, n, size: unit.stage.end_round(
-                    n, size, compute_s=self._round_compute_s), units, tokens, expected))
+        reports = end_rounds(units, self.fragments, self.stage.inner_step, self.tokens_per_step,
+                             self._round_compute_s)
         self.ledger.write_rounds(units, reports)
         if loss is not None:  # mid-round: the records name the round these fragments are on now
             self._publish(loss, self.tokens_per_s, force=True)
         return reports
-
-    def _expected_group_sizes(self, units: list[Held]) -> list[int | None]:
-        """Each unit's expected group for the round that ends, read from its records; a stage process holding several
-        fragments reads their records at the same time (one after the other, the four reads of a P = 1 peer can take
-        over a second on a busy machine, and it comes late to the last fragment's group)."""
-        def expected(unit: Held) -> int | None:
-            return unit.swarm.expected_group_size(unit.stage.round_index) if unit.swarm is not None else 1
-
-        if len(units) == 1:
-            return [expected(units[0])]
-        with ThreadPoolExecutor(len(units), thread_name_prefix="records") as pool:
-            return list(pool.map(expected, units))
 
     def _flush(self) -> None:
         """Apply the round still in flight (overlap modes), then evaluate the final anchor."""
@@ -329,35 +301,18 @@ class Trainer:
             self._evaluate_and_log(self.round_index)
 
     def _leave(self) -> None:
-        """At the end of the run, stay until the groupmates of the last round have its result too, and until the
-        peers that applied it agree on the final anchor.
-
-        A peer's own all-reduce ends when it has every part of the average it needs; the parts it reduced for
-        its groupmates may still be on the wire, and a process that exits then cuts them off: the groupmate
-        waits out its timeouts and falls back on a round everyone else averaged. So the
-        peer publishes that it has applied the last round and waits until each groupmate's record says the same
-        (or is gone), at most ``averaging.next_chunk_timeout_s``: the time after which a groupmate stops waiting
-        for a part anyway.
-
-        Then the final agreement (:meth:`SyncGroup.at_end`): where the last round left the swarm on more than one
-        anchor (its group split, or this peer fell back), the peers off the canonical anchor download it, and the
-        peers holding it stay until they have; all of it within ``averaging.round_timeout_s`` of the last round's end
-        here (the bound of a round: a peer that cannot take the agreed anchor by then, a forger for one, does not
-        keep the others waiting longer)."""
+        """At the end of the run, stay until the groupmates of the last round have its result too
+        (:func:`~p2p_diloco.training.round_ends.wait_for_groupmates`), and until the peers that applied it agree on
+        the final anchor (:meth:`SyncGroup.at_end`): where the last round left the swarm on more than one anchor (its
+        group split, or this peer fell back), the peers off the canonical anchor download it, and the peers holding
+        it stay until they have; all of it within ``averaging.round_timeout_s`` of the last round's end here (the
+        bound of a round: a peer that cannot take the agreed anchor by then, a forger for one, does not keep the
+        others waiting longer)."""
         if self.swarm is None:
             return
         self._publish(self.summary.last_loss or float("nan"), self.tokens_per_s, force=True)
         started = time.monotonic()
-        deadline = started + self.cfg.averaging.next_chunk_timeout_s
-        for i, unit in enumerate(self.held):
-            group = self.ledger.last_group.get(i, [])
-            if not group:
-                continue
-            waiting = unit.swarm.wait_for_groupmates(group, unit.stage.applied_round,
-                                                     timeout_s=max(0.0, deadline - time.monotonic()))
-            if waiting:
-                logger.info(f"{unit.stage.label}: leaving before {len(waiting)} groupmate(s) of the last "
-                            f"round said they had its result")
+        wait_for_groupmates(self.held, self.ledger.last_group, started + self.cfg.averaging.next_chunk_timeout_s)
         if self.syncs is None:
             return
         deadline = started + self.cfg.averaging.round_timeout_s
@@ -404,12 +359,7 @@ class Trainer:
     @functools.cached_property
     def data_path(self) -> str | None:
         """The shards folder this run trains on, absolute (recorded in checkpoints for export and generate)."""
-        from p2p_diloco.data.prepare import resolve_data_path
-
-        try:
-            return str(resolve_data_path(self.cfg.data).resolve())
-        except Exception:  # noqa: BLE001 (only a record: a checkpoint is never lost for it)
-            return None
+        return recorded_data_path(self.cfg.data)
 
     def _save_checkpoint(self) -> None:
         for folder, stage in zip(self.checkpoint_dirs, self.stages):

@@ -10,6 +10,7 @@ import torch
 
 from p2p_diloco.config import AveragingConfig
 from p2p_diloco.swarm import PseudoGradientAverager
+from p2p_diloco.swarm.averaging.server import AveragingServer
 
 pytestmark = pytest.mark.timeout(180)
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
@@ -172,7 +173,7 @@ def test_averages_are_served_again_to_the_all_reduces_senders_only(swarm):
     async def ask() -> list[int]:
         client = await P2P.create(host_maddrs=LOOPBACK, initial_peers=maddrs)
         try:
-            stub = PseudoGradientAverager.get_stub(client, averager.peer_id, namespace=averager.prefix)
+            stub = AveragingServer.get_stub(client, averager.peer_id, namespace=averager.prefix)
             replies = await stub.rpc_fetch_averages(averaging_pb2.AveragingData(group_id=b"no such all-reduce"))
             return [reply.code async for reply in replies]
         finally:

@@ -20,6 +20,8 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.streaming import split_for_streaming
 
 from p2p_diloco.swarm import PseudoGradientAverager
+from p2p_diloco.swarm.averaging import download
+from p2p_diloco.swarm.averaging.server import AveragingServer
 from tests.integration.test_byzantine import CFG, TEMPLATES, network, peer_id  # noqa: F401 (network: a fixture)
 
 pytestmark = pytest.mark.timeout(180)
@@ -43,7 +45,7 @@ def test_a_donor_serving_another_layout_is_dropped_for_the_next(network, kind): 
     hostile, honest, newcomer = network.averager(), network.averager(), network.averager()
     hostile.state_provider = lambda: ({"served_by": "hostile"}, hostile_state(kind))
     honest.state_provider = lambda: ({"served_by": "honest"}, HONEST_STATE)
-    hostile.state_sharing_priority, honest.state_sharing_priority = 1e9, 0.0  # declared: ignored
+    hostile.server.state_sharing_priority, honest.server.state_sharing_priority = 1e9, 0.0  # declared: ignored
     downloaded = newcomer.download_state([peer_id(hostile), peer_id(honest)], timeout_s=20)
     assert downloaded is not None and downloaded[0] == {"served_by": "honest"}
     assert all(torch.equal(a, b) for a, b in zip(downloaded[1], HONEST_STATE))
@@ -54,13 +56,13 @@ def test_the_donors_asked_are_the_ones_given_whatever_they_declare(network):  # 
     first, second, newcomer = network.averager(), network.averager(), network.averager()
     for averager, name in ((first, "first"), (second, "second")):
         averager.state_provider = lambda name=name: ({"served_by": name}, HONEST_STATE)
-    first.state_sharing_priority, second.state_sharing_priority = 0.0, 1e9
+    first.server.state_sharing_priority, second.server.state_sharing_priority = 0.0, 1e9
     assert newcomer.download_state([peer_id(first), peer_id(second)], timeout_s=20)[0] == {"served_by": "first"}
     assert newcomer.download_state([peer_id(second)], timeout_s=20)[0] == {"served_by": "second"}
     assert newcomer.download_state([], timeout_s=5) is None
 
 
-class Trickling(PseudoGradientAverager):
+class Trickling(AveragingServer):
     """A donor that sends its state a small chunk at a time, each well within hivemind's per-message timeout."""
 
     async def rpc_download_state(self, request: averaging_pb2.DownloadRequest,
@@ -74,14 +76,15 @@ class Trickling(PseudoGradientAverager):
                 first = False
 
 
-Trickling.__name__ = PseudoGradientAverager.__name__  # hivemind names a servicer's handlers after its class
+Trickling.__name__ = AveragingServer.__name__  # hivemind names a servicer's handlers after its class
 
 
 def test_a_donor_that_trickles_is_abandoned_within_the_bound(network):  # noqa: F811
     """hivemind's downloader bounds each message (``next_chunk_timeout_s``), not the download: a donor that sends a
     chunk every second held a newcomer for as long as it liked. The whole download is bounded; the slow donor gets
     a share of it, the next donor the rest."""
-    slow = Trickling(TEMPLATES, network.dht(), run_id="run", stage_index=0, num_stages=1, cfg=CFG)
+    slow = PseudoGradientAverager(TEMPLATES, network.dht(), run_id="run", stage_index=0, num_stages=1, cfg=CFG,
+                                  server_type=Trickling)
     network.averagers.append(slow)
     honest, newcomer = network.averager(), network.averager()
     honest.state_provider = lambda: ({"served_by": "honest"}, HONEST_STATE)
@@ -95,7 +98,7 @@ def test_a_donor_that_trickles_is_abandoned_within_the_bound(network):  # noqa: 
     assert 6 - 1 < time.monotonic() - started < 6 + 2
 
 
-class Truncating(PseudoGradientAverager):
+class Truncating(AveragingServer):
     """A donor that stops half-way through its second tensor (it left, or it means to waste the newcomer's time)."""
 
     async def rpc_download_state(self, request: averaging_pb2.DownloadRequest,
@@ -108,7 +111,7 @@ class Truncating(PseudoGradientAverager):
         yield averaging_pb2.DownloadData(tensor_part=half)
 
 
-Truncating.__name__ = PseudoGradientAverager.__name__
+Truncating.__name__ = AveragingServer.__name__
 
 
 def test_a_donor_whose_stream_ends_inside_a_tensor_is_named_for_it_and_dropped(network, capfd):  # noqa: F811
@@ -116,7 +119,7 @@ def test_a_donor_whose_stream_ends_inside_a_tensor_is_named_for_it_and_dropped(n
     and the next donor serves the state. (The download runs in the newcomer's averager process: its warning reaches
     the captured stderr through a handler of the test's own, pytest's log capture stays in the parent.)"""
     handler = logging.StreamHandler(sys.stderr)
-    downloads = logging.getLogger(PseudoGradientAverager.__module__)
+    downloads = logging.getLogger(download.__name__)
     downloads.addHandler(handler)
     try:
         downloaded, logged = truncated_download(network, capfd)
@@ -128,7 +131,8 @@ def test_a_donor_whose_stream_ends_inside_a_tensor_is_named_for_it_and_dropped(n
 
 
 def truncated_download(network, capfd):  # noqa: F811
-    truncating = Truncating(TEMPLATES, network.dht(), run_id="run", stage_index=0, num_stages=1, cfg=CFG)
+    truncating = PseudoGradientAverager(TEMPLATES, network.dht(), run_id="run", stage_index=0, num_stages=1, cfg=CFG,
+                                        server_type=Truncating)
     network.averagers.append(truncating)
     honest, newcomer = network.averager(), network.averager()
     honest.state_provider = lambda: ({"served_by": "honest"}, HONEST_STATE)

@@ -22,6 +22,7 @@ from hivemind.utils.asyncio import as_aiter
 
 from p2p_diloco.swarm import PseudoGradientAverager
 from p2p_diloco.swarm.averaging.limits import MessageTooLargeError
+from p2p_diloco.swarm.averaging.server import AveragingServer
 from tests.integration.test_byzantine import CFG, TEMPLATES, network  # noqa: F401 (network: a fixture)
 
 pytestmark = pytest.mark.timeout(120)
@@ -130,7 +131,7 @@ class _Provider:
 async def download(client: P2P, donor: PseudoGradientAverager) -> tuple[int, float]:
     """(messages received, seconds taken) of one state request to ``donor``."""
     started = time.monotonic()
-    stub = PseudoGradientAverager.get_stub(client, donor.peer_id, namespace=donor.prefix)
+    stub = AveragingServer.get_stub(client, donor.peer_id, namespace=donor.prefix)
     stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
     count = 0
     async for _message in stream:
@@ -194,7 +195,7 @@ def test_a_reader_that_stalls_loses_its_stream_and_is_cooled_down(network):  # n
     async def main():
         staller, other = [await P2P.create(host_maddrs=LOOPBACK, initial_peers=maddrs) for _ in range(2)]
         try:
-            stub = PseudoGradientAverager.get_stub(staller, donor.peer_id, namespace=donor.prefix)
+            stub = AveragingServer.get_stub(staller, donor.peer_id, namespace=donor.prefix)
             stalled = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
             await anext(stalled)
             await asyncio.sleep(4)
@@ -216,7 +217,7 @@ BIG = [torch.zeros(2**21)]  # a stage of 8 MiB: its state (16 MiB) is more than 
 async def squat(client: P2P, donor: PseudoGradientAverager, holding: set, stop: asyncio.Event) -> None:
     """One identity of issue 30 item 6: it holds a state stream, taking one chunk every 5 s (under every stall
     timeout), and asks for a fresh stream every second, to take a slot back as soon as it lost one."""
-    stub = PseudoGradientAverager.get_stub(client, donor.peer_id, namespace=donor.prefix)
+    stub = AveragingServer.get_stub(client, donor.peer_id, namespace=donor.prefix)
     stream, read_at = None, 0.0
     while not stop.is_set():
         try:
@@ -235,7 +236,7 @@ async def squat(client: P2P, donor: PseudoGradientAverager, holding: set, stop: 
 
 async def read_slowly(client: P2P, donor: PseudoGradientAverager, mbit: float) -> int:
     """Bytes of state that a downloader on a link of ``mbit`` Mbit/s gets from ``donor``."""
-    stub = PseudoGradientAverager.get_stub(client, donor.peer_id, namespace=donor.prefix)
+    stub = AveragingServer.get_stub(client, donor.peer_id, namespace=donor.prefix)
     received = 0
     async for message in await stub.rpc_download_state(averaging_pb2.DownloadRequest()):
         received += len(message.tensor_part.buffer)

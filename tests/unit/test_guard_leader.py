@@ -257,7 +257,7 @@ def test_a_cancel_ends_the_all_reduce_even_before_the_step_reads_as_cancelled(la
     """The cancel's signal ends the all-reduce at once, whether or not the step already reads as cancelled: only
     step.cancelled() was read, and between StepControl.cancel()'s two writes it let the all-reduce run on to its
     timeout (a two-at-a-time busy make test)."""
-    from p2p_diloco.swarm.averaging.averager import _STEP, PseudoGradientAverager, _StepCancelled
+    from p2p_diloco.swarm.averaging.server import _STEP, AveragingServer, _StepCancelled
 
     async def run(step):
         _STEP.set(step)
@@ -265,7 +265,7 @@ def test_a_cancel_ends_the_all_reduce_even_before_the_step_reads_as_cancelled(la
         loop = asyncio.get_running_loop()
         started = loop.time()
         with pytest.raises(_StepCancelled):
-            await PseudoGradientAverager._unless_cancelled(work, round_index=3)
+            await AveragingServer._unless_cancelled(work, round_index=3)
         return work, loop.time() - started
 
     work, took = asyncio.run(run(_CancelledStep(signal=True, lag=lag)))
@@ -275,6 +275,6 @@ def test_a_cancel_ends_the_all_reduce_even_before_the_step_reads_as_cancelled(la
 
     async def uncancelled():  # no signal: the work's own result
         _STEP.set(_CancelledStep(signal=False, lag=0))
-        return await PseudoGradientAverager._unless_cancelled(asyncio.sleep(0.05, result="averaged"), round_index=3)
+        return await AveragingServer._unless_cancelled(asyncio.sleep(0.05, result="averaged"), round_index=3)
 
     assert asyncio.run(uncancelled()) == "averaged"

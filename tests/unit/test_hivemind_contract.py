@@ -14,7 +14,6 @@ from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.key_manager import GroupKeyManager
 from hivemind.p2p import PeerID
 
-from p2p_diloco.swarm.averaging.guard import keep_round_key
 from p2p_diloco.swarm.averaging.hivemind_api import (
     ATTRIBUTES,
     CALLED,
@@ -25,6 +24,7 @@ from p2p_diloco.swarm.averaging.hivemind_api import (
     Matchmaking,
     check_version,
 )
+from p2p_diloco.swarm.averaging.serving import keep_round_key
 
 ME, OTHER = PeerID(b"\x00" * 34), PeerID(b"\x01" * 34)
 
@@ -71,15 +71,15 @@ def _kind(function) -> str:
 
 def _our_overrides() -> list[tuple[type, str, type]]:
     """(our class, method, the hivemind class it overrides it in) for every method our averaging redefines."""
-    from p2p_diloco.swarm.averaging import allreduce, averager, guard
+    from p2p_diloco.swarm.averaging import allreduce, averager, guard, server, serving, slices
 
     found = []
-    for module in (averager, allreduce, guard):
+    for module in (averager, server, serving, allreduce, slices, guard):
         for cls in vars(module).values():
             if not inspect.isclass(cls) or cls.__module__ != module.__name__:
                 continue
             bases = [b for b in (*cls.__mro__[1:], *HIVEMIND_BASES) if b.__module__.startswith("hivemind")]
-            if cls is guard.GuardedAverager:  # a mixin of hivemind's DecentralizedAverager
+            if cls is serving.GuardedAverager:  # a mixin of hivemind's DecentralizedAverager
                 bases = [DecentralizedAverager]
             elif not issubclass(cls, HIVEMIND_BASES):
                 continue
@@ -96,7 +96,7 @@ def test_every_method_our_averaging_overrides_exists_in_hivemind_with_the_same_p
     overrides = _our_overrides()
     names = {(ours.__name__, name) for ours, name, _ in overrides}
     # the walk finds the hooks it must (a walk that found nothing would pass anything)
-    assert {("PseudoGradientAverager", "_aggregate_with_group"), ("ExactAllReduceRunner", "rpc_aggregate_part"),
+    assert {("AveragingServer", "_aggregate_with_group"), ("ExactAllReduceRunner", "rpc_aggregate_part"),
             ("RobustPartReducer", "accumulate_part"), ("GuardedAverager", "_step")} <= names, names
     for ours, name, base in overrides:
         theirs = vars(base)[name]
@@ -234,7 +234,8 @@ class _Matchmaking:
 
 @pytest.mark.parametrize("leader", [OTHER, None])
 def test_guarded_matchmaking_hands_back_the_group_under_its_view_id_with_its_origin(leader):
-    from p2p_diloco.swarm.averaging.guard import GroupOrigin, GuardedAverager, PeerGuard, view_digest
+    from p2p_diloco.swarm.averaging.guard import GroupOrigin, PeerGuard, view_digest
+    from p2p_diloco.swarm.averaging.serving import GuardedAverager
 
     averager = GuardedAverager()
     averager.guard, averager.peer_id = PeerGuard(ban_after=3), ME

@@ -16,7 +16,6 @@ from hivemind.utils import MSGPackSerializer
 
 from p2p_diloco.faults import HONEST, HOSTILITY_OPTION, parse_hostility
 from p2p_diloco.medians import lower_median, upper_median
-from p2p_diloco.swarm.averaging.allreduce import RobustPartReducer
 from p2p_diloco.swarm.averaging.gathered import GatheredError, check_gathered
 from p2p_diloco.swarm.averaging.guard import PeerGuard, read_group
 from p2p_diloco.swarm.averaging.robust import (
@@ -26,6 +25,7 @@ from p2p_diloco.swarm.averaging.robust import (
     combine,
     weighted_mean,
 )
+from p2p_diloco.swarm.averaging.slices import RobustPartReducer
 
 DEFAULT = RobustRule()
 

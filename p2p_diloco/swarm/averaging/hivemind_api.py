@@ -10,14 +10,14 @@ where they are used.
 
 Hooks replaced on instances:
 
-- ``Matchmaking._request_join_group`` (:mod:`~p2p_diloco.swarm.averaging.guard`): a follower never asks a banned peer
+- ``Matchmaking._request_join_group`` (:mod:`~p2p_diloco.swarm.averaging.serving`): a follower never asks a banned peer
   or an outsider to lead its group;
 - ``Matchmaking.follower_assemble_group`` (:class:`~p2p_diloco.swarm.averaging.guard.GroupViews`): a follower notes
   which leader relayed its group's records (hivemind forgets it before the group is averaged);
 - ``Matchmaking.look_for_group`` (:class:`~p2p_diloco.swarm.averaging.guard.GroupViews`): the group comes back under
   its view id (hivemind's group id and a digest of the records as this peer read them), with the exact record this
   peer sent noted;
-- ``GroupKeyManager.update_key_on_group_assembled`` (:func:`~p2p_diloco.swarm.averaging.guard.keep_round_key`): the
+- ``GroupKeyManager.update_key_on_group_assembled`` (:func:`~p2p_diloco.swarm.averaging.serving.keep_round_key`): the
   group key stays the round's after a group assembles, so that a failed all-reduce's survivors meet again;
 
 Replaced on the class, for the whole process: ``P2P.receive_raw_data``
@@ -36,7 +36,7 @@ Wrapped, not replaced: ``StepControl.cancel`` (:func:`cancel_step`): the step re
 signal reaches the averager process (hivemind sends the signal first).
 
 Called, not replaced: ``DecentralizedAverager.get_stub`` and the ``rpc_download_state`` stream it opens
-(:meth:`~p2p_diloco.swarm.averaging.averager.PseudoGradientAverager.download_state` asks the donors the caller chose,
+(:func:`~p2p_diloco.swarm.averaging.download.download_from` asks the donors the caller chose,
 checking what arrives as it arrives, instead of hivemind's ``load_state_from_peers``, which orders donors by the
 priority each declares in an unsigned DHT key and buffers whatever they send).
 """

@@ -1,0 +1,365 @@
+"""The averager's server: what runs in its background process (hivemind's ``DecentralizedAverager``).
+
+:class:`AveragingServer` finds the round's group through the DHT and averages one stage's (or fragment's)
+pseudo-gradients with it over libp2p, answering other peers as it goes (:mod:`~p2p_diloco.swarm.averaging.serving`):
+
+- the group key is ``<prefix>.0b<round bits>``: peers of another run, stage split or round never land in the same
+  group, and the round carried in the gathered metadata is checked again (:func:`~p2p_diloco.swarm.averaging.guard.
+  read_group`, which also caps the tokens each member claims and drops what a broken or hostile member sent);
+- the group agrees on the round's compression plan from its gathered metadata (:mod:`p2p_diloco.compression.policy`)
+  and averages under it, low-rank in two phases (:mod:`p2p_diloco.swarm.averaging.reduce`), each phase an exact,
+  robust all-reduce (:mod:`p2p_diloco.swarm.averaging.allreduce`) whose result is bit-identical on every member;
+  members compare the digests of what each reducer sent them before using it
+  (:mod:`p2p_diloco.swarm.averaging.digests`);
+- the average and this peer's error-feedback residual are left in shared memory for the client;
+- downloads of a stage's state run here too (:mod:`p2p_diloco.swarm.averaging.download`).
+
+The training process talks to it only through :class:`p2p_diloco.swarm.averaging.averager.PseudoGradientAverager`,
+the client: the shared buffers (:attr:`residuals`, :attr:`traffic`, :attr:`buffered_round`, hivemind's
+``get_tensors``), hivemind's ``step`` and ``set_group_bits``, and :meth:`ask` for this module's own calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import logging
+import signal
+import time
+import typing
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Optional
+
+import torch
+
+from p2p_diloco.compression.codecs import CODECS
+from p2p_diloco.compression.policy import CompressionPolicy
+from p2p_diloco.config import AveragingConfig
+from p2p_diloco.faults import HONEST, Honest, fault_point
+from p2p_diloco.process import die_with_parent, leave_signals_to_parent, lower_priority, ready_or_killed
+from p2p_diloco.swarm.averaging.allreduce import BYTES_RECEIVED, ExactAllReduceRunner
+from p2p_diloco.swarm.averaging.digests import exchange_digests, judge
+from p2p_diloco.swarm.averaging.download import download_from
+from p2p_diloco.swarm.averaging.guard import MAX_CATCH_UP, GroupView, PeerGuard, read_group
+from p2p_diloco.swarm.averaging.hivemind_api import (
+    AllreduceException,
+    CompressionInfo,
+    DecentralizedAverager,
+    MatchmakingException,
+    MPFuture,
+    PerTensorCompression,
+    enter_asynchronously,
+    groups_registered,
+    load_balance_peers,
+    matchmaking_of,
+    outer_pipe,
+    p2p_of,
+    running_groups,
+)
+from p2p_diloco.swarm.averaging.reduce import RoundReducer
+from p2p_diloco.swarm.averaging.robust import RobustRule, average_bound
+from p2p_diloco.swarm.averaging.serving import GuardedAverager
+from p2p_diloco.swarm.discovery.records import record_owner
+from p2p_diloco.swarm.errors import SwarmError
+
+logger = logging.getLogger(__name__)
+
+PHASES = (b"", b".P", b".Q")  # group id suffixes of a round's all-reduces (whole tensors; low-rank P; low-rank Q)
+# the step (hivemind's StepControl) that the running task of the averager's background process serves: each step
+# runs in its own task, so the all-reduce of that step can see its cancel (see _unless_cancelled)
+_STEP: contextvars.ContextVar = contextvars.ContextVar("p2p_diloco_step", default=None)
+AVERAGER_START_TIMEOUT_S = 60.0  # its process needs only the local p2p daemon: over a minute means a stuck machine
+
+
+class _StepCancelled(AllreduceException):
+    """The all-reduce was left because this peer cancelled the round's step."""
+
+
+def _was_signalled(wait: asyncio.Future) -> bool:
+    """Whether a step's ``wait_for_cancel()`` ended because the step was cancelled (its signal is set only then)."""
+    return wait.done() and not wait.cancelled() and wait.exception() is None
+
+
+class AveragingServer(GuardedAverager, DecentralizedAverager):
+    """Averages the pseudo-gradients of one stage (or fragment) with the same unit of other peers.
+
+    Args:
+        templates: tensors with the shapes of the unit's parameters (values are not used).
+        dht: a running hivemind DHT.
+        prefix: the unit's group key prefix (:func:`~p2p_diloco.swarm.averaging.averager.group_prefix` or
+            :func:`~p2p_diloco.swarm.averaging.averager.fragment_prefix`; several units on one DHT each have their
+            own, and their own RPC namespace).
+        initial_group_bits: the group key's round bits of round 0.
+        cfg: the ``[averaging]`` section.
+        behaviour: :data:`~p2p_diloco.faults.HONEST`, or a :class:`~p2p_diloco.faults.Hostility` that tests and
+            benchmarks give a hostile peer.
+    """
+
+    # hivemind caches a servicer's handlers and stub type on the class, and a subclass inherits the cache when its
+    # base was collected first: ours are collected on their own (rpc_fetch_averages is ours alone)
+    _rpc_handlers = None
+    _stub_type = None
+    _workers_niced = False  # in the background process: its executor's threads run at a lower priority (_step)
+
+    def __init__(self, templates: Sequence[torch.Tensor], dht, *, prefix: str, initial_group_bits: str,
+                 cfg: AveragingConfig, behaviour: Honest = HONEST):
+        self.cfg = cfg
+        self.traffic = torch.zeros(2, dtype=torch.int64).share_memory_()
+        # the round whose contribution the buffers hold; a late average of an abandoned round never lands there
+        self.buffered_round = torch.full((1,), -1, dtype=torch.int64).share_memory_()
+        buffers = [torch.zeros(t.shape, dtype=torch.float32) for t in templates]
+        self.residuals = [torch.zeros_like(b).share_memory_() for b in buffers]
+        self.policy = CompressionPolicy([tuple(t.shape) for t in templates], cfg)
+        self._reducer = RoundReducer(self.policy, seed=prefix)
+        self.state_provider = None  # () -> (metadata, tensors): what this unit serves to newcomers
+        self.guard = PeerGuard(cfg.ban_after, cfg.allowlist)  # its state lives in the background process
+        self.rule = RobustRule(outlier_ratio=cfg.outlier_norm_ratio, clip_ratio=cfg.clip_ratio)
+        self.behaviour = behaviour
+        try:  # the subkey this peer's DHT node signs its entries under: the group's digest records (digests.py)
+            self._digests_owner: Optional[bytes] = record_owner(dht)
+        except SwarmError:  # a node started outside start_dht (tests) signs nothing: no digest comparison
+            self._digests_owner = None
+        if behaviour is not HONEST:
+            logger.warning(f"This peer is hostile to its groupmates ({behaviour}): a test hook")
+        super().__init__(
+            buffers,
+            dht,
+            start=False,  # started below, with a bound: hivemind waits for its process to be ready without one
+            prefix=prefix,
+            initial_group_bits=initial_group_bits,
+            target_group_size=cfg.target_group_size,
+            min_group_size=cfg.min_group_size,
+            min_matchmaking_time=cfg.matchmaking_time_s,
+            request_timeout=cfg.request_timeout_s,
+            allreduce_timeout=cfg.allreduce_timeout_s + 5,  # ours, in _aggregate_with_group, expires first
+            next_chunk_timeout=cfg.next_chunk_timeout_s,
+            declare_state_period=10,
+            shutdown_timeout=5,
+        )
+        self._start_bounded(AVERAGER_START_TIMEOUT_S)
+
+    # ---- called from the training process (by the client) ------------------------------------------
+    def ask(self, method: str, within_s: float, /, **kwargs):
+        """Run ``method(**kwargs, future=...)`` of this server in its background process and return what it sets
+        (waiting at most ``within_s``; raises what the future raises). The training process's only way in besides
+        hivemind's own calls."""
+        future = MPFuture()
+        outer_pipe(self).send((method, [], dict(kwargs, future=future)))
+        return future.result(timeout=within_s)
+
+    def get_current_state(self):
+        """Runs in a background thread of the training process when a peer downloads this unit's state."""
+        if self.state_provider is None:
+            return {}, [], None
+        metadata, tensors = self.state_provider()
+        return metadata, tensors, None
+
+    def _start_bounded(self, timeout_s: float) -> None:
+        """Start the background process and wait until it serves, at most ``timeout_s`` (it only needs the local p2p
+        daemon, so a longer wait means a stuck machine): then kill it and raise :class:`SwarmError`."""
+        self.run_in_background(await_ready=False)
+        if not ready_or_killed(self, self.wait_until_ready, timeout_s):
+            raise SwarmError(f"the averager's process was not ready within {timeout_s:.0f} s")
+
+    # ---- runs in the background process ------------------------------------------------------------
+    def run(self) -> None:
+        die_with_parent(signal.SIGKILL)  # a peer killed with SIGKILL leaves no averager behind
+        leave_signals_to_parent()  # a signal to the whole group is for the training process to handle
+        super().run()
+
+    async def _step(self, **kwargs):
+        """hivemind's step, with the event loop's work of compression and reduction (all of it in the loop's default
+        executor) on threads at a lower CPU priority than training, so that averaging in the background does not
+        slow the inner steps down; the loop itself keeps training's priority, as it answers the swarm's
+        matchmaking and all-reduce messages (at a lower priority, on a busy machine, a leader answered a join
+        request too late for the follower to wait, and groups formed without members that had joined them)."""
+        if not self._workers_niced:
+            self._workers_niced = True
+            asyncio.get_event_loop().set_default_executor(
+                ThreadPoolExecutor(thread_name_prefix="averaging", initializer=lower_priority))
+        _STEP.set(kwargs.get("step"))
+        return await super()._step(**kwargs)
+
+    @staticmethod
+    async def _unless_cancelled(work: typing.Awaitable, round_index: int):
+        """``work`` (the all-reduce of this task's step), ended at once if the training process cancels the step.
+
+        hivemind sees a cancel only while a step is matching: a step cancelled just as its group forms (its round
+        found hopeless a moment before) runs its all-reduce to the end or to the timeout, and the next round's step
+        waits for it (a restarted peer's next averaging then starts seconds late, off the swarm's anchor)."""
+        step = _STEP.get()
+        work = asyncio.ensure_future(work)
+        if step is None:
+            return await work
+        cancelled = asyncio.ensure_future(step.wait_for_cancel())
+        try:
+            await asyncio.wait({work, cancelled}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # this task was cancelled (hivemind's own all-reduce timeout)
+            work.cancel()
+            raise
+        finally:
+            cancelled.cancel()
+        # the cancel's own signal decides, not step.cancelled(): StepControl.cancel() sends the signal before it
+        # marks the step cancelled, and a training process descheduled between the two (a busy machine) would leave
+        # the all-reduce running to its timeout
+        if work.done() or not _was_signalled(cancelled):
+            return await work
+        work.cancel()
+        with contextlib.suppress(Exception, asyncio.CancelledError):
+            await work  # its own clean-up (streams, the reducer's state) runs before this step ends
+        for _ in range(100):  # until the step reads as cancelled (at most 1 s): then hivemind's step loop ends it
+            if step.cancelled():  # rather than looking for a group again
+                break
+            await asyncio.sleep(0.01)
+        raise _StepCancelled(f"round {round_index}'s averaging step was cancelled by this peer")
+
+    @contextlib.contextmanager
+    def _register_allreduce_group(self, group_info):
+        """A round runs up to three all-reduces in its group; register them all (as hivemind's PowerSGD does)."""
+        try:
+            for phase in PHASES:
+                running_groups(self)[group_info.group_id + phase] = asyncio.Future()
+            groups_registered(self).set()
+            yield
+        finally:
+            for phase in PHASES:
+                running_groups(self).pop(group_info.group_id + phase, None)
+            groups_registered(self).set()
+
+    async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs):
+        """Agree on the round's plan, average under it, and leave the average and the residual in shared memory.
+        ``group_info.group_id`` is the group's view id (:class:`~p2p_diloco.swarm.averaging.guard.GroupViews`)."""
+        try:
+            origin = self.group_views.origin(group_info.group_id)
+            view = read_group(group_info, self.serializer, self.peer_id, self.guard, self.cfg.max_weight_ratio, origin)
+            my_round = view.round_index
+            plan = self.policy.agree(list(view.infos.values()))
+            fractions = await asyncio.get_event_loop().run_in_executor(
+                None, load_balance_peers, self.total_size, view.bandwidths, min_vector_size)
+            kwargs.pop("compression", None), kwargs.pop("tensor_infos", None)
+
+            digests: dict = {}  # phase -> reducer -> digest of the slice this peer got from it
+
+            async def allreduce(tensors, codecs, phase):
+                tensors = self.behaviour.outgoing(tensors)
+                averaged, digests[phase.decode() or "-"] = await self._allreduce_phase(
+                    tensors, codecs, group_info, group_info.group_id + phase, view, peer_fractions=fractions, **kwargs)
+                return averaged
+
+            fault_point("allreduce-group-formed")  # test hooks: unset, a dictionary lookup and a no-op
+            await self.behaviour.join_allreduce()
+            received_before, started = int(self.traffic[BYTES_RECEIVED]), time.monotonic()
+            async with enter_asynchronously(self.get_tensors()) as buffers:
+                if int(self.buffered_round[0]) != my_round:
+                    raise AllreduceException(f"round {my_round} was abandoned by this peer")
+                # bounded here rather than by hivemind's timeout, whose expiry is not retried: a group whose
+                # all-reduce stalls (a member stopped sending) re-forms and averages again within the round's budget
+                outcome = await self._unless_cancelled(asyncio.wait_for(
+                    self._reducer.reduce([b.clone() for b in buffers], plan, my_round, allreduce),
+                    timeout=self.cfg.allreduce_timeout_s), my_round)
+                await self._compare_digests(group_info.group_id, view, digests)
+                for buffer, residual, average, error in zip(buffers, self.residuals, outcome.averaged,
+                                                            outcome.residuals):
+                    buffer.copy_(average)
+                    residual.copy_(error)
+            received = int(self.traffic[BYTES_RECEIVED]) - received_before
+            # a throughput sample only when the payload amortizes the latency and the waits of the group
+            measured = received * 8 / 1e6 / max(time.monotonic() - started, 1e-3) if received >= 2**20 else None
+            proposal = self.policy.next_proposal(plan, outcome.q_avgs, my_round)
+            stats = dict(outcome.stats, bandwidth_mbit=measured)
+            return {"gathered": view.infos, "tokens": view.tokens, "stats": stats, "next": proposal}
+        except BaseException as e:
+            if isinstance(e, _StepCancelled):
+                logger.info(f"Left the all-reduce of a group of {len(group_info.peer_ids)}: this peer cancelled the "
+                            "round's averaging step")
+            elif isinstance(e, Exception):  # hivemind retries the round's matchmaking (within its budget) after this
+                logger.warning(f"The all-reduce of a group of {len(group_info.peer_ids)} failed ({e!r}); looking for "
+                               "the round's group again")
+                logger.debug("The all-reduce's failure", exc_info=True)
+            raise MatchmakingException(f"Unable to run All-Reduce: {e}") from e
+        finally:
+            self._leave_group(group_info.group_id)
+
+    async def _allreduce_phase(self, tensors, codecs, group_info, group_id, view: GroupView,
+                               **kwargs) -> tuple[list[torch.Tensor], dict[str, str]]:
+        """One exact, robust all-reduce of ``tensors`` (codec ``codecs[i]`` for tensor i) in the round's group; the
+        averages, and a digest of the slice this peer got from each reducer."""
+        # an honest average is within robust.average_bound times this peer's part (its own claim is the one it
+        # sent); beyond it the average is refused and the reducer left out of the round's retry. Beyond outlier_ratio
+        # x the median part (scaled by catch_up, capped: see GroupView.catch_up), with a factor 2 to spare, no honest
+        # reducer goes at all (larger parts are left out): an offence
+        members, offence_bound = list(view.weights), 2 * self.rule.outlier_ratio * view.catch_up
+        plausible = average_bound([view.weights[p] for p in members],
+                                  [float(view.infos[p]["tokens"]) for p in members], members.index(self.peer_id),
+                                  self.rule, MAX_CATCH_UP)
+        runner = ExactAllReduceRunner(
+            traffic=self.traffic, weights=view.weights, rule=self.rule, average_bound=offence_bound,
+            plausible_bound=min(plausible, offence_bound),
+            claims={peer_id: float(info["tokens"]) for peer_id, info in view.infos.items()},
+            behaviour=self.behaviour, p2p=p2p_of(self), servicer_type=type(self), prefix=self.prefix, tensors=tensors,
+            group_id=group_id,
+            ordered_peer_ids=group_info.peer_ids, modes=view.modes,
+            compression=PerTensorCompression([CODECS[c] for c in codecs]),
+            tensor_infos=[CompressionInfo.from_tensor(t, key=i) for i, t in enumerate(tensors)], **kwargs,
+        )
+        assert group_id in running_groups(self), f"group {group_id} was not registered"
+        self._keep_served(group_id, runner.served)
+        running_groups(self)[group_id].set_result(runner)
+        try:
+            averaged = [average async for average in runner]
+        finally:
+            for peer_id, reason in runner.flags:
+                self.guard.record(view.round_index, peer_id, reason)
+            for peer_id in runner.silent + runner.implausible:
+                self.guard.leave_out(view.round_index, peer_id)
+            for peer_id in runner.absent:
+                self.guard.absent(view.round_index, peer_id)
+            if runner.refused_by:
+                # groupmates read the group's records differently: what the leader relayed differed between them
+                # (or one of them has left the group). Not proof (see guard.py), but the round's retry does
+                # without this leader: one that forged other members' records failed every retry of the round
+                leader = self.group_views.origin(group_info.group_id).leader
+                if leader != self.peer_id:
+                    self.guard.leave_out(view.round_index, leader)
+        failed = runner.tensor_part_container.failed_size
+        if failed:
+            # some reducer vanished: part of the result is our own values, so the round is not an average
+            raise AllreduceException(f"{failed} of {runner.tensor_part_container.total_size} values were not averaged")
+        return averaged, runner.slice_digests()
+
+    async def _compare_digests(self, view_id: bytes, view: GroupView, digests: dict) -> None:
+        """Publish the digests of the slices this peer got, read its groupmates' (at most one request timeout), and
+        raise AllreduceException, naming the reducer, if one sent this peer other bytes than the group's (see
+        :mod:`~p2p_diloco.swarm.averaging.digests`)."""
+        if self._digests_owner is None:
+            return
+        me, members = self.peer_id.to_base58(), {peer_id.to_base58(): peer_id for peer_id in view.infos}
+        claims = await exchange_digests(self.dht, f"{self.prefix}.digests.{view_id.hex()}", self._digests_owner, me,
+                                        digests, members, self.cfg.request_timeout_s)
+        verdict = judge(me, digests, claims)
+        for reducer, reason in verdict:
+            self.guard.record(view.round_index, members[reducer], reason)
+        if verdict:
+            raise AllreduceException(f"reducers sent this peer other averages than the group's: {verdict}")
+
+    def _round_averaged(self) -> Optional[int]:
+        round_index = int(self.buffered_round[0])
+        return None if round_index < 0 else round_index
+
+    async def _set_target_group_size(self, size: Optional[int], future) -> None:
+        matchmaking_of(self).target_group_size = size
+        matchmaking_of(self).potential_leaders.target_group_size = size
+        future.set_result(None)
+
+    async def _report_flags(self, round_index: int, future) -> None:
+        future.set_result(self.guard.report(round_index))
+
+    async def _download_from(self, donors: list[str], timeout_s: float, future) -> None:
+        """:func:`~p2p_diloco.swarm.averaging.download.download_from` (asked by the client's ``download_state``)."""
+        try:
+            future.set_result(await download_from(self, donors, timeout_s))
+        finally:
+            if not future.done():
+                future.set_result(None)
