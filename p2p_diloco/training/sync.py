@@ -241,12 +241,13 @@ class SwarmSync:
             self._resync(last)
 
     def agreed_at_end(self) -> bool:
-        """Whether every other peer that applied the run's last round holds this stage's anchor after it (a peer
-        holding the canonical one stays until the others took it: they download it from such peers). Every signed
-        record counts here, as in :meth:`at_end`: a record that never agrees costs a wait bounded by the caller."""
+        """Whether every other peer whose word counts (:meth:`Witnesses.counted`) and that applied the run's last
+        round holds this stage's anchor after it (a peer holding the canonical one stays until the others took it:
+        they download it from such peers). Not every signed record: an outsider's record that never agrees held
+        every honest peer for ``averaging.round_timeout_s`` and had it warn that the models differ."""
         last = (self.num_rounds or 0) - 1
         mine = self.fingerprints.get(last)
-        return mine is None or set(anchor_votes(self.swarm.others(), last)) <= {mine}
+        return mine is None or set(anchor_votes(self._others(), last)) <= {mine}
 
     def _resync(self, diverged_round: int) -> None:
         state = self.fetcher.download(at_least_round=self.stage.round_index, at_most_round=self.stage.round_index)

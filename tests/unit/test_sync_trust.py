@@ -256,3 +256,20 @@ def test_a_hostile_groupmate_met_alone_does_not_keep_a_peer_from_the_swarms_stat
     # peers met are then none, and every signed record counts (the liar's aside)
     assert set(sync.witnesses.discredited) == {"liar"}
     assert [r.node for r in sync.witnesses.counted(records)] == ["a", "b"]
+
+
+def test_a_strangers_final_anchor_does_not_keep_the_peers_that_agree_from_leaving():
+    """At the run's end a peer holding the agreed final anchor stays until the others hold it too. A record of a
+    peer it never met, claiming another final anchor, held it for the whole bound (and had it warn that the models
+    differ); a groupmate's record still does."""
+    num_rounds, mine = 4, "a" * 64
+    peer = make_stage()
+    peer.round_index, peer.applied_round = num_rounds, num_rounds - 1
+    friend = Record(num_rounds, num_rounds - 1, mine, node="friend")
+    stranger = Record(num_rounds, num_rounds - 1, "f" * 64, node="outsider")
+    sync = sync_of(peer, [friend, stranger], {}, num_rounds=num_rounds)
+    sync.remember(mine)
+    sync.witnesses.met_group(["me", "friend"])
+    assert sync.agreed_at_end()
+    sync.swarm.records[0] = Record(num_rounds, num_rounds - 1, "b" * 64, node="friend")  # a groupmate off it
+    assert not sync.agreed_at_end()
