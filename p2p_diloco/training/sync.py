@@ -240,14 +240,17 @@ class SwarmSync:
         if self._diverged_round(self.witnesses.counted(self.swarm.others())) == last:
             self._resync(last)
 
-    def agreed_at_end(self) -> bool:
-        """Whether every other peer whose word counts (:meth:`Witnesses.counted`) and that applied the run's last
-        round holds this stage's anchor after it (a peer holding the canonical one stays until the others took it:
-        they download it from such peers). Not every signed record: an outsider's record that never agrees held
-        every honest peer for ``averaging.round_timeout_s`` and had it warn that the models differ."""
+    def agreed_at_end(self, believed_only: bool = False) -> bool:
+        """Whether every other peer that applied the run's last round holds this stage's anchor after it (a peer
+        holding the canonical one stays until the others took it: they download it from such peers). Every signed
+        record counts, as in :meth:`at_end`: a peer restarted late under a fresh identity is a stranger to the
+        others, and it downloads the final anchor from them while they stay; a record that never agrees costs a
+        wait bounded by the caller. ``believed_only``: the peers whose word counts (:meth:`Witnesses.counted`)
+        only, to tell a split of the swarm from a stranger's claim."""
         last = (self.num_rounds or 0) - 1
         mine = self.fingerprints.get(last)
-        return mine is None or set(anchor_votes(self._others(), last)) <= {mine}
+        records = self._others() if believed_only else self.swarm.others()
+        return mine is None or set(anchor_votes(records, last)) <= {mine}
 
     def _resync(self, diverged_round: int) -> None:
         state = self.fetcher.download(at_least_round=self.stage.round_index, at_most_round=self.stage.round_index)
@@ -306,6 +309,10 @@ class SyncGroup:
         fragment's own."""
         for sync in self.syncs:
             sync.at_end(deadline)
+
+    def believed_agree_at_end(self) -> bool:
+        """Whether every unit's believed peers hold its final anchor (:meth:`SwarmSync.agreed_at_end`)."""
+        return all(sync.agreed_at_end(believed_only=True) for sync in self.syncs)
 
     def wait_agreed_at_end(self, deadline: float, poll_s: float = 0.25) -> bool:
         """Stay until every unit's final anchor is every finished peer's (they may be downloading it from this one),

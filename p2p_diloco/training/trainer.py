@@ -319,7 +319,11 @@ class Trainer:
         self.syncs.at_end(deadline)
         if self._log_sync_events():
             self._publish(self.summary.last_loss or float("nan"), self.tokens_per_s, force=True)
-        if not self.syncs.wait_agreed_at_end(deadline):
+        if self.syncs.wait_agreed_at_end(deadline):
+            return
+        if self.syncs.believed_agree_at_end():  # only peers never met disagree: a claim, not a split of the swarm
+            logger.info("Leaving while peers this one never met still claim another final anchor")
+        else:
             logger.warning("Leaving while peers that finished the run still hold another final anchor (they could "
                            "not take the agreed one in time): their models differ from this one")
 
