@@ -39,6 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from p2p_diloco.config import load_config  # noqa: E402
+from p2p_diloco.config.network import COMPRESSIONS  # noqa: E402
 from p2p_diloco.data import WindowSampler, eval_batches  # noqa: E402
 from p2p_diloco.model import build_stage_model, model_args_from_config  # noqa: E402
 from p2p_diloco.model.fragments import FragmentView, fragment_parts, split_parameters  # noqa: E402
@@ -55,6 +56,11 @@ ALL_ROWS = ("alone", "alone-diloco", "none/none", "none/adaptive", "delayed/none
 """``mode/compression@N``: the round's average arrives N inner steps into the next round (default: --arrival-steps,
 H); delayed applies it then or at diloco.overlap_steps, whichever comes first. ``delayed-H``: overlap_steps = H.
 ``mode/compression~F``: streaming sync of F fragments (model/fragments.py), one fragment averaged at a time."""
+SPARSELOCO_OUTER = [("diloco.outer_momentum", "0"), ("diloco.outer_lr", "1.0")]
+"""Rows of compression ``sparseloco``: theta <- theta - alpha * mean of the sparse contributions, alpha = 1, no outer
+momentum (arXiv 2508.15706, Algorithm 1)."""
+MODES = ("none", "delayed", "delayed-H", "eager")
+"""Any ``mode/compression`` with a mode of these and a compression of ``averaging.compression`` is a row too."""
 
 
 @dataclass
@@ -81,7 +87,8 @@ class Setting:
             overrides += WAN_MODEL
         elif args.preset != "tiny":
             overrides[0] = ("model.preset", args.preset)
-        overrides += [tuple(item.split("=", 1)) for item in args.set]
+        self.sets = [tuple(item.split("=", 1)) for item in args.set]
+        overrides += self.sets
         self.overrides = overrides
         overrides = overrides + list(extra or [])
         self.cfg = load_config(None, overrides)
@@ -94,8 +101,10 @@ class Setting:
     def config(self, mode: str, compression: str):
         """``delayed-H``: delayed with overlap_steps = H (DiLoCoX's whole-round delay)."""
         whole = [("diloco.overlap_steps", str(self.args.h))] if mode == "delayed-H" else []
-        return load_config(None, self.overrides + whole + [("diloco.mode", mode.removesuffix("-H")),
-                                                           ("averaging.compression", compression)])
+        # SparseLoCo's outer step is the paper's (its error feedback plays the momentum), unless --set says otherwise
+        paper = SPARSELOCO_OUTER if compression == "sparseloco" else []
+        return load_config(None, self.overrides + paper + self.sets + whole + [
+            ("diloco.mode", mode.removesuffix("-H")), ("averaging.compression", compression)])
 
     def model(self, seed: int):
         """The model of every worker of a run with this seed (init seed: model.init_seed + seed)."""
@@ -466,7 +475,8 @@ def main() -> None:
             scheme, _, _ = parse_row(row)
         except ValueError:
             return False
-        return row in ALL_ROWS or "/" in scheme and scheme in ALL_ROWS
+        mode, _, compression = scheme.partition("/")
+        return row in ALL_ROWS or scheme in ALL_ROWS or mode in MODES and compression in COMPRESSIONS
     unknown = [r for r in rows if not known(r)]
     if unknown:
         parser.error(f"unknown rows {unknown}; known: {', '.join(ALL_ROWS)}")

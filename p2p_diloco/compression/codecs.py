@@ -26,6 +26,8 @@ import torch
 from hivemind.compression import CompressionBase, CompressionInfo, Float16Compression, NoCompression
 from hivemind.proto import runtime_pb2
 
+from p2p_diloco.compression import sparse
+
 BLOCK = 256  # values per scale; a power of two, so hivemind's part boundaries fall on block boundaries
 MAX_DIMS = 8  # dimensions of a tensor on the wire: parts are 1-D, state tensors have their parameter's shape
 WIRE_DTYPE = "float32"  # the dtype field of fp32 and fp16 messages: the dtype of the tensor before encoding
@@ -140,6 +142,27 @@ CODECS: dict[str, CompressionBase] = {
     "int4": BlockwiseQuantization4Bit(),
 }
 _OURS = {codec.name: codec for codec in CODECS.values() if isinstance(codec, _Blockwise)}
+_SPARSE = (sparse.TOPK_NAME, sparse.AVERAGE_NAME)
+_AVERAGE = sparse.SparseAverage()
+
+
+def codec_for(name: str) -> CompressionBase:
+    """The codec a plan names: one of :data:`CODECS`, ``topk2:<k>`` (SparseLoCo's top-k of each chunk of
+    :data:`~p2p_diloco.compression.sparse.CHUNK` values, 2 bits each) or ``sparse8`` (a sparse average)."""
+    if name in CODECS:
+        return CODECS[name]
+    if name == "sparse8":
+        return _AVERAGE
+    kind, _, k = name.partition(":")
+    if kind == "topk2" and k.isdigit():
+        return sparse.TopK2Bit(int(k))
+    raise ValueError(f"unknown codec {name!r}")
+
+
+def result_codec(name: str) -> str:
+    """The codec a reducer sends its average back with, for parts sent with ``name``: the same, but ``sparse8``
+    for top-k parts (the average of several is not a top-k of 2-bit values)."""
+    return "sparse8" if name.startswith("topk2:") else name
 
 
 def decode_tensor(serialized: runtime_pb2.Tensor, max_values: int | None = None) -> torch.Tensor:
@@ -155,15 +178,19 @@ def decode_tensor(serialized: runtime_pb2.Tensor, max_values: int | None = None)
     """
     compression, dtype = serialized.compression, serialized.dtype
     codec = _OURS.get(dtype) if compression == runtime_pb2.NONE else None
-    if codec is None and not (dtype == WIRE_DTYPE and compression in (runtime_pb2.NONE, runtime_pb2.FLOAT16)):
+    is_sparse = compression == runtime_pb2.NONE and dtype in _SPARSE
+    if codec is None and not is_sparse and \
+            not (dtype == WIRE_DTYPE and compression in (runtime_pb2.NONE, runtime_pb2.FLOAT16)):
         raise ValueError(f"a tensor of compression {_compression_name(compression)} and dtype {dtype[:40]!r} is not "
-                         f"one this version sends (fp32, fp16 of fp32, {', '.join(sorted(_OURS))})")
+                         f"one this version sends (fp32, fp16 of fp32, {', '.join(sorted(_OURS) + list(_SPARSE))})")
     shape, num_values = wire_shape(serialized)
     if max_values is not None and num_values > max_values:
         raise ValueError(f"a tensor of shape {list(shape)} holds {num_values} values, more than the "
                          f"{max_values} expected")
     if codec is not None:
         return codec.extract(serialized)
+    if is_sparse:
+        return sparse.decode(serialized, shape, num_values)
     value_bytes = 4 if compression == runtime_pb2.NONE else 2
     if len(serialized.buffer) != value_bytes * num_values:
         raise ValueError(f"{_compression_name(compression)} payload of {len(serialized.buffer)} bytes does not fit "
@@ -189,15 +216,20 @@ def _compression_name(compression: int) -> str:
 
 def roundtrip(codec_name: str, tensor: torch.Tensor) -> torch.Tensor:
     """What ``tensor`` becomes after encoding and decoding with a codec (the values the wire carries)."""
-    codec = CODECS[codec_name]
+    codec = codec_for(codec_name)
     if codec_name == "fp32":
         return tensor.detach().to(dtype=torch.float32, device="cpu")
     info = CompressionInfo.from_tensor(tensor)
     return decode_tensor(codec.compress(tensor.detach().cpu().float(), info)).float()
 
 
-def encoded_size(codec_name: str, num_values: int) -> int:
-    """Bytes of payload for ``num_values`` values (the planner's byte estimates)."""
+def encoded_size(codec_name: str, num_values: int, group_size: int = 1) -> int:
+    """Bytes of payload for ``num_values`` values (the planner's byte estimates); for ``sparse8``, the most an
+    average of ``group_size`` top-k contributions takes."""
+    if codec_name.startswith("topk2:"):
+        return sparse.encoded_size("topk2", num_values, int(codec_name.split(":")[1]))
+    if codec_name.startswith("sparse8:"):  # sparse8:<k>: the average of top-k parts
+        return sparse.encoded_size("sparse8", num_values, int(codec_name.split(":")[1]), group_size)
     if codec_name in ("fp32", "fp16"):
         return num_values * (4 if codec_name == "fp32" else 2)
     codec = CODECS[codec_name]

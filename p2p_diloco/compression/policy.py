@@ -2,10 +2,12 @@
 
 ``averaging.compression`` picks the scheme: ``none`` (fp32), ``fp16``, ``int8`` (blockwise, or 4-bit with
 ``averaging.quant_bits = 4``), ``lowrank`` (2-D tensors of at least ``lowrank_min_size`` values through
-PowerSGD two-phase averaging at a fixed rank, factors quantized; the rest quantized) and ``adaptive``
-(lowrank whose rank and bits change every round). Every peer proposes (rank, bits, the round of the warm Q
-it holds), its last compression error, link rate and round of compute in the round's gathered metadata;
-:meth:`CompressionPolicy.agree` turns them into one :class:`RoundPlan` (the group's median rank and bits, more
+PowerSGD two-phase averaging at a fixed rank, factors quantized; the rest quantized), ``adaptive``
+(lowrank whose rank and bits change every round) and ``sparseloco`` (every tensor as the top-k of each chunk at 2
+bits, :mod:`p2p_diloco.compression.sparse`; k is ``averaging.sparse_topk``, halved until the round fits the
+bandwidth budget of the group's slowest link, as ``adaptive`` cuts its rank). Every peer proposes (rank, bits, the
+round of the warm Q it holds), its last compression error, link rate and round of compute in the round's gathered
+metadata; :meth:`CompressionPolicy.agree` turns them into one :class:`RoundPlan` (the group's median rank and bits, more
 rank while the group's error is high, cut to the bandwidth budget of the slowest link; warm start only if
 everyone holds the same Q), and :meth:`CompressionPolicy.next_proposal` derives the next proposal from what
 the group shares after the round (the spectrum of the averaged Qs). So all peers of a group pick the same
@@ -31,7 +33,7 @@ from p2p_diloco.compression.lowrank import desired_rank, lowrank_size
 from p2p_diloco.config import AveragingConfig
 from p2p_diloco.medians import lower_median, upper_median
 
-SCHEMES = ("none", "fp16", "int8", "lowrank", "adaptive")
+SCHEMES = ("none", "fp16", "int8", "lowrank", "adaptive", "sparseloco")
 LINK_SPREAD = 4.0  # a member's link counts as at most this many times slower than the group's median link
 
 
@@ -62,6 +64,12 @@ class CompressionPolicy:
         self.eligible = tuple(i for i, s in enumerate(self.shapes) if self.scheme in ("lowrank", "adaptive")
                               and len(s) == 2 and math.prod(s) >= cfg.lowrank_min_size and min(s) > cfg.min_rank)
 
+    @property
+    def feedback_decay(self) -> float:
+        """What the error feedback is multiplied by before a round's pseudo-gradient is added: SparseLoCo's beta,
+        1 for the other schemes (nothing owed is forgotten)."""
+        return self.cfg.sparse_feedback_decay if self.scheme == "sparseloco" else 1.0
+
     def initial_proposal(self) -> dict:
         return {"rank": self.cfg.rank, "bits": self.cfg.quant_bits, "q_round": -1}
 
@@ -85,18 +93,39 @@ class CompressionPolicy:
             if errors and upper_median(errors) > self.cfg.target_error:
                 rank = min(2 * rank, self.cfg.max_rank)
             rank, bits = self._fit_budget(rank, bits, members)
+        if self.scheme == "sparseloco":
+            return self._sparse_plan(self._fit_topk(members))
         return self._plan_at(rank, bits, warm)
 
-    def _fit_budget(self, rank: int, bits: int, members: list[dict]) -> tuple[int, int]:
-        """The largest rank up to ``rank`` (at ``bits``, else at 4 bits) whose round fits the bandwidth budget."""
+    def _fit_topk(self, members: list[dict]) -> int:
+        """'sparseloco': ``averaging.sparse_topk``, halved until the round fits the bandwidth budget (1 at least)."""
+        budget = self._budget(members)
+        k = self.cfg.sparse_topk
+        while budget is not None and k > 1 and self.payload_bytes(self._sparse_plan(k)) > budget:
+            k //= 2
+        return k
+
+    def _budget(self, members: list[dict]) -> float | None:
+        """Bytes one contribution may take so that the round's transfer fits ``averaging.bandwidth_budget`` of a
+        round of compute on the group's slowest link (see the module docstring for what one member's claims can
+        move); None before a round of compute was measured."""
         group_size = len(members)
         links = [float(m["bandwidth_mbit"]) for m in members]
         bandwidth = max(min(links), lower_median(links) / LINK_SPREAD)
         compute_s = lower_median([float(m["compute_s"]) for m in members])
         if compute_s <= 0:
-            return rank, bits  # no round of compute measured yet: nothing to budget against
+            return None
         butterfly = max(1.0, 2 * (group_size - 1) / group_size)  # the all-reduce sends this many contributions
-        budget = self.cfg.bandwidth_budget * compute_s * bandwidth * 1e6 / 8 / butterfly
+        return self.cfg.bandwidth_budget * compute_s * bandwidth * 1e6 / 8 / butterfly
+
+    def _sparse_plan(self, k: int) -> RoundPlan:
+        return RoundPlan(codecs=(f"topk2:{k}",) * len(self.shapes), lowrank=(), rank=0, warm_round=None)
+
+    def _fit_budget(self, rank: int, bits: int, members: list[dict]) -> tuple[int, int]:
+        """The largest rank up to ``rank`` (at ``bits``, else at 4 bits) whose round fits the bandwidth budget."""
+        budget = self._budget(members)
+        if budget is None:
+            return rank, bits  # no round of compute measured yet: nothing to budget against
         for candidate_bits in sorted({bits, 4}, reverse=True):
             for candidate_rank in range(rank, self.cfg.min_rank - 1, -1):
                 if self.payload_bytes(self._plan_at(candidate_rank, candidate_bits, None)) <= budget:
@@ -126,6 +155,8 @@ class CompressionPolicy:
         return {"rank": max(rank, self.cfg.min_rank), "bits": self.cfg.quant_bits, "q_round": round_index}
 
     def _plan_at(self, rank: int, bits: int, warm_round: int | None) -> RoundPlan:
+        if self.scheme == "sparseloco":  # every tensor: top-k of each chunk, 2 bits each
+            return self._sparse_plan(self.cfg.sparse_topk)
         quantized = "int4" if bits <= 4 else "int8"
         whole = {"none": "fp32", "fp16": "fp16"}.get(self.scheme, quantized)
         # low rank only where it sends at most half the values of the whole tensor; else the tensor goes whole

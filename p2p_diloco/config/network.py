@@ -12,7 +12,7 @@ from typing import Optional
 from p2p_diloco.config.checks import non_negative, positive, require
 from p2p_diloco.config.errors import ConfigError
 
-COMPRESSIONS = ("none", "fp16", "int8", "lowrank", "adaptive")
+COMPRESSIONS = ("none", "fp16", "int8", "lowrank", "adaptive", "sparseloco")
 
 
 @dataclass
@@ -20,7 +20,10 @@ class AveragingConfig:
     compression: str = "adaptive"
     """How pseudo-gradients cross the wire: 'none' (fp32), 'fp16', 'int8' (blockwise; 4-bit with quant_bits = 4),
     'lowrank' (large matrices through PowerSGD at a fixed rank, factors quantized, the rest quantized) or
-    'adaptive' (lowrank whose rank and bits follow the spectrum and the bandwidth budget). Errors are fed back."""
+    'adaptive' (lowrank whose rank and bits follow the spectrum and the bandwidth budget) or 'sparseloco' (SparseLoCo,
+    arXiv 2508.15706: the sparse_topk largest values of each chunk of 4096, 2 bits each; its error feedback decays by
+    sparse_feedback_decay and plays the outer momentum, so set diloco.outer_momentum = 0 as the paper does). Errors
+    are fed back."""
     quant_bits: int = 8
     """Bits per value of quantized tensors and low-rank factors: 8 or 4."""
     rank: int = 8
@@ -32,6 +35,12 @@ class AveragingConfig:
     lowrank_min_size: int = 65536
     """2-D tensors with at least this many values go through low rank (while the rank keeps them under half their
     size); smaller ones are quantized: low rank saves little there and loses much."""
+    sparse_topk: int = 64
+    """'sparseloco': values kept in each chunk of 4096 (64: 1.6%, the paper's density; a shorter last chunk keeps
+    its share)."""
+    sparse_feedback_decay: float = 0.95
+    """'sparseloco': the error feedback is multiplied by this before each round's pseudo-gradient is added (the
+    paper's beta)."""
     target_error: float = 0.5
     """'adaptive' doubles the rank while the group's relative compression error is above this."""
     bandwidth_budget: float = 0.5
@@ -94,6 +103,10 @@ class AveragingConfig:
         require(self.quant_bits in (4, 8), "averaging.quant_bits", f"must be 8 or 4, got {self.quant_bits!r}")
         require(1 <= self.min_rank <= self.rank <= self.max_rank, "averaging.rank",
                  f"must satisfy 1 <= min_rank ({self.min_rank}) <= rank ({self.rank}) <= max_rank ({self.max_rank})")
+        require(isinstance(self.sparse_topk, int) and 1 <= self.sparse_topk <= 4096, "averaging.sparse_topk",
+                 f"must be an integer in [1, 4096], got {self.sparse_topk!r}")
+        require(0 <= self.sparse_feedback_decay <= 1, "averaging.sparse_feedback_decay",
+                 f"must be in [0, 1], got {self.sparse_feedback_decay!r}")
         require(self.lowrank_min_size >= 1, "averaging.lowrank_min_size",
                  f"must be a positive integer, got {self.lowrank_min_size!r}")
         require(0 < self.bandwidth_budget <= 1, "averaging.bandwidth_budget",

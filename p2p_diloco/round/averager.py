@@ -26,6 +26,10 @@ class RoundAverager(Protocol):
         """Whether what is sent differs from the contribution (then the stage keeps error feedback)."""
 
     @property
+    def feedback_decay(self) -> float:
+        """What the stage multiplies its error feedback by before adding a round's pseudo-gradient (1: none)."""
+
+    @property
     def round_settled(self) -> bool:
         """No round in flight, or its averaging is over (its outcome not collected yet)."""
 

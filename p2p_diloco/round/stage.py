@@ -216,10 +216,14 @@ class Stage(StageCheckpoint, StateSharing):
         self.round_start = [t.clone() for t in self.anchor]
 
     def with_feedback(self, delta: list[torch.Tensor]) -> list[torch.Tensor]:
-        """delta + e: what the compressor left out of earlier rounds goes out with this one."""
+        """delta + beta e: what the compressor left out of earlier rounds goes out with this one (beta: the
+        averager's ``feedback_decay``, below 1 for SparseLoCo, whose decaying feedback plays the outer momentum)."""
         if self.feedback is None:
             return delta
-        return [d + e for d, e in zip(delta, self.feedback)]
+        decay = self.averager.feedback_decay
+        if decay == 1.0:
+            return [d + e for d, e in zip(delta, self.feedback)]
+        return [d + decay * e for d, e in zip(delta, self.feedback)]
 
     @torch.no_grad()
     def flush(self) -> RoundReport | None:

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
-from p2p_diloco.compression.codecs import roundtrip
+from p2p_diloco.compression.codecs import result_codec, roundtrip
 from p2p_diloco.compression.policy import CompressionPolicy
 from p2p_diloco.config import AveragingConfig
 from p2p_diloco.round.outcome import RoundOutcome
@@ -97,7 +97,8 @@ class ExactGroup:
                 event = events.setdefault(phase, asyncio.Event())
                 if len(sent) == len(order):
                     averaged_by_phase[phase] = [
-                        roundtrip(codec, combine([sent[p][j] for p in range(len(order))], weights, self.rule).average)
+                        roundtrip(result_codec(codec),
+                                  combine([sent[p][j] for p in range(len(order))], weights, self.rule).average)
                         for j, codec in enumerate(codecs)]
                     event.set()
                 await event.wait()
@@ -148,6 +149,10 @@ class ExactAverager:
     @property
     def compresses(self) -> bool:
         return self.cfg.compression != "none"
+
+    @property
+    def feedback_decay(self) -> float:
+        return self.reducer.policy.feedback_decay
 
     @property
     def round_settled(self) -> bool:

@@ -92,6 +92,8 @@ def assert_honest_agree(honest_results, honest_contributions) -> None:
     (("inf", "shape"), "none", ({"nonfinite"}, {"malformed"})),
     # low rank: the attacks hit the P and the Q phase (int8 factors: a NaN cannot even be decoded)
     (("nan", "noise:100"), "lowrank", ({"nonfinite", "malformed"}, {"norm"})),
+    # SparseLoCo's top-k parts: a NaN part cannot be decoded (its scales are not finite), a scaled one is too large
+    (("scale:1000", "nan"), "sparseloco", ({"norm"}, {"nonfinite", "malformed"})),
 ])
 def test_hostile_parts_are_left_out_and_named(network, kinds, compression, reasons):
     cfg = dataclasses.replace(CFG, compression=compression, rank=4, lowrank_min_size=1000)

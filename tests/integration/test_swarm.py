@@ -52,6 +52,9 @@ SETTINGS = {
     "none-fp32": ["--diloco.mode", "none", "--averaging.compression", "none"],
     # eager overlap, adaptive compression with the tiny model's matrices in low rank
     "eager-lowrank": ["--diloco.mode", "eager", "--averaging.lowrank_min_size", "16384"],
+    # SparseLoCo: top-k of each chunk at 2 bits, the paper's outer step (no momentum, alpha 1)
+    "delayed-sparseloco": ["--diloco.mode", "delayed", "--averaging.compression", "sparseloco",
+                           "--diloco.outer_momentum", "0", "--diloco.outer_lr", "1.0"],
 }
 
 
@@ -90,6 +93,8 @@ def test_three_peers_identical_anchors_and_runs_never_mix(tmp_path, processes, b
         assert all(0 < s["compression_error"] < 1 and s["payload_bytes"] > 0 for s in stats), stats
     if setting == "eager-lowrank":
         assert all(s["rank"] > 0 and s["lowrank_tensors"] > 0 for s in stats) and stats[-1]["warm"], stats
+    if setting == "delayed-sparseloco":
+        assert all(s["codecs"] == ["topk2:64"] for s in stats), stats
     if run_b:
         a_digests = {e["anchor_sha256"] for e in applied(tmp_path, "a0")}
         b_digests = {e["anchor_sha256"] for e in applied(tmp_path, "b0")}

@@ -108,8 +108,11 @@ class ExactAllReduceRunner(AllReduceRunner):
     """
 
     def __init__(self, *, traffic: torch.Tensor, weights: dict, rule: RobustRule, average_bound: float = 0.0,
-                 plausible_bound: float = 0.0, behaviour: Honest = HONEST, claims: dict | None = None, **kwargs):
+                 plausible_bound: float = 0.0, behaviour: Honest = HONEST, claims: dict | None = None,
+                 result_compression=None, **kwargs):
         super().__init__(**kwargs)
+        # the codec of each tensor's averages (SparseLoCo's top-k parts come back as sparse averages)
+        self._result_compression = result_compression or self.tensor_part_container.compression
         self._traffic, self._average_bound, self._behaviour = traffic, average_bound, behaviour
         self._plausible_bound = plausible_bound * CODEC_MARGIN
         self.implausible: list[PeerID] = []  # reducers whose average an honest reducer cannot have returned
@@ -131,9 +134,7 @@ class ExactAllReduceRunner(AllReduceRunner):
 
     def _encode_result(self, averaged_part: torch.Tensor, part_index: int):
         """The reducer encodes each averaged part once; every groupmate decodes the same bytes."""
-        return self.tensor_part_container.compression.compress(
-            averaged_part, self._my_part_infos[part_index], allow_inplace=False
-        )
+        return self._result_compression.compress(averaged_part, self._my_part_infos[part_index], allow_inplace=False)
 
     async def _communicate_with_peer(self, peer_id: PeerID):
         peer_index = self.ordered_peer_ids.index(peer_id)

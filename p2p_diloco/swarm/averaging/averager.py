@@ -274,6 +274,11 @@ class PseudoGradientAverager:
         return self.cfg.compression != "none"
 
     @property
+    def feedback_decay(self) -> float:
+        """SparseLoCo's beta (``averaging.sparse_feedback_decay``), else 1."""
+        return self.server.policy.feedback_decay
+
+    @property
     def round_settled(self) -> bool:
         """No round in flight, or its averaging is over (its outcome not yet collected)."""
         pending = self._pending

@@ -34,7 +34,7 @@ from typing import Optional
 
 import torch
 
-from p2p_diloco.compression.codecs import CODECS
+from p2p_diloco.compression.codecs import codec_for, result_codec
 from p2p_diloco.compression.policy import CompressionPolicy
 from p2p_diloco.config import AveragingConfig
 from p2p_diloco.faults import HONEST, Honest, fault_point
@@ -301,7 +301,8 @@ class AveragingServer(GuardedAverager, DecentralizedAverager):
             behaviour=self.behaviour, p2p=p2p_of(self), servicer_type=type(self), prefix=self.prefix, tensors=tensors,
             group_id=group_id,
             ordered_peer_ids=group_info.peer_ids, modes=view.modes,
-            compression=PerTensorCompression([CODECS[c] for c in codecs]),
+            compression=PerTensorCompression([codec_for(c) for c in codecs]),
+            result_compression=PerTensorCompression([codec_for(result_codec(c)) for c in codecs]),
             tensor_infos=[CompressionInfo.from_tensor(t, key=i) for i, t in enumerate(tensors)], **kwargs,
         )
         assert group_id in running_groups(self), f"group {group_id} was not registered"
