@@ -340,11 +340,28 @@ def fidelity(setting: Setting, modes: list[str], out: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+def mean_curve(runs: list[RowResult]) -> list[tuple[float, float]]:
+    """The seeds' mean eval loss at each point of the curve (every seed of a row evaluates at the same tokens)."""
+    tokens = [t for t, _ in runs[0].curve]
+    return [(t, statistics.mean(r.curve[i][1] for r in runs)) for i, t in enumerate(tokens)]
+
+
+def tokens_to_reach(curve: list[tuple[float, float]], target: float) -> float | None:
+    """Tokens per worker at which ``curve`` first reaches ``target`` (linear between its points), None if never."""
+    for (t0, l0), (t1, l1) in zip([curve[0]] + curve, curve):
+        if l1 <= target:
+            return t1 if l0 <= target or l0 == l1 else t0 + (t1 - t0) * (l0 - target) / (l0 - l1)
+    return None
+
+
 def summarize(results: dict[str, list[RowResult]]) -> list[dict]:
-    """Per row: mean and spread of the final loss over seeds, against alone and data parallel."""
+    """Per row: mean and spread of the final loss over seeds, against alone and data parallel; the tokens per worker
+    it took to reach the alone row's final loss, and the speedup that is (alone's tokens over the row's)."""
     finals = {row: [r.final for r in rs] for row, rs in results.items()}
     mean = {row: statistics.mean(v) for row, v in finals.items()}
     alone = min((mean[r] for r in ("alone", "alone-diloco") if r in mean), default=None)
+    alone_row = min((r for r in ("alone", "alone-diloco") if r in mean), key=mean.get, default=None)
+    alone_tokens = tokens_to_reach(mean_curve(results[alone_row]), alone) if alone_row else None
     dp = mean.get("data-parallel")
     reference = mean.get("none/none")
     table = []
@@ -357,6 +374,9 @@ def summarize(results: dict[str, list[RowResult]]) -> list[dict]:
                      wall_s=statistics.mean(r.wall_s for r in results[row]))
         if alone is not None:
             entry["vs_alone"] = mean[row] / alone - 1
+            entry["tokens_to_alone"] = tokens_to_reach(mean_curve(results[row]), alone)
+            if entry["tokens_to_alone"] and alone_tokens:
+                entry["speedup"] = alone_tokens / entry["tokens_to_alone"]
             if dp is not None and alone > dp:
                 entry["gap_closed"] = (alone - mean[row]) / (alone - dp)
         if reference is not None:
@@ -371,19 +391,27 @@ def report_text(table: list[dict], args, command: str) -> str:
              f"overrides {args.set or 'none'}",
              f"# tokens per worker: {args.rounds * args.h * args.batch * args.seq:,}",
              "row                 eval loss (mean +- spread)   vs alone   gap closed   vs none/fp32   bytes/round  "
-             "peak/averaging  fallbacks  wall s"]
+             "peak/averaging  fallbacks  wall s  tokens to alone's loss  speedup"]
     for e in table:
         gap = f"{e['gap_closed']:10.0%}" if "gap_closed" in e else f"{'-':>10}"
         vs_alone = f"{e['vs_alone']:+8.2%}" if "vs_alone" in e else f"{'-':>8}"
         vs_none = f"{e['vs_none_fp32']:+11.2%}" if "vs_none_fp32" in e else f"{'-':>11}"
+        speedup = f"{e['speedup']:6.2f}x" if "speedup" in e else f"{'-':>7}"
         lines.append(f"{e['row']:<19} {e['mean']:.4f} +- {e['spread']:.4f}           "
                      f"{vs_alone}   {gap}   {vs_none}"
                      f"   {e['bytes_per_round'] / 1e6:9.3f} MB  {e['peak_bytes'] / 1e6:11.3f} MB  {e['fallbacks']:9d}"
-                     f"  {e['wall_s']:6.0f}")
+                     f"  {e['wall_s']:6.0f}  {_tokens(e.get('tokens_to_alone')):>22}  {speedup}")
     lines.append("gap closed: (alone - row) / (alone - data-parallel), alone = the better of the two alone rows")
+    lines.append("tokens to alone's loss: tokens per worker at which the row's mean curve first reaches the alone "
+                 "row's final eval loss (linear between the curve's points; - never); speedup: alone's tokens over the "
+                 "row's, at equal compute per worker")
     lines.append("peak/averaging: the largest payload one peer sends in one averaging (all at once: a whole round's; "
                  "~F: one fragment's)")
     return "\n".join(lines) + "\n"
+
+
+def _tokens(tokens: float | None) -> str:
+    return "-" if tokens is None else f"{tokens:,.0f}"
 
 
 def plot(results: dict[str, list[RowResult]], path: Path, title: str) -> None:
