@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from local_bootstrap import start_bootstrap  # noqa: E402
 
-SCHEMES = ("none", "fp16", "int8", "lowrank", "adaptive")
+SCHEMES = ("none", "fp16", "int8", "lowrank", "adaptive", "sparseloco")
 FAST = ["--averaging.matchmaking_time_s", "5", "--averaging.request_timeout_s", "2",
         "--averaging.round_timeout_s", "60", "--averaging.allreduce_timeout_s", "120",
         "--train.progress", "false", "--checkpoint.every_rounds", "0"]
@@ -59,12 +59,12 @@ def events(folder: Path, kind: str) -> list[dict]:
     return [e for e in map(json.loads, open(folder / "metrics-stage0.jsonl")) if e["kind"] == kind]
 
 
-def bytes_benchmark(workdir: Path, preset: str, rounds: int) -> dict:
+def bytes_benchmark(workdir: Path, preset: str, rounds: int, schemes: list[str]) -> dict:
     results = {}
     common = ["--model.preset", preset, "--data.batch_size", "4", "--data.seq_len", "64", "--run.num_threads", "1",
               "--train.num_rounds", str(rounds), "--diloco.inner_steps", "4", "--diloco.mode", "none",
               "--data.eval_batches", "0", "--train.eval_every_rounds", "0"]
-    for scheme in SCHEMES:
+    for scheme in schemes:
         folders = run_swarm(workdir, f"bytes-{scheme}", 2, common + ["--averaging.compression", scheme])
         applied = [e for f in folders for e in events(f, "round") if e["averaged"]]
         summary = json.loads((folders[0] / "summary-stage0.json").read_text())
@@ -150,7 +150,7 @@ def report(results: dict) -> str:
         allreduce_100 = 100 * 2 * (2 - 1) / 2 * 4 * params  # per-step fp32 ring AllReduce, 2 peers, 100 steps
         lines += [f"bytes sent per peer per round, small preset ({params / 1e6:.1f}M parameters), 2 peers:",
                   "scheme      MB/round   vs fp32   vs per-step fp32 AllReduce over H=100   ranks   rel. error"]
-        for scheme in SCHEMES:
+        for scheme in [s for s in SCHEMES if s in b]:
             r = b[scheme]
             sent = r["bytes_sent_per_round"]
             lines.append(f"{scheme:<10} {sent / 1e6:>9.2f}  {fp32 / sent:>7.1f}x   {allreduce_100 / sent:>30,.0f}x   "
@@ -193,6 +193,8 @@ def main() -> None:
     parser.add_argument("--bytes-rounds", type=int, default=3)
     parser.add_argument("--convergence-rounds", type=int, default=8)
     parser.add_argument("--schemes", default="none,adaptive", help="schemes compared for convergence")
+    parser.add_argument("--bytes-schemes", default=",".join(SCHEMES),
+                        help="schemes whose bytes on the wire are counted (none, the fp32 reference, always)")
     parser.add_argument("--peer-args", default="", help="extra peer arguments, e.g. '--averaging.rank 16'")
     parser.add_argument("--out", type=Path, default=Path("runs") / time.strftime("compression-%Y%m%d-%H%M%S"))
     args = parser.parse_args()
@@ -202,7 +204,8 @@ def main() -> None:
         if args.only in (None, "speed"):
             results["speed"] = speed_benchmark("small")
         if args.only in (None, "bytes"):
-            results["bytes"] = bytes_benchmark(Path(tmp), "small", args.bytes_rounds)
+            schemes = ["none"] + [s for s in args.bytes_schemes.split(",") if s != "none"]
+            results["bytes"] = bytes_benchmark(Path(tmp), "small", args.bytes_rounds, schemes)
         if args.only in (None, "convergence"):
             results["convergence"] = convergence_benchmark(Path(tmp), args.convergence_rounds, args.schemes.split(","),
                                                            args.peer_args.split())

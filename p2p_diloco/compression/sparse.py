@@ -42,8 +42,13 @@ def kept_per_chunk(num_values: int, k: int) -> list[int]:
     return [k] * full + ([min(rest, math.ceil(k * rest / CHUNK))] if rest else [])
 
 
-def _chunks(flat: torch.Tensor) -> list[torch.Tensor]:
-    return list(flat.split(CHUNK))
+def _blocks(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's values as rows of :data:`CHUNK` (fp32, CPU; the last row padded with zeros, which no codec
+    keeps)."""
+    flat = tensor.detach().reshape(-1).to(dtype=torch.float32, device="cpu")
+    padded = torch.zeros(-(-flat.numel() // CHUNK) * CHUNK, dtype=torch.float32)
+    padded[: flat.numel()] = flat
+    return padded.view(-1, CHUNK)
 
 
 class TopK2Bit(CompressionBase):
@@ -61,36 +66,33 @@ class TopK2Bit(CompressionBase):
             raise ValueError(f"k must be in [1, {CHUNK}], got {k}")
         self.k = k
 
-    def sparsify(self, tensor: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor]]:
-        """(indices per chunk, the (lo, hi) magnitudes of each chunk, the 2-bit codes per chunk)."""
-        flat = tensor.detach().reshape(-1).to(dtype=torch.float32, device="cpu")
-        indices, scales, codes = [], [], []
-        for chunk, share in zip(_chunks(flat), kept_per_chunk(flat.numel(), self.k)):
-            magnitudes = chunk.abs()
-            kept = min(share, int(torch.count_nonzero(magnitudes)))
-            # ties broken by position (stable sort): the same input gives the same bytes on every machine
-            order = torch.sort(magnitudes, descending=True, stable=True).indices[:kept]
-            index = torch.sort(order).values
-            values = chunk[index]
-            size = values.abs().double()
-            lo = hi = 0.0
-            high = torch.zeros(kept, dtype=torch.bool)
-            if kept:
-                high = size > (size.min() + size.max()) / 2
-                lo = float(size[~high].mean())
-                hi = float(size[high].mean()) if bool(high.any()) else lo
-            indices.append(index)
-            scales.append((lo, hi))
-            codes.append((values < 0).to(torch.uint8) | (high.to(torch.uint8) << 1))
-        return indices, torch.tensor(scales, dtype=torch.float32).reshape(-1, 2), codes
+    def sparsify(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(kept values per chunk, their indices within their chunk in chunk order, each chunk's (lo, hi)
+        magnitudes, the 2-bit codes), all chunks at once."""
+        blocks, shares = _blocks(tensor), torch.tensor(kept_per_chunk(tensor.numel(), self.k))
+        width = int(shares.max()) if shares.numel() else 0
+        # which of equal magnitudes at the k-th place is kept is torch's choice: only the sender encodes its own
+        # contribution, and a tensor this codec encoded has at most its share non-zero in each chunk (all kept)
+        order = torch.topk(blocks.abs(), width, dim=1, sorted=False).indices
+        values = blocks.gather(1, order)
+        kept = (torch.arange(width)[None, :] < shares[:, None]) & (values != 0)
+        by_index = torch.where(kept, order, order + CHUNK).argsort(dim=1)  # kept ones first, by index
+        order, values, kept = (t.gather(1, by_index) for t in (order, values, kept))
+        size = values.abs().double()
+        inf = torch.tensor(float("inf"), dtype=torch.float64)
+        middle = (torch.where(kept, size, inf).amin(1) + torch.where(kept, size, -inf).amax(1)) / 2
+        high = kept & (size > middle[:, None])
+        low = kept & ~high
+        lo = torch.where(low, size, 0.0).sum(1) / low.sum(1).clamp(min=1)
+        hi = torch.where(high.any(1), torch.where(high, size, 0.0).sum(1) / high.sum(1).clamp(min=1), lo)
+        codes = (values < 0).to(torch.uint8) | (high.to(torch.uint8) << 1)
+        return order, kept, torch.stack([lo, hi], dim=1).float(), codes
 
     def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:
-        indices, scales, codes = self.sparsify(tensor)
-        all_codes = torch.cat(codes).numpy() if codes else np.zeros(0, dtype=np.uint8)
-        counts = np.asarray([index.numel() for index in indices], dtype="<u2")
-        buffer = (np.uint32(self.k).tobytes() + counts.tobytes() + scales.numpy().astype("<f4").tobytes()
-                  + (torch.cat(indices).numpy().astype("<u2").tobytes() if indices else b"")
-                  + _pack2(all_codes))
+        order, kept, scales, codes = self.sparsify(tensor)
+        buffer = (np.uint32(self.k).tobytes() + kept.sum(1).numpy().astype("<u2").tobytes()
+                  + scales.numpy().astype("<f4").tobytes() + order[kept].numpy().astype("<u2").tobytes()
+                  + _pack2(codes[kept].numpy()))
         return runtime_pb2.Tensor(compression=self.compression_type, dtype=self.name, size=tensor.shape,
                                   buffer=buffer, requires_grad=False)
 
@@ -109,20 +111,14 @@ class SparseAverage(CompressionBase):
     name = AVERAGE_NAME
 
     def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:
-        flat = tensor.detach().reshape(-1).to(dtype=torch.float32, device="cpu")
-        counts, scales, indices, codes = [], [], [], []
-        for chunk in _chunks(flat):
-            index = torch.nonzero(chunk).reshape(-1)
-            values = chunk[index]
-            scale = float(values.abs().max()) / 127 if values.numel() else 0.0
-            counts.append(index.numel())
-            scales.append(scale)
-            indices.append(index)
-            codes.append(torch.round(values / scale).clamp_(-127, 127).to(torch.int8) if scale > 0
-                         else torch.zeros(index.numel(), dtype=torch.int8))
-        buffer = (np.asarray(counts, dtype="<u2").tobytes() + np.asarray(scales, dtype="<f4").tobytes()
-                  + (torch.cat(indices).numpy().astype("<u2").tobytes() if indices else b"")
-                  + (torch.cat(codes).numpy().tobytes() if codes else b""))
+        blocks = _blocks(tensor)
+        nonzero = blocks != 0
+        scales = blocks.abs().amax(1) / 127 if blocks.numel() else torch.zeros(0)
+        safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+        codes = torch.round(blocks / safe[:, None]).clamp_(-127, 127).to(torch.int8)
+        columns = torch.arange(CHUNK).expand_as(blocks)
+        buffer = (nonzero.sum(1).numpy().astype("<u2").tobytes() + scales.numpy().astype("<f4").tobytes()
+                  + columns[nonzero].numpy().astype("<u2").tobytes() + codes[nonzero].numpy().tobytes())
         return runtime_pb2.Tensor(compression=self.compression_type, dtype=self.name, size=tensor.shape,
                                   buffer=buffer, requires_grad=False)
 
