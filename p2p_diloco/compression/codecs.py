@@ -143,6 +143,7 @@ CODECS: dict[str, CompressionBase] = {
 }
 _OURS = {codec.name: codec for codec in CODECS.values() if isinstance(codec, _Blockwise)}
 _SPARSE = (sparse.TOPK_NAME, sparse.AVERAGE_NAME)
+_OUR_NAMES = "/".join(name.split(":")[1] for name in sorted(_OURS) + list(_SPARSE))  # int4/int8/topk2/sparse8
 _AVERAGE = sparse.SparseAverage()
 
 
@@ -182,7 +183,7 @@ def decode_tensor(serialized: runtime_pb2.Tensor, max_values: int | None = None)
     if codec is None and not is_sparse and \
             not (dtype == WIRE_DTYPE and compression in (runtime_pb2.NONE, runtime_pb2.FLOAT16)):
         raise ValueError(f"a tensor of compression {_compression_name(compression)} and dtype {dtype[:40]!r} is not "
-                         f"one this version sends (fp32, fp16 of fp32, {', '.join(sorted(_OURS) + list(_SPARSE))})")
+                         f"one this version sends (fp32, fp16 of fp32, p2p_diloco:{_OUR_NAMES})")
     shape, num_values = wire_shape(serialized)
     if max_values is not None and num_values > max_values:
         raise ValueError(f"a tensor of shape {list(shape)} holds {num_values} values, more than the "
