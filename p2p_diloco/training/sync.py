@@ -18,22 +18,8 @@ live stage process); states come from other peers through hivemind's state shari
   with a round in flight (delayed mode) knows its anchor lacks that round's average: its own anchor gets no
   vote from that round on, so it resyncs as soon as one other peer has published a later anchor.
 
-Whom it believes (a public swarm holds hostile peers; records are signed by their writer's libp2p identity, see
-``swarm.discovery.records``), in this order, the first that has a live record:
-
-1. in a private swarm, the peers on ``averaging.allowlist``, and nobody else, ever;
-2. the peers met in this stage's groups of the last :data:`TRUSTED_ROUNDS` rounds: averaging with this peer is
-   what an identity must have done to count;
-3. for a stage that has met nobody (a newcomer), the **bootstrap peers**, those of ``dht.initial_peers``: the user
-   chose them, and they already decide this peer's view of the DHT (a hostile bootstrap peer can eclipse it), so
-   believing their records adds no trust that was not already given;
-4. else every signed record. This is the residual risk, said plainly: identities are free, so a newcomer of a
-   public swarm whose bootstrap peers hold no record (a plain ``bootstrap`` node) believes a majority of
-   identities, which an attacker with many keys can be. What that buys: the newcomer may start from a state those
-   identities vouch for (the state must still be exactly the one they vouch for, and served by one of them) or be
-   kept from reloading; it then trains one round on it, averages with its first group (the robust combine bounds
-   its part), and from then on only its groupmates count: off their state, it resyncs. Honest peers' states are not
-   moved by it. A newcomer that wants no such round names a training peer as its initial peer (or uses an allowlist).
+Whom it believes, in order (a private swarm's members; the peers met in recent groups; a newcomer's bootstrap
+peers; every signed record), is :mod:`p2p_diloco.training.witnesses`.
 
 When the peers of one level give no usable state (a hostile groupmate that alone shared a group with this stage),
 the next levels count for that download, in turn. Being behind takes a majority of the believed records, not one

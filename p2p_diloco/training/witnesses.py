@@ -1,5 +1,22 @@
 """Whose word counts for one stage: which signed progress records it believes, and which donors hold the state those
-records agree on (docs/design.md 4.1; the order of trust is in :mod:`p2p_diloco.training.sync`'s docstring).
+records agree on (docs/design.md 4.1).
+
+Whom it believes (a public swarm holds hostile peers; records are signed by their writer's libp2p identity, see
+``swarm.discovery.records``), in this order, the first that has a live record:
+
+1. in a private swarm, the peers on ``averaging.allowlist``, and nobody else, ever;
+2. the peers met in this stage's groups of the last :data:`TRUSTED_ROUNDS` rounds: averaging with this peer is
+   what an identity must have done to count;
+3. for a stage that has met nobody (a newcomer), the **bootstrap peers**, those of ``dht.initial_peers``: the user
+   chose them, and they already decide this peer's view of the DHT (a hostile bootstrap peer can eclipse it), so
+   believing their records adds no trust that was not already given;
+4. else every signed record. This is the residual risk, said plainly: identities are free, so a newcomer of a
+   public swarm whose bootstrap peers hold no record (a plain ``bootstrap`` node) believes a majority of
+   identities, which an attacker with many keys can be. What that buys: the newcomer may start from a state those
+   identities vouch for (the state must still be exactly the one they vouch for, and served by one of them) or be
+   kept from reloading; it then trains one round on it, averages with its first group (the robust combine bounds
+   its part), and from then on only its groupmates count: off their state, it resyncs. Honest peers' states are not
+   moved by it. A newcomer that wants no such round names a training peer as its initial peer (or uses an allowlist).
 
 Pure logic over the records: :class:`Witnesses` keeps what this stage has seen of the swarm (the groups it averaged
 in, the donors caught lying) and never reads the network itself. Used by :class:`~p2p_diloco.training.sync.SwarmSync`
@@ -74,7 +91,7 @@ class Witnesses:
         return frozenset().union(*self.met)
 
     def counted(self, records) -> list:
-        """The records whose word counts (the order of trust: :mod:`p2p_diloco.training.sync`), less those of
+        """The records whose word counts (the order of trust: this module's docstring), less those of
         discredited donors."""
         if self.allowlist:
             return [r for r in self.credited(records) if r.node in self.allowlist]
