@@ -182,14 +182,13 @@ def decode(serialized: runtime_pb2.Tensor, shape: tuple[int, ...], num_values: i
         raise ValueError(f"{serialized.dtype[:40]!r} is not a sparse codec")
     if not np.isfinite(scales).all() or (scales < 0).any():
         raise ValueError(f"{serialized.dtype} has non-finite or negative scales")
+    chunk_of = np.repeat(np.arange(len(counts)), counts)  # each sent value's chunk, all chunks at once
+    index = indices.astype(np.int64)
+    same_chunk = chunk_of[1:] == chunk_of[:-1]
+    if (index >= np.asarray(lengths, dtype=np.int64)[chunk_of]).any() or (np.diff(index)[same_chunk] <= 0).any():
+        raise ValueError(f"{serialized.dtype} indices are out of their chunk or out of order within it")
     dense = np.zeros(num_values, dtype=np.float32)
-    start = 0
-    for chunk_index, (count, length) in enumerate(zip(counts, lengths)):
-        index = indices[start:start + count].astype(np.int64)
-        if count and (index[-1] >= length or (count > 1 and (np.diff(index) <= 0).any())):
-            raise ValueError(f"{serialized.dtype} indices of chunk {chunk_index} are out of the chunk or out of order")
-        dense[chunk_index * CHUNK + index] = values[start:start + count]
-        start += count
+    dense[chunk_of * CHUNK + index] = values
     return torch.from_numpy(dense).reshape(shape)
 
 
