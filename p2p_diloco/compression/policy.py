@@ -30,6 +30,8 @@ import torch
 
 from p2p_diloco.compression.codecs import encoded_size
 from p2p_diloco.compression.lowrank import desired_rank, lowrank_size
+from p2p_diloco.compression.sparse import CHUNK
+from p2p_diloco.compression.sparse import encoded_size as sparse_size
 from p2p_diloco.config import AveragingConfig
 from p2p_diloco.medians import lower_median, upper_median
 
@@ -71,7 +73,11 @@ class CompressionPolicy:
         return self.cfg.sparse_feedback_decay if self.scheme == "sparseloco" else 1.0
 
     def initial_proposal(self) -> dict:
-        return {"rank": self.cfg.rank, "bits": self.cfg.quant_bits, "q_round": -1}
+        return self._with_topk({"rank": self.cfg.rank, "bits": self.cfg.quant_bits, "q_round": -1})
+
+    def _with_topk(self, proposal: dict) -> dict:
+        """'sparseloco' proposals carry the k this peer is configured with (the group takes their lower median)."""
+        return dict(proposal, topk=self.cfg.sparse_topk) if self.scheme == "sparseloco" else proposal
 
     def agree(self, members: list[dict]) -> RoundPlan:
         """The group's plan from every member's gathered metadata (order does not matter).
@@ -98,12 +104,30 @@ class CompressionPolicy:
         return self._plan_at(rank, bits, warm)
 
     def _fit_topk(self, members: list[dict]) -> int:
-        """'sparseloco': ``averaging.sparse_topk``, halved until the round fits the bandwidth budget (1 at least)."""
+        """'sparseloco': the lower median of the members' proposed k (``averaging.sparse_topk`` of each; a member
+        that proposes none counts with this peer's), halved until the round fits the bandwidth budget (1 at least).
+
+        The budget counts both directions of the all-reduce: a member sends its top-k parts out and its part's
+        average back, and that average (``sparse8``) holds up to group-size times k values per chunk at 3 bytes
+        each, more than a ``topk2`` contribution; :meth:`transfer_bytes` is what the budget is compared with.
+        """
+        proposed = [int(m["compression"].get("topk", self.cfg.sparse_topk)) for m in members]
+        k = max(1, min(lower_median(proposed), CHUNK))
         budget = self._budget(members)
-        k = self.cfg.sparse_topk
-        while budget is not None and k > 1 and self.payload_bytes(self._sparse_plan(k)) > budget:
+        while budget is not None and k > 1 and self.transfer_bytes(self._sparse_plan(k), len(members)) > budget:
             k //= 2
         return k
+
+    def transfer_bytes(self, plan: RoundPlan, group_size: int) -> float:
+        """Half the bytes one member moves per peer it exchanges with under ``plan``: its contribution plus the
+        average it sends back, over 2 (so that for codecs whose average is sent as the contribution was, this is
+        :meth:`payload_bytes`, which :meth:`_budget` is in units of)."""
+        sent = self.payload_bytes(plan)
+        if not any(c.startswith("topk2:") for c in plan.codecs):
+            return sent
+        returned = sum(sparse_size("sparse8", math.prod(shape), int(plan.codecs[i].split(":")[1]), group_size)
+                       for i, shape in enumerate(self.shapes))
+        return (sent + returned) / 2
 
     def _budget(self, members: list[dict]) -> float | None:
         """Bytes one contribution may take so that the round's transfer fits ``averaging.bandwidth_budget`` of a
@@ -152,7 +176,8 @@ class CompressionPolicy:
         rank = plan.rank
         if self.scheme == "adaptive" and q_avgs:
             rank = max(desired_rank(q, plan.rank, self.cfg.min_rank, self.cfg.max_rank) for q in q_avgs.values())
-        return {"rank": max(rank, self.cfg.min_rank), "bits": self.cfg.quant_bits, "q_round": round_index}
+        return self._with_topk({"rank": max(rank, self.cfg.min_rank), "bits": self.cfg.quant_bits,
+                                "q_round": round_index})
 
     def _plan_at(self, rank: int, bits: int, warm_round: int | None) -> RoundPlan:
         if self.scheme == "sparseloco":  # every tensor: top-k of each chunk, 2 bits each

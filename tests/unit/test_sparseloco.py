@@ -137,11 +137,51 @@ def test_sparseloco_plans_every_tensor_as_topk_and_decays_its_feedback():
     slow = policy.agree([{"compression": policy.initial_proposal(), "last_error": None, "bandwidth_mbit": 0.002,
                           "compute_s": 1.0}])
     k = int(slow.codecs[0].split(":")[1])
-    assert k < 32 and (k == 1 or policy.payload_bytes(slow) <= budget_bytes)
-    assert k == 1 or policy.payload_bytes(policy._sparse_plan(2 * k)) > budget_bytes
+    assert k < 32 and (k == 1 or policy.transfer_bytes(slow, 1) <= budget_bytes)
+    assert k == 1 or policy.transfer_bytes(policy._sparse_plan(2 * k), 1) > budget_bytes
     for key, value in (("sparse_topk", "0"), ("sparse_topk", "4097"), ("sparse_feedback_decay", "1.5")):
         with pytest.raises(ConfigError, match=f"averaging.{key}"):
             load_config(None, [("averaging.compression", "sparseloco"), (f"averaging.{key}", value)])
+
+
+def _member(policy, topk=None, mbit=100.0):
+    proposal = dict(policy.initial_proposal(), **({} if topk is None else {"topk": topk}))
+    return {"compression": proposal, "last_error": None, "bandwidth_mbit": mbit, "compute_s": 1.0}
+
+
+def test_sparseloco_k_is_the_groups_lower_median_and_its_budget_counts_the_average_sent_back():
+    cfg = load_config(None, [("averaging.compression", "sparseloco"), ("averaging.sparse_topk", "64")]).averaging
+    policy = CompressionPolicy([(64, 4096)], cfg)
+    ks = lambda plan: {int(c.split(":")[1]) for c in plan.codecs}  # noqa: E731
+    # one member proposing k = 1 (or 4096) cannot move the group's k; a member that proposes none counts as 64
+    assert ks(policy.agree([_member(policy, 1), _member(policy, 64), _member(policy, 256)])) == {64}
+    assert ks(policy.agree([_member(policy, 4096), _member(policy, 32), _member(policy, 32)])) == {32}
+    old_peer = _member(policy)
+    del old_peer["compression"]["topk"]
+    assert ks(policy.agree([old_peer, _member(policy, 256), _member(policy, 256)])) == {256}
+    # the average a member sends back holds up to group-size times k values per chunk at 3 bytes: a link whose
+    # budget fits the contributions of a group of 8 but not their averages halves k
+    plan = policy._sparse_plan(64)
+    sent, both = policy.payload_bytes(plan), policy.transfer_bytes(plan, 8)
+    assert both > 2 * sent
+    butterfly = 2 * 7 / 8
+    for budget in (1.5 * sent, (sent + both) / 2):
+        mbit = budget * butterfly * 8 / 1e6 / cfg.bandwidth_budget  # the link on which this is the budget
+        k = ks(policy.agree([_member(policy, mbit=mbit) for _ in range(8)])).pop()
+        assert k < 64 and policy.transfer_bytes(policy._sparse_plan(k), 8) <= budget * 1.0001
+    # the same link in a group of 2 keeps more: fewer averages overlap, each holds fewer values
+    assert ks(policy.agree([_member(policy, mbit=mbit) for _ in range(2)])).pop() > k
+
+
+@pytest.mark.parametrize("topk", [0, -3, 4097, 10**12, True, 2.5, "64", None])
+def test_a_groupmates_sparse_k_out_of_range_is_refused(topk):
+    from p2p_diloco.swarm.averaging.gathered import GatheredError, check_gathered
+    info = {"round": 1, "tokens": 10, "compute_s": 1.0, "bandwidth_mbit": 10.0,
+            "compression": {"rank": 4, "bits": 8, "q_round": -1, "topk": topk}}
+    with pytest.raises(GatheredError, match="compression.topk"):
+        check_gathered(info)
+    info["compression"]["topk"] = 64
+    assert check_gathered(info) is info
 
 
 class Tensors(nn.Module):

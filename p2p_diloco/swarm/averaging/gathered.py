@@ -25,6 +25,7 @@ from typing import Optional
 
 import msgpack
 
+from p2p_diloco.compression.sparse import CHUNK
 from p2p_diloco.swarm.averaging.hivemind_api import AveragingMode
 
 MAX_GATHERED_BYTES = 4096  # an honest record is about 150 bytes
@@ -82,6 +83,8 @@ def check_gathered(info) -> dict:
             raise GatheredError("compression proposal is not a mapping")
         _integer(proposal["rank"], "compression.rank", minimum=1)
         _integer(proposal["q_round"], "compression.q_round", minimum=-1)
+        if "topk" in proposal:  # sparseloco's k (peers before it sent none)
+            _integer(proposal["topk"], "compression.topk", minimum=1, maximum=CHUNK)
     except KeyError as e:
         raise GatheredError(f"gathered metadata lacks {e}") from None
     if proposal["bits"] not in (4, 8) or isinstance(proposal["bits"], bool):
@@ -89,9 +92,11 @@ def check_gathered(info) -> dict:
     return info
 
 
-def _integer(value, name: str, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise GatheredError(f"{name} must be an integer >= {minimum}, got {value!r}")
+def _integer(value, name: str, minimum: int, maximum: int | None = None) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum \
+            or (maximum is not None and value > maximum):
+        bounds = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise GatheredError(f"{name} must be an integer {bounds}, got {value!r}"[:200])
 
 
 def _number(value, name: str, positive: bool = False) -> None:
