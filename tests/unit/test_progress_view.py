@@ -7,6 +7,7 @@ from concurrent.futures import Future
 from p2p_diloco.round.position import Position
 from p2p_diloco.swarm.discovery import link as swarm_link
 from p2p_diloco.swarm.discovery.link import SwarmLink
+from p2p_diloco.swarm.discovery.pace import WATCH_CEILING_S, WATCH_FLOOR_S, Pace, watch_interval
 from p2p_diloco.swarm.discovery.progress import ProgressRecord
 
 SYBILS = [f"sybil{i}" for i in range(5)]
@@ -27,6 +28,7 @@ def link(joined: bool = True, num_rounds: int | None = None, met: frozenset = fr
     swarm.fresh_read_s, swarm._last_read = 1.0, None  # no watch has read the records: each read is a new one
     swarm.peers_met, swarm.allowlist, swarm.stranger_wait_s, swarm._matching_since = lambda: met, allowlist, 8.0, {}
     swarm.watch_every_s, swarm._watch, swarm._watch_at, swarm._watched = 0.5, None, float("-inf"), []
+    swarm._pace, swarm.watch_reads = Pace(), 0
     swarm.publish_every_s, swarm._last_publish, swarm.fingerprint = 10.0, float("-inf"), None
     swarm.anchor_fingerprint = swarm.prior_anchor_fingerprint = ""
     return swarm
@@ -181,3 +183,55 @@ def test_waiting_for_peers_in_a_private_swarm_counts_its_members_only(monkeypatc
     here = Position(0, 0, -1)
     assert link(allowlist=frozenset({"a"})).wait_for_peers(here, 2, timeout_s=0.1, poll_s=0.05) == 1
     assert link().wait_for_peers(here, 2, timeout_s=0.1, poll_s=0.05) == 6
+
+
+def paced(node: str, round_index: int, step: int, at: float) -> ProgressRecord:
+    return ProgressRecord(peer=node, stage=0, num_stages=1, round=round_index, inner_step=step, tokens_per_s=1.0,
+                          loss=1.0, time=at, node=node)
+
+
+def test_the_soonest_round_end_follows_each_writers_pace():
+    pace = Pace()
+    first = [paced("a", 2, 20, at=100.0), paced("b", 1, 15, at=100.0)]  # H = 10: a is on round 2, b behind
+    pace.update(first)
+    assert pace.seconds_to_end(first, 2, 10, now=101.0) is None  # one record each: no pace known yet
+    later = [paced("a", 2, 24, at=110.0), paced("b", 2, 25, at=105.0)]  # a: 0.4 steps/s, b: 2 steps/s
+    pace.update(later)
+    # a needs 6 more steps (15 s after its record), b 5 (2.5 s after its record, written 5 s before now)
+    assert pace.seconds_to_end(later, 2, 10, now=110.0) == -2.5
+    assert pace.seconds_to_end([later[0]], 2, 10, now=110.0) == 15.0
+    assert pace.seconds_to_end([paced("a", 3, 30, at=112.0)], 2, 10, now=112.0) == float("inf")  # ended already
+    pace.update([paced("a", 2, 3, at=120.0)])  # its step count went back (a restart): pace unknown again
+    assert pace.seconds_to_end([paced("a", 2, 3, at=120.0)], 2, 10, now=120.0) is None
+    pace.update([])  # a writer no longer read is forgotten
+    assert pace.seconds_to_end([paced("a", 2, 3, at=121.0)], 2, 10, now=121.0) is None
+
+
+def test_the_watch_reads_seldom_only_while_no_believed_peer_can_end_the_round_soon():
+    assert watch_interval(None) == WATCH_FLOOR_S  # a pace unknown: read as often as ever
+    assert watch_interval(-1.0) == watch_interval(0.2) == WATCH_FLOOR_S
+    assert watch_interval(4.0) == 2.0
+    assert watch_interval(600.0) == watch_interval(float("inf")) == WATCH_CEILING_S < 5.0  # under matchmaking time
+
+
+def test_a_link_watches_at_the_pace_of_the_records_it_read(monkeypatch):
+    from hivemind.utils import get_dht_time
+
+    now = get_dht_time()
+    swarm = link(met=frozenset({"a"}))
+    for records in ([paced("a", 0, 1, now - 20.0)], [paced("a", 0, 2, now - 10.0)]):  # 0.1 steps/s, 8 to go
+        swarm._watch_at = float("-inf")
+        watched(swarm, records, monkeypatch)
+        swarm.others_ended_round(0)  # takes the answer
+    assert swarm.watch_every_s == WATCH_CEILING_S and swarm.watch_reads == 2
+    swarm._watch_at = float("-inf")
+    watched(swarm, [paced("a", 0, 9, now)], monkeypatch)  # 0.7 steps/s now, 1 step to go: an end is near
+    swarm.others_ended_round(0)
+    assert abs(swarm.watch_every_s - (1 / 0.7) / 2) < 0.05  # half the 1.4 s it needs at most
+    # a stranger's records (not met) never slow the watch: they are not believed, and nobody believed is in view
+    stranger = link(met=frozenset({"a"}))
+    for records in ([paced("s", 0, 1, now - 20.0)], [paced("s", 0, 2, now - 10.0)]):
+        stranger._watch_at = float("-inf")
+        watched(stranger, records, monkeypatch)
+        stranger.others_ended_round(0)
+    assert stranger.watch_every_s == WATCH_FLOOR_S

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Optional
 
 from p2p_diloco.round.position import Position
+from p2p_diloco.swarm.discovery.pace import WATCH_FLOOR_S, Pace, watch_interval
 from p2p_diloco.swarm.discovery.progress import (
     ProgressRecord,
     could_join,
@@ -79,7 +80,10 @@ class SwarmLink:
         record_owner(dht, self.records_run)  # fails here, not later, on a DHT node that does not check signatures
         self.publish_every_s, self.ttl_s = publish_every_s, ttl_s
         self._last_publish = float("-inf")
-        self.watch_every_s = 0.5  # how often others_ended_round reads the records again
+        self.watch_every_s = WATCH_FLOOR_S  # how often others_ended_round reads the records again (pace.py: more
+        # seldom while no believed peer can end the round soon)
+        self._pace = Pace()
+        self.watch_reads = 0  # reads the watch started (the round-end watch is most of a peer's DHT traffic)
         self._watch = None  # the read in flight (a future of the DHT's answer)
         self._watch_at = float("-inf")
         self._watched: list[ProgressRecord] = []  # the other peers of this stage, as the watch last read them
@@ -243,15 +247,28 @@ class SwarmLink:
             else:
                 self._watched = self._of_stage(records)
                 self._last_read = (self._watch_at, records)
+                self._pace.update(self._watched)
+                self.watch_every_s = self._next_watch(round_index)
         if self._watch is None and time.monotonic() - self._watch_at >= self.watch_every_s:
             self._watch_at = time.monotonic()
             try:
+                self.watch_reads += 1
                 self._watch = request_progress(self.dht, self.records_run)
             except Exception as e:  # the DHT process may be shutting down
                 logger.debug(f"Could not read progress records: {e!r}")
         if trained_fraction < UNMET_END_FLOOR and not self.allowlist and not self.peers_met():
             return False  # met nobody yet: a stranger's record may end this round, but not before the floor
         return any(r.round == round_index + 1 for r in self.believed(self._watched)[0])
+
+    def _next_watch(self, round_index: int) -> float:
+        """The wait before the watch's next read: short while a believed peer may end ``round_index`` soon, by the
+        pace of its records (:mod:`~p2p_diloco.swarm.discovery.pace`), or while the pace of one is unknown."""
+        from hivemind.utils import get_dht_time
+
+        believed = self.believed(self._watched)[0]
+        if not believed:
+            return WATCH_FLOOR_S  # a newcomer's or a restarted peer's record may come in any time
+        return watch_interval(self._pace.seconds_to_end(believed, round_index, self.inner_steps, get_dht_time()))
 
     def believed(self, records: list[ProgressRecord]) -> tuple[list[ProgressRecord], list[ProgressRecord]]:
         """``records`` split into those whose word counts for this stage's round timing and those of strangers.
