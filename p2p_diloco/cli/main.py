@@ -3,7 +3,8 @@
 Subcommands live in their own modules (``peer``, ``bootstrap``, ``swarm``, ``prepare-data``, ``plan``, ``status``,
 ``export``, ``generate``); each registers its arguments and a ``run(args, overrides) -> exit code`` function. Known
 user mistakes (bad config, addresses, data, checkpoints, an unreachable swarm, an export folder that exists) end with
-``error: <one line>`` and exit code 2 (usage) or 1 (runtime), never a traceback.
+``error: <one line>`` and exit code 2 (usage) or 1 (runtime), never a traceback. ``--version`` is the installed
+package's (its metadata), so the command reads nothing from a checkout.
 """
 
 from __future__ import annotations
@@ -25,10 +26,28 @@ def build_parser() -> argparse.ArgumentParser:
         "on a hivemind swarm.",
         epilog="Run `p2p-diloco COMMAND --help` for the options of a command.",
     )
+    parser.add_argument("--version", action=PrintVersion)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for module in (peer, bootstrap, swarm, prepare, plan, status, export, generate):
         module.register(subparsers)
     return parser
+
+
+class PrintVersion(argparse.Action):
+    """``--version``: the installed version, read from the package metadata only when asked."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
+                         help="print the installed version (from the package metadata) and exit")
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        from p2p_diloco import DISTRIBUTION, installed_version
+
+        version = installed_version()
+        print(f"{parser.prog} {version}" if version is not None else
+              f"{parser.prog}: version unknown: the {DISTRIBUTION} distribution is not installed (no package "
+              "metadata); `pip install .` in the checkout records it")
+        parser.exit()
 
 
 # the errors that mean a user's mistake, by the module that defines each: told in one line, never a traceback
