@@ -13,6 +13,7 @@ Who calls this: :mod:`p2p_diloco.data.prepare`.
 
 from __future__ import annotations
 
+import codecs
 import gzip
 import json
 import logging
@@ -196,6 +197,8 @@ def _jsonl_records(doc: Document, raw: BinaryIO, stream: BinaryIO, text_field: s
     for number, line in enumerate(stream, start=1):
         if not line.strip():
             continue  # blank lines (a trailing newline too many) are not records
+        if number == 1:
+            line = line.removeprefix(codecs.BOM_UTF8)  # written by some Windows tools; json.loads refuses it
         if number == 1 and line.lstrip().startswith(b"["):
             raise DataError(f"{doc.path}: a JSON array, not JSON Lines (one object per line); convert it with "
                             f"`jq -c '.[]' {doc.path.name} > {doc.path.stem}.jsonl`")

@@ -92,6 +92,10 @@ def test_few_records_still_fill_both_splits(tmp_path: Path) -> None:
                  enumerate(["first\n", "second\n"], start=1)}
     assert decoded_documents(tmp_path / "out", "eval") == [min(fractions, key=fractions.get)]  # the most eval-like
 
+    three = write_records(tmp_path / "three.jsonl", ["a\n", "b\n", "c\n"])  # all three fall in eval by hash
+    meta = prepare_data([three], tmp_path / "mostly_eval", ByteTokenizer(), eval_fraction=0.999, progress=False)
+    assert {split: entry["num_documents"] for split, entry in meta["splits"].items()} == {"train": 1, "eval": 2}
+
     one = write_records(tmp_path / "one.jsonl", ["to be or not to be\n" * 20])
     prepare_data([one], tmp_path / "single", ByteTokenizer(), eval_fraction=0.1, progress=False)
     train, held_out = (all_tokens(ShardDataset(tmp_path / "single", split)) for split in ("train", "eval"))
@@ -140,7 +144,8 @@ BAD_LINES = [
 
 
 def write_bad_jsonl(path: Path) -> Path:
-    path.write_bytes(b"\n".join(line if isinstance(line, bytes) else line.encode() for line, _ in BAD_LINES) + b"\n")
+    lines = [line if isinstance(line, bytes) else line.encode() for line, _ in BAD_LINES]
+    path.write_bytes(b"\xef\xbb\xbf" + b"\n".join(lines) + b"\n")  # a UTF-8 byte order mark first, as some tools write
     return path
 
 
