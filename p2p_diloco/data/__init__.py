@@ -10,11 +10,13 @@ Typical use on a peer::
 
 from p2p_diloco.data.errors import DataError
 from p2p_diloco.data.prepare import builtin_corpus, prepare_data, resolve_data_path
+from p2p_diloco.data.readers import BadRecords, read_records
 from p2p_diloco.data.sampler import WindowSampler, eval_batches, seed_from_peer_id
 from p2p_diloco.data.shards import ShardDataset, ShardWriter, atomic_output_dir, dtype_for_vocab, read_meta, write_meta
 from p2p_diloco.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer, shards_tokenizer
 
 __all__ = [
+    "BadRecords",
     "ByteTokenizer",
     "DataError",
     "HFTokenizer",
@@ -30,6 +32,7 @@ __all__ = [
     "shards_tokenizer",
     "prepare_data",
     "read_meta",
+    "read_records",
     "resolve_data_path",
     "seed_from_peer_id",
     "write_meta",

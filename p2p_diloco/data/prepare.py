@@ -1,8 +1,10 @@
-"""Turning local text files into a shards folder, and the built-in corpus (the Python standard library's source).
+"""Turning local files into a shards folder, and the built-in corpus (the Python standard library's source).
 
-Every document (one input file) is encoded and ended with the tokenizer's end-of-document token. A held-out
-eval split is a deterministic subset of whole documents, chosen by a stable hash of each document's relative
-path, so eval tokens never appear in train and every machine makes the same split from the same files.
+Every document (a text file, or one record of a JSON Lines, CSV or Parquet file; see :mod:`readers`) is encoded
+and ended with the tokenizer's end-of-document token, streaming: memory holds one document at a time (and the two
+that :class:`~p2p_diloco.data.splits.SplitRouter` holds back), whatever the size of the input. A held-out eval
+split is a deterministic subset of whole documents, chosen by a stable hash of each document's key (its relative
+path, and line or row), so eval tokens never appear in train and every machine makes the same split.
 Who calls this: the ``prepare-data`` CLI command (:func:`prepare_data`) and every peer at start-up
 (:func:`resolve_data_path`, which prepares the built-in corpus on first use).
 """
@@ -10,15 +12,12 @@ Who calls this: the ``prepare-data`` CLI command (:func:`prepare_data`) and ever
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import logging
-import os
 import shutil
 import sys
 import sysconfig
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +25,14 @@ import numpy as np
 from tqdm import tqdm
 
 from p2p_diloco.data.errors import DataError
+from p2p_diloco.data.readers import (
+    BadRecords,
+    Document,
+    collect_documents,
+    input_format,
+    read_records,
+    usable_documents,
+)
 from p2p_diloco.data.shards import (
     DEFAULT_TOKENS_PER_SHARD,
     META_FILE,
@@ -35,6 +42,7 @@ from p2p_diloco.data.shards import (
     dtype_for_vocab,
     write_meta,
 )
+from p2p_diloco.data.splits import SplitRouter, choose_eval_documents
 from p2p_diloco.data.tokenizer import ByteTokenizer, Tokenizer
 
 if TYPE_CHECKING:
@@ -53,21 +61,13 @@ STDLIB_EXCLUDED_DIRS = frozenset({
     "site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "ensurepip", "venv", "__pycache__",
     "encodings", "pydoc_data",
 })
-_BINARY_SNIFF_BYTES = 8192
-
-
-@dataclass(frozen=True)
-class Document:
-    """One input file; ``key`` (its path relative to the input folder) decides its split."""
-
-    path: Path
-    key: str
 
 
 def prepare_data(inputs: Sequence[Path], out_dir: Path, tokenizer: Tokenizer, eval_fraction: float = 0.01,
                  tokens_per_shard: int = DEFAULT_TOKENS_PER_SHARD, extensions: Iterable[str] | None = None,
-                 progress: bool = True) -> dict[str, Any]:
-    """Tokenize text files into a shards folder with a train and an eval split.
+                 progress: bool = True, text_field: str = "text",
+                 bad_records: BadRecords | None = None) -> dict[str, Any]:
+    """Tokenize text, JSON Lines, CSV and Parquet files into a shards folder with a train and an eval split.
 
     Args:
         inputs: files and folders; folders are searched recursively, in sorted order.
@@ -77,12 +77,15 @@ def prepare_data(inputs: Sequence[Path], out_dir: Path, tokenizer: Tokenizer, ev
         tokens_per_shard: tokens per ``.bin`` file.
         extensions: keep only files with these suffixes (e.g. ``(".py",)``) when searching folders.
         progress: show a progress bar (only when stderr is a terminal).
+        text_field: the JSON field or CSV/Parquet column that holds each record's text.
+        bad_records: skip or stop at an unusable record, and count those skipped (default: skip).
 
     Returns:
         The meta.json written.
 
     Raises:
-        DataError: an input does not exist, no input file is found, or a split ends up empty.
+        DataError: an input does not exist or cannot be read, no input file is found, a record is bad under
+            the 'stop' policy, or a split ends up empty.
     """
     out_dir = Path(out_dir).expanduser()
     suffixes = tuple(extensions) if extensions else None
@@ -90,148 +93,75 @@ def prepare_data(inputs: Sequence[Path], out_dir: Path, tokenizer: Tokenizer, ev
     if not documents:
         wanted = f" with extension {', '.join(suffixes)}" if suffixes else ""
         raise DataError(f"no input files{wanted} found in {', '.join(str(p) for p in inputs) or '(no inputs)'}")
-    return write_corpus(documents, out_dir, tokenizer, eval_fraction, tokens_per_shard, progress)
-
-
-def collect_documents(inputs: Sequence[Path], extensions: tuple[str, ...] | None = None,
-                      exclude: Path | None = None, excluded_dirs: frozenset[str] = frozenset()) -> list[Document]:
-    """List the files of ``inputs`` as documents: files as given, folders walked recursively in sorted order.
-
-    ``extensions`` and ``excluded_dirs`` (folder names) filter what folder walks find; ``exclude`` is a
-    folder never entered (the output folder). A file reached twice is listed once.
-    """
-    documents: list[Document] = []
-    seen: set[Path] = set()
-    skip = exclude.resolve() if exclude is not None else None
-    for root in inputs:
-        if root.is_file():
-            found = [Document(root, root.name)]
-        elif root.is_dir():
-            found = _walk_folder(root, extensions, skip, excluded_dirs)
-        else:
-            raise DataError(f"{root}: input does not exist")
-        for doc in found:
-            resolved = doc.path.resolve()
-            if resolved not in seen:
-                seen.add(resolved)
-                documents.append(doc)
-    return documents
-
-
-def _walk_folder(root: Path, extensions: tuple[str, ...] | None, skip: Path | None,
-                 excluded_dirs: frozenset[str]) -> list[Document]:
-    found = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        here = Path(dirpath)
-        dirnames[:] = sorted(d for d in dirnames if d not in excluded_dirs and (here / d).resolve() != skip)
-        for name in sorted(filenames):
-            if extensions is None or name.endswith(extensions):
-                found.append(Document(here / name, (here / name).relative_to(root).as_posix()))
-    return sorted(found, key=lambda doc: doc.key)
-
-
-def _is_readable_text(path: Path) -> bool:
-    try:
-        with open(path, "rb") as f:
-            head = f.read(_BINARY_SNIFF_BYTES)
-    except OSError as exc:
-        logger.warning("Skipping %s: cannot read it (%s)", path, exc)
-        return False
-    if b"\x00" in head:
-        logger.warning("Skipping %s: looks like a binary file", path)
-        return False
-    return True
-
-
-def choose_eval_documents(documents: Sequence[Document], eval_fraction: float) -> set[int]:
-    """Return the indices of the eval documents: the ~``eval_fraction`` with the smallest hash of their key.
-
-    At least one document is chosen, and at least one is left for train when there are two or more.
-    """
-    def rank(i: int) -> tuple[bytes, str, int]:
-        return hashlib.sha256(documents[i].key.encode("utf-8")).digest(), documents[i].key, i
-
-    num_eval = max(1, round(eval_fraction * len(documents)))
-    if len(documents) > 1:
-        num_eval = min(num_eval, len(documents) - 1)
-    return set(sorted(range(len(documents)), key=rank)[:num_eval])
-
-
-def _encode_document(path: Path, tokenizer: Tokenizer) -> np.ndarray | None:
-    try:
-        text = path.read_bytes().decode("utf-8", errors="replace")
-    except OSError as exc:
-        logger.warning("Skipping %s: cannot read it (%s)", path, exc)
-        return None
-    ids = tokenizer.encode(text)
-    if tokenizer.eot_id is not None:
-        ids.append(tokenizer.eot_id)
-    return np.asarray(ids, dtype=np.int64)
+    return write_corpus(documents, out_dir, tokenizer, eval_fraction, tokens_per_shard, progress, text_field,
+                        bad_records)
 
 
 def write_corpus(documents: Sequence[Document], out_dir: Path, tokenizer: Tokenizer, eval_fraction: float,
-                 tokens_per_shard: int = DEFAULT_TOKENS_PER_SHARD, progress: bool = True) -> dict[str, Any]:
+                 tokens_per_shard: int = DEFAULT_TOKENS_PER_SHARD, progress: bool = True, text_field: str = "text",
+                 bad_records: BadRecords | None = None) -> dict[str, Any]:
     """Encode ``documents`` into the shards folder ``out_dir`` (atomically) and return its meta.json.
 
-    A single document cannot be split by documents: its last ~``eval_fraction`` of tokens is held out instead.
+    The split follows :mod:`p2p_diloco.data.splits`: by rank of the files' hashes when every input is a text file,
+    else by each document's own hash; a single document's last ~``eval_fraction`` of tokens is held out.
     """
     if not 0 < eval_fraction < 1:
         raise DataError(f"eval_fraction must be between 0 and 1 (exclusive), got {eval_fraction}")
-    documents = [doc for doc in documents if _is_readable_text(doc.path)]
+    documents = usable_documents(documents)
     if not documents:
         raise DataError(f"{out_dir}: none of the input files is readable text")
-    eval_ids = choose_eval_documents(documents, eval_fraction)
+    bad_records = bad_records if bad_records is not None else BadRecords()
+    eval_documents = None  # the hashed rule, unless every input is known to be one text document
+    if len(documents) > 1 and all(input_format(doc.path)[0] == "text" for doc in documents):
+        eval_documents = {documents[i] for i in choose_eval_documents(documents, eval_fraction)}
     dtype = dtype_for_vocab(tokenizer.vocab_size)
     start_s = time.monotonic()
     with atomic_output_dir(out_dir) as tmp_dir:
         writers = {split: ShardWriter(tmp_dir, split, dtype, tokens_per_shard) for split in ("train", "eval")}
         with writers["train"], writers["eval"]:
-            num_documents = _write_documents(documents, eval_ids, tokenizer, writers, eval_fraction, progress)
+            router = SplitRouter(writers, eval_fraction, eval_documents)
+            _write_documents(documents, tokenizer, router, text_field, bad_records, progress)
+            num_documents = router.finish()
         splits = {}
         for split, writer in writers.items():
             splits[split] = {**writer.close(), "num_documents": num_documents[split]}
             if splits[split]["num_tokens"] == 0:
-                raise DataError(f"{out_dir}: the {split} split would be empty; the inputs hold too little text")
+                raise DataError(f"{out_dir}: the {split} split would be empty; the inputs hold too little text"
+                                + (f" ({bad_records.num_skipped} bad records skipped)" if bad_records.num_skipped
+                                   else ""))
         meta = write_meta(tmp_dir, dtype, tokenizer.vocab_size, tokenizer.name, splits)
         if getattr(tokenizer, "path", None) is not None:  # the shards' tokenizer, for export and generate
             shutil.copyfile(tokenizer.path, tmp_dir / TOKENIZER_FILE)
-    logger.info("Prepared %s in %.1f s: train %d tokens (%d documents), eval %d tokens (%d documents)", out_dir,
-                time.monotonic() - start_s, splits["train"]["num_tokens"], splits["train"]["num_documents"],
-                splits["eval"]["num_tokens"], splits["eval"]["num_documents"])
+    logger.info("Prepared %s in %.1f s: train %d tokens (%d documents), eval %d tokens (%d documents), "
+                "%d bad records skipped", out_dir, time.monotonic() - start_s, splits["train"]["num_tokens"],
+                splits["train"]["num_documents"], splits["eval"]["num_tokens"], splits["eval"]["num_documents"],
+                bad_records.num_skipped)
     return meta
 
 
-def _write_documents(documents: Sequence[Document], eval_ids: set[int], tokenizer: Tokenizer,
-                     writers: dict[str, ShardWriter], eval_fraction: float, progress: bool) -> dict[str, int]:
-    """Encode each document into its split's writer; return the number of documents per split."""
-    num_documents = {"train": 0, "eval": 0}
-    with _progress_bar(documents, progress) as bar:
-        for i, doc in enumerate(documents):
-            tokens = _encode_document(doc.path, tokenizer)
-            bar.update(doc.path.stat().st_size)
-            if tokens is None:
-                continue
-            if len(documents) == 1:
-                _split_single_document(doc, tokens, eval_fraction, writers)
-                return {"train": 1, "eval": 1}
-            split = "eval" if i in eval_ids else "train"
-            writers[split].append(tokens)
-            num_documents[split] += 1
-    return num_documents
+def _write_documents(documents: Sequence[Document], tokenizer: Tokenizer, router: SplitRouter, text_field: str,
+                     bad_records: BadRecords, progress: bool) -> None:
+    """Read, encode and route every document of every input, one at a time."""
+    sizes = [doc.path.stat().st_size for doc in documents]
+    with tqdm(total=sum(sizes), unit="B", unit_scale=True, desc="tokenizing", leave=False,
+              disable=not (progress and sys.stderr.isatty())) as bar:
+        for doc, size in zip(documents, sizes, strict=True):
+            done = 0
+            for record in read_records(doc, text_field):
+                bar.update(max(0, record.bytes_read - done))
+                done = max(done, record.bytes_read)
+                if record.problem is not None:
+                    bad_records.handle(record)
+                else:
+                    router.add(record, _encode(record.text, tokenizer))
+            bar.update(max(0, size - done))
 
 
-def _progress_bar(documents: Sequence[Document], progress: bool) -> tqdm:
-    total_bytes = sum(doc.path.stat().st_size for doc in documents)
-    return tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenizing", leave=False,
-                disable=not (progress and sys.stderr.isatty()))
-
-
-def _split_single_document(doc: Document, tokens: np.ndarray, eval_fraction: float,
-                           writers: dict[str, ShardWriter]) -> None:
-    num_eval = max(1, round(eval_fraction * len(tokens)))
-    logger.info("Only one input document (%s): holding out its last %d tokens for eval", doc.path, num_eval)
-    writers["train"].append(tokens[:-num_eval])
-    writers["eval"].append(tokens[-num_eval:])
+def _encode(text: str, tokenizer: Tokenizer) -> np.ndarray:
+    ids = tokenizer.encode(text)
+    if tokenizer.eot_id is not None:
+        ids.append(tokenizer.eot_id)
+    return np.asarray(ids, dtype=np.int64)
 
 
 def stdlib_documents(max_bytes: int = BUILTIN_MAX_BYTES) -> list[Document]:

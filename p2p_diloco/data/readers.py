@@ -1,0 +1,262 @@
+"""Reading the inputs of ``prepare-data``: which files, in which format, and their documents one at a time.
+
+A plain text file (any suffix that is not one below) is one document, as it always was. A JSON Lines
+(``.jsonl``, ``.ndjson``, ``.json``), CSV (``.csv``) or Parquet (``.parquet``) file holds one document per record,
+the string in its ``text_field``. Text, JSON Lines and CSV may be compressed (``.gz``, ``.zst``). Folders are walked
+recursively in sorted order, so every machine reads the same inputs in the same order.
+Records are streamed: memory holds one record (a Parquet or CSV batch at most), never the whole input.
+A record that cannot be used (invalid JSON, no text field, a text that is not a string) is yielded with its
+``problem`` set; the caller chooses to skip it or stop (:class:`BadRecords`). A file that cannot be read at all
+(unreadable, unknown format, no text column, corrupt compression) raises a :class:`DataError` naming it.
+Who calls this: :mod:`p2p_diloco.data.prepare`.
+"""
+
+from __future__ import annotations
+
+import codecs
+import gzip
+import json
+import logging
+import os
+import zlib
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+from p2p_diloco.data.errors import DataError
+from p2p_diloco.data.streams import COMPRESSIONS, CorruptStream, open_decompressed
+
+logger = logging.getLogger(__name__)
+
+RECORD_FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".csv": "csv", ".parquet": "parquet"}
+SUPPORTED = ".jsonl, .ndjson, .json, .csv, .parquet (each but .parquet also as .gz or .zst) or plain text"
+_BINARY_SNIFF_BYTES = 8192
+
+
+@dataclass(frozen=True)
+class Document:
+    """One input file; ``key`` (its path relative to the input folder) decides its split, or its records'."""
+
+    path: Path
+    key: str
+    given: bool = False
+    """Named on the command line (an unusable one is an error), not found in a folder (skipped with a warning)."""
+
+
+@dataclass(frozen=True)
+class Record:
+    """One document read from an input file: a whole text file, or one record of a JSON Lines, CSV or Parquet file."""
+
+    document: Document
+    number: int | None
+    """Line (JSON Lines) or row (CSV, Parquet; 1 is the first under the header) number; None for a text file."""
+    text: str | None
+    problem: str | None = None
+    """Why the record is unusable (then ``text`` is None)."""
+    bytes_read: int = 0
+    """How far into the input file this record ends, in bytes of the file as stored (for progress)."""
+    unit: str = "line"
+
+    @property
+    def key(self) -> str:
+        """A stable name of the record, unique among the inputs, that decides its split."""
+        return self.document.key if self.number is None else f"{self.document.key}:{self.number}"
+
+    @property
+    def location(self) -> str:
+        """Where the record is, for messages: ``path:line`` or ``path row N``."""
+        if self.number is None:
+            return str(self.document.path)
+        if self.unit == "line":
+            return f"{self.document.path}:{self.number}"
+        return f"{self.document.path} row {self.number}"
+
+
+def input_format(path: Path) -> tuple[str, str | None]:
+    """Return ``(format, compression)`` of a file from its suffixes: format 'text', 'jsonl', 'csv' or 'parquet';
+    compression 'gzip', 'zstd' or None."""
+    suffixes = [s.lower() for s in path.suffixes]
+    compression = COMPRESSIONS.get(suffixes[-1]) if suffixes else None
+    if compression is not None:
+        suffixes = suffixes[:-1]
+    return (RECORD_FORMATS.get(suffixes[-1], "text") if suffixes else "text"), compression
+
+
+def collect_documents(inputs: Sequence[Path], extensions: tuple[str, ...] | None = None,
+                      exclude: Path | None = None, excluded_dirs: frozenset[str] = frozenset()) -> list[Document]:
+    """List the files of ``inputs`` as documents: files as given, folders walked recursively in sorted order.
+
+    ``extensions`` and ``excluded_dirs`` (folder names) filter what folder walks find; ``exclude`` is a
+    folder never entered (the output folder). A file reached twice is listed once.
+    """
+    documents: list[Document] = []
+    seen: set[Path] = set()
+    skip = exclude.resolve() if exclude is not None else None
+    for root in inputs:
+        if root.is_file():
+            found = [Document(root, root.name, given=True)]
+        elif root.is_dir():
+            found = _walk_folder(root, extensions, skip, excluded_dirs)
+        else:
+            raise DataError(f"{root}: input does not exist")
+        for doc in found:
+            resolved = doc.path.resolve()
+            if resolved not in seen:
+                seen.add(resolved)
+                documents.append(doc)
+    return documents
+
+
+def _walk_folder(root: Path, extensions: tuple[str, ...] | None, skip: Path | None,
+                 excluded_dirs: frozenset[str]) -> list[Document]:
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        here = Path(dirpath)
+        dirnames[:] = sorted(d for d in dirnames if d not in excluded_dirs and (here / d).resolve() != skip)
+        for name in sorted(filenames):
+            if extensions is None or name.endswith(extensions):
+                found.append(Document(here / name, (here / name).relative_to(root).as_posix()))
+    return sorted(found, key=lambda doc: doc.key)
+
+
+def usable_documents(documents: Sequence[Document]) -> list[Document]:
+    """Keep the documents that can be read: a file that is not text nor of a known format is skipped with a
+    warning when found in a folder, and refused when named.
+
+    Raises:
+        DataError: a file cannot be opened, a named file is of an unknown format, or a Parquet file is compressed.
+    """
+    usable = []
+    for doc in documents:
+        kind, compression = input_format(doc.path)
+        if kind == "parquet" and compression is not None:
+            raise DataError(f"{doc.path}: Parquet is compressed inside already; give the .parquet file itself")
+        if kind != "text":
+            with open_input(doc, None):  # only that it opens: its records are checked as they are read
+                usable.append(doc)
+        elif _looks_like_text(doc, compression):
+            usable.append(doc)
+        elif doc.given:
+            raise DataError(f"{doc.path}: unknown format: not text, and not one of {SUPPORTED}")
+        else:
+            logger.warning("Skipping %s: looks like a binary file", doc.path)
+    return usable
+
+
+def _looks_like_text(doc: Document, compression: str | None) -> bool:
+    with open_input(doc, compression) as (_, stream):
+        return b"\x00" not in stream.read(_BINARY_SNIFF_BYTES)
+
+
+def read_records(doc: Document, text_field: str = "text") -> Iterator[Record]:
+    """Yield the documents of one input file in order, streaming (see the module docstring).
+
+    Raises:
+        DataError: the file cannot be read, is corrupt, or (CSV, Parquet) has no usable ``text_field`` column.
+    """
+    kind, compression = input_format(doc.path)
+    if kind in ("csv", "parquet"):
+        from p2p_diloco.data import columnar  # local import: pyarrow is only needed here
+
+        yield from (columnar.parquet_records(doc, text_field) if kind == "parquet"
+                    else columnar.csv_records(doc, compression, text_field))
+        return
+    with open_input(doc, compression) as (raw, stream):
+        if kind == "text":
+            yield Record(doc, None, stream.read().decode("utf-8", errors="replace"), bytes_read=raw.tell())
+        elif kind == "jsonl":
+            yield from _jsonl_records(doc, raw, stream, text_field)
+        else:
+            raise AssertionError(f"unhandled input format {kind!r}")
+
+
+@contextmanager
+def open_input(doc: Document, compression: str | None) -> Iterator[tuple[BinaryIO, BinaryIO]]:
+    """Yield ``(raw, stream)``: the file as stored and its decompressed bytes.
+
+    Raises:
+        DataError: the file cannot be opened, or reading it (in the ``with`` block) fails or finds corrupt data.
+    """
+    try:
+        raw = open(doc.path, "rb")  # noqa: SIM115 - closed below
+    except OSError as exc:
+        raise DataError(f"{doc.path}: cannot read it ({exc.strerror or exc})") from None
+    try:
+        yield raw, open_decompressed(raw, compression)
+    except (EOFError, zlib.error, gzip.BadGzipFile, CorruptStream) as exc:
+        raise DataError(f"{doc.path}: corrupt {compression} data ({exc})") from None
+    except OSError as exc:
+        raise DataError(f"{doc.path}: cannot read it ({exc})") from None
+    finally:
+        raw.close()
+
+
+def _jsonl_records(doc: Document, raw: BinaryIO, stream: BinaryIO, text_field: str) -> Iterator[Record]:
+    for number, line in enumerate(stream, start=1):
+        if not line.strip():
+            continue  # blank lines (a trailing newline too many) are not records
+        if number == 1:
+            line = line.removeprefix(codecs.BOM_UTF8)  # written by some Windows tools; json.loads refuses it
+        if number == 1 and line.lstrip().startswith(b"["):
+            raise DataError(f"{doc.path}: a JSON array, not JSON Lines (one object per line); convert it with "
+                            f"`jq -c '.[]' {doc.path.name} > {doc.path.stem}.jsonl`")
+        text, problem = _json_text(line, text_field)
+        yield Record(doc, number, text, problem, raw.tell())
+
+
+def _json_text(line: bytes, text_field: str) -> tuple[str | None, str | None]:
+    """Return ``(text, None)`` for a usable JSON Lines record, else ``(None, problem)``."""
+    try:
+        value = json.loads(line)
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
+        return None, f"not valid JSON ({exc})"
+    if not isinstance(value, dict):
+        return None, f"a JSON {_json_type(value)}, not an object"
+    if text_field not in value:
+        names = ", ".join(list(value)[:10]) or "none"
+        return None, f"no field {text_field!r} (fields: {names}); choose one with --text-field"
+    text = value[text_field]
+    if not isinstance(text, str):
+        return None, f"field {text_field!r} is a JSON {_json_type(text)}, not a string"
+    if (b"\\ud" in line or b"\\uD" in line) and _has_lone_surrogate(text):  # only a \\u escape can make one
+        return None, "the text is not valid Unicode (a lone surrogate escape)"
+    return text, None
+
+
+def _has_lone_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _json_type(value: object) -> str:
+    names = {dict: "object", list: "array", str: "string", int: "number", float: "number", bool: "boolean"}
+    return "null" if value is None else names.get(type(value), type(value).__name__)
+
+
+class BadRecords:
+    """What to do with an unusable record: 'skip' it (counted, the first few named in a warning) or 'stop' the run."""
+
+    def __init__(self, policy: str = "skip", num_named: int = 5) -> None:
+        if policy not in ("skip", "stop"):
+            raise DataError(f"on_bad_record must be 'skip' or 'stop', got {policy!r}")
+        self.policy = policy
+        self.num_named = num_named
+        self.num_skipped = 0
+
+    def handle(self, record: Record) -> None:
+        """Count and maybe name a bad record; raise when the policy is 'stop'.
+
+        Raises:
+            DataError: ``policy == 'stop'``; the message names the file and line or row.
+        """
+        if self.policy == "stop":
+            raise DataError(f"{record.location}: {record.problem} (--on-bad-record skip would skip it)")
+        self.num_skipped += 1
+        if self.num_skipped <= self.num_named:
+            more = "; further ones are only counted" if self.num_skipped == self.num_named else ""
+            logger.warning("Skipping %s: %s%s", record.location, record.problem, more)
