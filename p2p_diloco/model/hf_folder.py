@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from p2p_diloco.config.errors import ConfigError
-from p2p_diloco.model.hf import args_from_hf_config, our_name
+from p2p_diloco.model.hf import args_from_hf_config, hf_name, our_name
 from p2p_diloco.model.llama import ModelArgs
 
 WEIGHTS_FILE = "model.safetensors"
@@ -108,7 +108,7 @@ def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
 def load_stage(folder: HFFolder, model: nn.Module) -> None:
     """Copy the folder's values into every parameter of ``model`` (a stage or the whole model, our names), as its
     dtype; each file is opened once and only this model's tensors are read from it."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     by_file: dict[Path, list[tuple[StoredTensor, nn.Parameter]]] = {}
     for name, param in model.named_parameters():
@@ -119,7 +119,7 @@ def load_stage(folder: HFFolder, model: nn.Module) -> None:
             with safe_open(str(file), framework="pt") as handle:
                 for stored, param in pairs:
                     param.copy_(handle.get_tensor(stored.hf_name))
-        except OSError as e:
+        except (OSError, SafetensorError) as e:
             raise folder_error(folder.path, f"cannot read {file.name}: {e}") from None
 
 
@@ -188,16 +188,16 @@ def _stored_tensors(path: Path, args: ModelArgs) -> dict[str, StoredTensor]:
         absent = sorted(listed - set(header))
         if absent:
             raise folder_error(path, f"{file.name} does not hold {absent[0]}, which {INDEX_FILE} says it does")
-        for hf_name, stored in header.items():
-            if _ROTARY_BUFFER.fullmatch(hf_name) or (args.tie_embeddings and hf_name == "lm_head.weight"):
+        for theirs, stored in header.items():
+            if _ROTARY_BUFFER.fullmatch(theirs) or (args.tie_embeddings and theirs == "lm_head.weight"):
                 continue
             try:
-                name = our_name(hf_name)
+                name = our_name(theirs)
             except KeyError:
-                raise folder_error(path, f"{file.name}: tensor {hf_name!r} is not a parameter of the Llama "
+                raise folder_error(path, f"{file.name}: tensor {theirs!r} is not a parameter of the Llama "
                                          "decoder this trainer runs (no biases, no extra modules)") from None
             if name in out:
-                raise folder_error(path, f"{hf_name} is in both {out[name].file.name} and {file.name}")
+                raise folder_error(path, f"{theirs} is in both {out[name].file.name} and {file.name}")
             out[name] = stored
     return out
 
@@ -206,8 +206,6 @@ def _check_against(path: Path, args: ModelArgs, stored: dict[str, StoredTensor])
     expected = expected_shapes(args)
     missing = [name for name in expected if name not in stored]
     if missing:
-        from p2p_diloco.model.hf import hf_name
-
         raise folder_error(path, f"no tensor {hf_name(missing[0])} ({len(missing)} of the {len(expected)} "
                                  "parameters config.json implies are missing)")
     for name, shape in expected.items():

@@ -82,9 +82,9 @@ def check_tokenizer(folder: HFFolder, data_path: Path, data_tokenizer: str) -> N
             raise ConfigError(f"model.init_from: the data {data_path} was made with {data_tokenizer!r}, but its "
                               f"{TOKENIZER_FILE} is not in the folder to check the model's tokenizer against")
         theirs, described = _read_tokenizer(theirs_path), str(theirs_path)
-    for part, view in (("vocabulary", _vocabulary), ("merges", _merges), ("special tokens", _added),
-                       ("normalizer", lambda t: t.get("normalizer")),
-                       ("pre-tokenizer", lambda t: t.get("pre_tokenizer"))):
+    for part, view in (("vocabularies", _vocabulary), ("merges", _merges), ("special tokens", _added),
+                       ("normalizers", lambda t: t.get("normalizer")),
+                       ("pre-tokenizers", lambda t: t.get("pre_tokenizer"))):
         if view(mine) != view(theirs):
             raise ConfigError(f"model.init_from: the folder's tokenizer ({mine_path}) is not the one the data was "
                               f"prepared with ({described}): their {part} differ; prepare the data with "
@@ -93,10 +93,11 @@ def check_tokenizer(folder: HFFolder, data_path: Path, data_tokenizer: str) -> N
 
 def init_digest(folder: HFFolder, cache_dir: Path) -> str:
     """The folder's weights digest, from ``cache_dir/init_from.json`` when that was computed for these very files
-    (path, names, sizes and modification times), else computed and cached (a cache that cannot be written is
-    only logged)."""
+    (path, names, sizes and modification times of config.json, which tells a tied head, and of the weights), else
+    computed and cached (a cache that cannot be written is only logged)."""
+    files = [folder.path / "config.json", *folder.files]
     signature = {"path": str(folder.path.resolve()),
-                 "files": [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in folder.files]}
+                 "files": [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]}
     cache = Path(cache_dir) / DIGEST_CACHE_FILE
     try:
         cached = json.loads(cache.read_text(encoding="utf-8"))

@@ -81,6 +81,34 @@ def test_every_stage_of_any_split_loads_its_own_tensors(tmp_path, weights, shard
         assert all(torch.equal(loaded[name], weights[name]) for name in weights)
 
 
+def test_a_stage_reads_only_its_own_tensors(sharded, monkeypatch):
+    import safetensors
+
+    read, real_open = [], safetensors.safe_open
+
+    class Recording:
+        def __init__(self, *args, **kwargs):
+            self.handle = real_open(*args, **kwargs)
+
+        def __enter__(self):
+            self.inner = self.handle.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.handle.__exit__(*exc)
+
+        def get_tensor(self, name):
+            read.append(name)
+            return self.inner.get_tensor(name)
+
+    monkeypatch.setattr(safetensors, "safe_open", Recording)
+    build_model(ARGS, [3, 1], 1, open_hf_folder(sharded))
+    assert sorted(read) == sorted([f"model.layers.3.{n}" for n in (
+        "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+        "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight", "input_layernorm.weight",
+        "post_attention_layernorm.weight")] + ["model.norm.weight", "lm_head.weight"])
+
+
 def test_each_fragment_of_a_stage_holds_the_folders_values(sharded, weights):
     folder, parts = open_hf_folder(sharded), fragment_parts(ARGS, 3)
     split = fitting_split(ARGS, parts, 2)
@@ -107,6 +135,10 @@ def test_the_digest_is_of_the_weights_not_of_their_files(tmp_path, weights, shar
     changed["layers.3.ffn_norm.weight"] = weights["layers.3.ffn_norm.weight"].clone()
     changed["layers.3.ffn_norm.weight"][5] += 1e-6
     assert weights_digest(open_hf_folder(write_folder(tmp_path / "other", ARGS, changed, 2))) != digest
+    # older checkpoints keep rotary buffers; not parameters, they are neither loaded nor hashed
+    _set_tensor(sharded, "model.layers.1.self_attn.rotary_emb.inv_freq", torch.ones(4),
+                beside="model.layers.1.self_attn.q_proj.weight")
+    assert weights_digest(open_hf_folder(sharded)) == digest
 
 
 def test_the_digest_is_cached_for_these_very_files(tmp_path, sharded):
@@ -153,6 +185,8 @@ def _truncate(path: Path) -> None:
     (lambda p: _set_tensor(p, "model.norm.weight", torch.zeros(32, dtype=torch.int32)),
      ["model.norm.weight", "dtype I32 is not a float type"]),
     (_truncate, ["model-00002-of-00003.safetensors", "does not fit"]),
+    (lambda p: _set_tensor(p, "model.norm.weight", torch.ones(32), beside="model.embed_tokens.weight"),
+     ["model.norm.weight is in both"]),
     (lambda p: (p / "config.json").write_text(json.dumps(dict(json.loads((p / "config.json").read_text()),
                                                               num_hidden_layers=3))),
      ["model.layers.3.", "not a parameter of the model config.json describes (3 layers)"]),
@@ -218,7 +252,7 @@ def test_the_tokenizer_must_be_the_datas(tmp_path, sharded):
     first, second = list(vocab)[:2]
     vocab[first], vocab[second] = vocab[second], vocab[first]
     (data / "tokenizer.json").write_text(json.dumps(other))
-    with pytest.raises(ConfigError, match="is not the one the data was prepared with .* their vocabulary differ"):
+    with pytest.raises(ConfigError, match="is not the one the data was prepared with .* their vocabularies differ"):
         check_tokenizer(folder, data, "hf:tokenizer.json")
     (sharded / "tokenizer.json").unlink()
     with pytest.raises(ConfigError, match="no tokenizer.json"):
@@ -271,4 +305,8 @@ def test_a_pipelined_peer_refuses_a_folder_that_does_not_fit_before_starting_sta
                                                "model.n_heads unset (the shape comes from the folder)")
     assert main([*common, "--pipeline.stage_layers", "2,3"]) == 2
     assert "pipeline.stage_layers: [2, 3] adds up to 5 blocks, but the model has 4" in capsys.readouterr().err
+    tied_args = ModelArgs(**{**ARGS.__dict__, "tie_embeddings": True})
+    tied = write_folder(tmp_path / "tied", tied_args, trained_like(tied_args))
+    assert main(["peer", "--model.init_from", str(tied), "--output-dir", str(out), "--stages", "2"]) == 2
+    assert "pipeline.stages: " + str(tied / "config.json") + " ties the output head" in capsys.readouterr().err
     assert not (out / "stages.toml").exists()  # no stage process was started
