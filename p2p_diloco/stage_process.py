@@ -22,7 +22,7 @@ import torch
 
 from p2p_diloco.config import AveragingConfig, Config, ConfigError, DHTConfig, dump_config
 from p2p_diloco.data import ShardDataset, WindowSampler, eval_batches, resolve_data_path, seed_from_peer_id
-from p2p_diloco.model import balanced_split, build_stage_model, check_split, model_args_from_config
+from p2p_diloco.model import ModelArgs, balanced_split, build_stage_model, check_split, model_args_from_config
 from p2p_diloco.model.fragments import (
     FragmentView,
     check_split_fits,
@@ -30,6 +30,8 @@ from p2p_diloco.model.fragments import (
     fragment_parts,
     split_parameters,
 )
+from p2p_diloco.model.hf_folder import HFFolder, load_stage
+from p2p_diloco.model.init_from import check_tokenizer, init_digest, open_init
 from p2p_diloco.round.stage import Stage
 from p2p_diloco.training.executor import LocalExecutor
 from p2p_diloco.training.ledger import Held
@@ -110,6 +112,41 @@ def resolve_split(cfg: Config, model_args, parts: Optional[list[int]] = None) ->
     return balanced_split(model_args, cfg.pipeline.stages)
 
 
+def resolve_init(cfg: Config) -> tuple[HFFolder, ModelArgs]:
+    """The checked ``model.init_from`` folder and the model's shape it gives (:func:`open_init`).
+
+    Raises:
+        ConfigError: see :func:`open_init`; or a folder of tied embeddings for a peer of several stages.
+    """
+    folder, args = open_init(cfg.model)
+    if args.tie_embeddings and cfg.pipeline.stages > 1:
+        raise ConfigError(f"pipeline.stages: {folder.path / 'config.json'} ties the output head to the embedding "
+                          f"(tie_word_embeddings), which needs both on one stage; got {cfg.pipeline.stages} stages")
+    return folder, args
+
+
+def check_init_from(cfg: Config) -> None:
+    """What a pipelined peer checks of ``model.init_from`` before it starts its stage processes: the folder, its
+    shape against the config and the split, its tokenizer against the data's; and the weights digest, computed
+    once here for its stages (:func:`init_digest` caches it in the output folder)."""
+    from p2p_diloco.data import read_meta
+
+    folder, args = resolve_init(cfg)
+    resolve_split(cfg, args, fragment_parts(args, cfg.diloco.fragments) if cfg.diloco.fragments else None)
+    data_path = resolve_data_path(cfg.data)
+    check_tokenizer(folder, data_path, read_meta(data_path)["tokenizer"])
+    init_digest(folder, Path(cfg.run.output_dir))
+
+
+def build_model(model_args: ModelArgs, split: list[int], stage_index: int, folder: Optional[HFFolder]):
+    """This stage's model: initialized from ``model.init_seed``, or loaded from the ``model.init_from`` folder (only
+    this stage's tensors are read)."""
+    model = build_stage_model(model_args, split, stage_index, initialize=folder is None)
+    if folder is not None:
+        load_stage(folder, model)
+    return model
+
+
 def stage_dht_config(cfg: DHTConfig, stage_index: int, num_stages: int) -> DHTConfig:
     """Stage j of a P-stage peer runs its own DHT node: its own identity file and, for fixed ports, port + j."""
     if num_stages == 1:
@@ -147,13 +184,17 @@ def run_stage(cfg: Config, *, pipeline=None, reporter: Optional[Reporter] = None
     stage_index = pipeline.stage_index if pipeline is not None else 0
     device = pipeline.device if pipeline is not None else select_device(cfg.run.device)
     output_dir = Path(cfg.run.output_dir)
-    data = load_data(cfg, max_seq_len=_max_seq_len(cfg))
-    model_args = model_args_from_config(cfg.model, data.train.vocab_size)
+    folder, init_args = resolve_init(cfg) if cfg.model.init_from is not None else (None, None)
+    data = load_data(cfg, max_seq_len=init_args.max_seq_len if init_args else _max_seq_len(cfg))
+    model_args = init_args or model_args_from_config(cfg.model, data.train.vocab_size)
     check_vocab(data, model_args.vocab_size)
     parts = fragment_parts(model_args, cfg.diloco.fragments) if cfg.diloco.fragments else None
     split = resolve_split(cfg, model_args, parts)
-    model = build_stage_model(model_args, split, stage_index).to(device)
-    fingerprint = config_fingerprint(model_args, split, data.train.meta, cfg.diloco.fragments)
+    if folder is not None:
+        check_tokenizer(folder, data.train.path, data.train.tokenizer_name)
+    model = build_model(model_args, split, stage_index, folder).to(device)
+    digest = init_digest(folder, output_dir) if folder is not None else None
+    fingerprint = config_fingerprint(model_args, split, data.train.meta, cfg.diloco.fragments, init_digest=digest)
     output_dir.mkdir(parents=True, exist_ok=True)
     if stage_index == 0:  # only once config, data and model passed their checks: a bad start leaves the old one
         (output_dir / "config.toml").write_text(dump_config(cfg))
@@ -237,4 +278,4 @@ def _make_executor(cfg: Config, pipeline, model, device):
 def _max_seq_len(cfg: Config) -> int:
     from p2p_diloco.model import PRESETS
 
-    return cfg.model.max_seq_len or PRESETS[cfg.model.preset]["max_seq_len"]
+    return cfg.model.max_seq_len or PRESETS[cfg.model.preset_name]["max_seq_len"]

@@ -70,6 +70,10 @@ def run(args: argparse.Namespace, overrides: list[tuple[str, str]]) -> int:
     if cfg.pipeline.stages > 1 and not launched_as_stage():
         from p2p_diloco.pipeline.launch import run_local_stages
 
+        if cfg.model.init_from is not None:  # a folder that does not fit: one error here, before any stage starts
+            from p2p_diloco.stage_process import check_init_from
+
+            check_init_from(cfg)
         logger.info("Resolved config:\n" + dump_config(cfg))
         return run_local_stages(cfg)
     if not launched_as_stage() or (os.environ.get("RANK") == "0" and os.environ.get(LAUNCHED_BY_US) != "1"):

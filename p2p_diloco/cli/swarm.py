@@ -118,6 +118,8 @@ def print_sample(peer_dir: Path, prompt: str = SAMPLE_PROMPT, max_new_tokens: in
 
 def _swarm_config(args: argparse.Namespace, overrides: list[tuple[str, str]]):
     base = [] if args.config else list(DEMO_DEFAULTS)
+    if any(key == "model.init_from" for key, _ in overrides):  # the folder gives the shape: no preset beside it
+        base = [(key, value) for key, value in base if key != "model.preset"]
     forced = [("pipeline.stages", str(args.stages)), ("dht.host_maddrs", LOOPBACK)]
     if args.peers > 1:
         forced += [("averaging.target_group_size", str(args.peers)), ("train.wait_for_peers", str(args.peers))]

@@ -74,10 +74,13 @@ class Config:
         self._check_split()
 
     def _check_split(self) -> None:
-        """The model must split into the stages asked for, checked here so that no stage process is started."""
+        """The model must split into the stages asked for, checked here so that no stage process is started (with
+        model.init_from, by the ``peer`` command once it has read the folder's config.json)."""
         from p2p_diloco.model.presets import PRESETS  # local import: the model package pulls in torch
 
-        n_layers = self.model.n_layers or PRESETS[self.model.preset]["n_layers"]
+        if self.model.init_from is not None:
+            return
+        n_layers = self.model.n_layers or PRESETS[self.model.preset_name]["n_layers"]
         if self.pipeline.stages > n_layers:
             raise ConfigError(f"pipeline.stages: {self.pipeline.stages} stages need at least {self.pipeline.stages} "
                               f"blocks, but the model has {n_layers} (model.n_layers)")

@@ -19,6 +19,7 @@ AVERAGING_MODES = ("none", "delayed", "eager")
 ROUND_ENDS = ("swarm", "steps")
 SCHEDULES = ("gpipe", "1f1b")
 MODEL_PRESETS = ("tiny", "small", "medium", "1b")
+DEFAULT_PRESET = "tiny"
 WANDB_MODES = ("offline", "online")
 
 
@@ -57,8 +58,9 @@ class RunConfig:
 
 @dataclass
 class ModelConfig:
-    preset: str = "tiny"
-    """Model size preset: tiny (~1M parameters), small (~25M), medium (~200M) or 1b."""
+    preset: Optional[str] = None
+    """Model size preset: tiny (~1M parameters), small (~25M), medium (~200M) or 1b; default tiny (none with
+    init_from)."""
     dim: Optional[int] = None
     """Hidden size; default from the preset."""
     n_layers: Optional[int] = None
@@ -76,11 +78,26 @@ class ModelConfig:
     tie_embeddings: bool = False
     """Share the input embedding with the output head (refused with more than one pipeline stage)."""
     init_seed: int = 0
-    """Seed of the parameter init; every peer of a run must use the same one."""
+    """Seed of the parameter init; every peer of a run must use the same one (unused with init_from)."""
+    init_from: Optional[str] = None
+    """Start from a local Hugging Face LlamaForCausalLM folder instead of random weights: config.json, the weights
+    (model.safetensors, or the shards of model.safetensors.index.json; fp32, fp16 or bf16, trained in fp32) and a
+    tokenizer.json that must be the data's. The shape comes from config.json: leave preset and the shape keys unset
+    (a different value is an error). Each pipeline stage reads only its own tensors; the loaded weights are the
+    round-0 anchor (a resumed checkpoint still wins). Every peer of the run must load the same weights: their
+    sha256 (tensors' names, dtypes, shapes and bytes, cached in run.output_dir/init_from.json) is part of the
+    config fingerprint. `p2p-diloco export` writes such a folder."""
+
+    @property
+    def preset_name(self) -> str:
+        """The preset in force: the one given, else tiny."""
+        return self.preset or DEFAULT_PRESET
 
     def validate(self) -> None:
-        require(self.preset in MODEL_PRESETS, "model.preset",
+        require(self.preset is None or self.preset in MODEL_PRESETS, "model.preset",
                  f"must be one of {', '.join(MODEL_PRESETS)}, got {self.preset!r}")
+        require(self.init_from is None or bool(self.init_from.strip()), "model.init_from",
+                 "must be a model folder (or unset)")
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len", "vocab_size"):
             value = getattr(self, name)
             require(value is None or value > 0, f"model.{name}", f"must be a positive integer, got {value!r}")
@@ -210,7 +227,8 @@ class DiLoCoConfig:
 @dataclass
 class TrainConfig:
     num_rounds: int = 20
-    """Stop after this many rounds."""
+    """Stop after this many rounds. 0: load (or initialize) the model, evaluate it, write its checkpoint and stop
+    (e.g. to export a model.init_from folder as a run starts from it)."""
     log_every: int = 10
     """Write a metrics line every this many inner steps."""
     eval_every_rounds: int = 1
@@ -231,7 +249,7 @@ class TrainConfig:
     benchmarks of swarms with peers of unequal speed. 1 = full speed."""
 
     def validate(self) -> None:
-        require(self.num_rounds > 0, "train.num_rounds", f"must be a positive integer, got {self.num_rounds!r}")
+        require(self.num_rounds >= 0, "train.num_rounds", f"must be >= 0, got {self.num_rounds!r}")
         require(self.log_every > 0, "train.log_every", f"must be a positive integer, got {self.log_every!r}")
         require(self.wait_for_peers >= 1, "train.wait_for_peers", f"must be >= 1, got {self.wait_for_peers!r}")
         positive(self.wait_for_peers_timeout_s, "train.wait_for_peers_timeout_s")

@@ -174,6 +174,8 @@ class Transformer(nn.Module):
         layer_ids: global indices of the blocks to build, increasing; default: all of them.
         first: build the token embedding; forward then takes token ids (B, T) instead of hidden states.
         last: build the final norm and the output head; forward then returns logits instead of hidden states.
+        initialize: set every parameter by :meth:`init_weights`; False leaves them uninitialized, for a caller
+            that loads all of them (``model.init_from``).
 
     Raises:
         ValueError: layer_ids out of range or not increasing.
@@ -181,7 +183,8 @@ class Transformer(nn.Module):
     """
 
     def __init__(
-        self, args: ModelArgs, layer_ids: Sequence[int] | None = None, first: bool = True, last: bool = True
+        self, args: ModelArgs, layer_ids: Sequence[int] | None = None, first: bool = True, last: bool = True,
+        initialize: bool = True,
     ) -> None:
         super().__init__()
         layer_ids = list(range(args.n_layers)) if layer_ids is None else [int(i) for i in layer_ids]
@@ -203,7 +206,8 @@ class Transformer(nn.Module):
         cos, sin = rotary_tables(args.head_dim, args.max_seq_len, args.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)  # (max_seq_len, D/2)
         self.register_buffer("rope_sin", sin, persistent=False)  # (max_seq_len, D/2)
-        self.init_weights()
+        if initialize:
+            self.init_weights()
 
     @torch.no_grad()
     def init_weights(self) -> None:

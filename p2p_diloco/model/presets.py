@@ -38,9 +38,9 @@ def model_args_from_config(cfg: ModelConfig, vocab_size: int) -> ModelArgs:
     Raises:
         ConfigError: unknown preset, or a shape that cannot be built (naming the key).
     """
-    if cfg.preset not in PRESETS:
+    if cfg.preset_name not in PRESETS:
         raise ConfigError(f"model.preset: must be one of {', '.join(PRESETS)}, got {cfg.preset!r}")
-    values = dict(PRESETS[cfg.preset])
+    values = dict(PRESETS[cfg.preset_name])
     for name in _OVERRIDABLE:
         if getattr(cfg, name) is not None:
             values[name] = getattr(cfg, name)

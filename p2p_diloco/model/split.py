@@ -74,8 +74,10 @@ def stage_num_params(args: ModelArgs, stage_layers: list[int], stage_index: int)
     return _stage_size(args, stage_layers, stage_index)
 
 
-def build_stage_model(args: ModelArgs, stage_layers: list[int], stage_index: int) -> Transformer:
-    """Builds the model of one stage, its parameters named and initialized as in the full model.
+def build_stage_model(args: ModelArgs, stage_layers: list[int], stage_index: int,
+                      initialize: bool = True) -> Transformer:
+    """Builds the model of one stage, its parameters named and initialized as in the full model (uninitialized
+    with ``initialize`` False, for a caller that loads them all).
 
     Raises:
         ConfigError: an invalid split, or tied embeddings with more than one stage.
@@ -84,7 +86,8 @@ def build_stage_model(args: ModelArgs, stage_layers: list[int], stage_index: int
     check_split(args, stage_layers)
     layer_ids = stage_layer_ids(stage_layers, stage_index)
     return Transformer(
-        args, layer_ids=layer_ids, first=stage_index == 0, last=stage_index == len(stage_layers) - 1
+        args, layer_ids=layer_ids, first=stage_index == 0, last=stage_index == len(stage_layers) - 1,
+        initialize=initialize,
     )
 
 

@@ -387,8 +387,9 @@ class Trainer:
                          for key in self.stage.num_state_bytes()}
         s.max_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         s.wall_s = time.monotonic() - started
-        if save and self.stage.inner_step > 0:
-            self._save_checkpoint()  # mid-round too: phi, phi0 and the sampler position resume the round
+        if save and (self.stage.inner_step > 0 or self.cfg.train.num_rounds == 0):
+            # mid-round too: phi, phi0 and the sampler position resume the round; a run of 0 rounds keeps its start
+            self._save_checkpoint()
         self.metrics.write("summary", **asdict(s))
         self.metrics.close()
         tmp = self.summary_path.with_suffix(".tmp")

@@ -26,9 +26,10 @@ from p2p_diloco.swarm.discovery.records import MAX_RECORD_TTL_S, peer_id_of_owne
 
 pytestmark = pytest.mark.timeout(120)
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
-FINGERPRINT = {"version": 1, "model.dim": 32, "model.n_layers": 2, "model.n_heads": 4, "model.n_kv_heads": 2,
+FINGERPRINT = {"version": 2, "model.dim": 32, "model.n_layers": 2, "model.n_heads": 4, "model.n_kv_heads": 2,
                "model.ffn_dim": 64, "model.vocab_size": 61, "model.max_seq_len": 16, "model.tie_embeddings": False,
-               "model.init_seed": 0, "pipeline.stages": 1, "pipeline.stage_layers": [2], "data.vocab_size": 61,
+               "model.init_seed": 0, "model.rope_theta": 10000.0, "model.norm_eps": 1e-5, "model.init_from": None,
+               "pipeline.stages": 1, "pipeline.stage_layers": [2], "data.vocab_size": 61,
                "data.dtype": "uint16", "data.tokenizer": "byte", "diloco.fragments": None}
 
 

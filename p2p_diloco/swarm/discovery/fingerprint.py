@@ -1,7 +1,7 @@
 """The run's config fingerprint in the DHT: what every peer of a swarm must share to average together.
 
-Model shape, pipeline stages and split (or, in a run that averages by fragment, the fragment count), vocabulary and
-data format. Each stage process publishes its
+Model shape, the digest of the weights a run started from (``model.init_from``), pipeline stages and split (or, in a
+run that averages by fragment, the fragment count), vocabulary and data format. Each stage process publishes its
 fingerprint under ``<run_id>_config`` (subkey: its public key; signed and schema-checked, see
 :mod:`p2p_diloco.swarm.discovery.records`) and, before training, compares it with the live ones: a peer whose stages
 would not line up with the swarm's is refused with a message naming each key that differs. (The averager's
@@ -12,7 +12,7 @@ a clear error.) Called by :func:`p2p_diloco.stage_process.run_stage`.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Optional
 
 from p2p_diloco.swarm.discovery.records import (
     FingerprintValue,
@@ -24,7 +24,7 @@ from p2p_diloco.swarm.discovery.records import (
 from p2p_diloco.swarm.errors import SwarmError
 
 logger = logging.getLogger(__name__)
-FINGERPRINT_VERSION = 1
+FINGERPRINT_VERSION = 2  # 2: model.rope_theta, model.norm_eps, model.init_from
 
 
 def config_key(run_id: str) -> str:
@@ -32,9 +32,11 @@ def config_key(run_id: str) -> str:
 
 
 def config_fingerprint(model_args, stage_layers: list[int], data_meta: dict[str, Any], fragments: int = 0,
-                       ) -> dict[str, Any]:
+                       init_digest: Optional[str] = None) -> dict[str, Any]:
     """What peers of one run must agree on, keyed by the config key a user would change. A run that averages by
-    fragment (``fragments`` F >= 1) fixes F, not the pipeline split: peers of any split average together."""
+    fragment (``fragments`` F >= 1) fixes F, not the pipeline split: peers of any split average together. A run
+    started from a model folder fixes its weights (``init_digest``, :func:`~p2p_diloco.model.init_from.init_digest`)
+    and the rotary and norm constants its config.json gives."""
     # every key always present (None where it does not apply): hivemind's schema validator refuses a record that
     # parsing would change, and a default filled in for a missing key is such a change (no config record was stored)
     by_fragment = {"pipeline.stages": None, "pipeline.stage_layers": None}
@@ -44,6 +46,8 @@ def config_fingerprint(model_args, stage_layers: list[int], data_meta: dict[str,
         "model.n_kv_heads": model_args.n_kv_heads, "model.ffn_dim": model_args.ffn_dim,
         "model.vocab_size": model_args.vocab_size, "model.max_seq_len": model_args.max_seq_len,
         "model.tie_embeddings": model_args.tie_embeddings, "model.init_seed": model_args.init_seed,
+        "model.rope_theta": float(model_args.rope_theta), "model.norm_eps": float(model_args.norm_eps),
+        "model.init_from": init_digest,
         "pipeline.stages": len(stage_layers), "pipeline.stage_layers": list(stage_layers),
         "data.vocab_size": data_meta.get("vocab_size"), "data.dtype": data_meta.get("dtype"),
         "data.tokenizer": data_meta.get("tokenizer"), "diloco.fragments": fragments or None,
@@ -53,8 +57,17 @@ def config_fingerprint(model_args, stage_layers: list[int], data_meta: dict[str,
 def differences(mine: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
     """Human-readable differences, e.g. ``pipeline.stage_layers is [2, 2] here but [3, 1] in the swarm``."""
     keys = sorted(set(mine) | set(theirs))
-    return [f"{key} is {mine.get(key)!r} here but {theirs.get(key)!r} in the swarm"
-            for key in keys if mine.get(key) != theirs.get(key)]
+    return [_difference(key, mine.get(key), theirs.get(key)) for key in keys if mine.get(key) != theirs.get(key)]
+
+
+def _difference(key: str, mine: Any, theirs: Any) -> str:
+    if key == "model.init_from":  # a digest says little by itself: say what it stands for
+        return f"model.init_from weights differ: {_weights(mine)} here, {_weights(theirs)} in the swarm"
+    return f"{key} is {mine!r} here but {theirs!r} in the swarm"
+
+
+def _weights(digest: Optional[str]) -> str:
+    return f"sha256 {digest[:12]}…" if digest else "none (random init from model.init_seed)"
 
 
 def check_fingerprint(dht, run_id: str, fingerprint: dict[str, Any], timeout_s: float = 15.0,

@@ -95,6 +95,10 @@ class FingerprintValue(BaseModel):
     model_max_seq_len: conint(strict=True, ge=1) = Field(..., alias="model.max_seq_len")
     model_tie_embeddings: StrictBool = Field(..., alias="model.tie_embeddings")
     model_init_seed: conint(strict=True) = Field(..., alias="model.init_seed")
+    model_rope_theta: confloat(strict=True, gt=0, allow_inf_nan=False) = Field(..., alias="model.rope_theta")
+    model_norm_eps: confloat(strict=True, gt=0, allow_inf_nan=False) = Field(..., alias="model.norm_eps")
+    # the sha256 of the weights a run started from (model.init_from); None: random init from model.init_seed
+    model_init_from: Optional[constr(strict=True, regex=r"^[0-9a-f]{64}$")] = Field(..., alias="model.init_from")
     # None when the run averages by fragment (diloco.fragments): then peers of any split train together
     pipeline_stages: Optional[conint(strict=True, ge=1, le=MAX_STAGES)] = Field(..., alias="pipeline.stages")
     pipeline_stage_layers: Optional[conlist(conint(strict=True, ge=1), min_items=1, max_items=MAX_STAGES)] = \
