@@ -29,6 +29,7 @@ def link(joined: bool = True, num_rounds: int | None = None, met: frozenset = fr
     swarm.watch_every_s, swarm._watch, swarm._watch_at, swarm._watched = 0.5, None, float("-inf"), []
     swarm.publish_every_s, swarm._last_publish, swarm.fingerprint = 10.0, float("-inf"), None
     swarm.anchor_fingerprint = swarm.prior_anchor_fingerprint = ""
+    swarm.facts = dict
     return swarm
 
 
