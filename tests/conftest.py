@@ -24,6 +24,7 @@ LONGEST_FIRST = [
     "test_churn.py::test_killed_peer_restarted_on_its_checkpoint_is_back_in_sync",  # 50
     "test_quality_bench.py::test_a_second_seed_is_added_to_an_earlier_table_without_running_the_first_again",  # 50
     "test_churn.py::test_newcomer_downloads_the_swarms_state",  # 46
+    "test_status_page.py::test_the_page_of_a_small_swarm_shows_its_peers",  # 25-47 (alone, beside other work)
     "test_pipeline.py::test_mismatched_split_is_refused",  # 42
     "test_swarm.py::test_a_groupmate_killed_inside_the_all_reduce_does_not_cost_the_others_the_round",  # 40
     "test_hostile_leader.py::test_a_groupmate_that_stalls_the_all_reduce_is_named_and_banned",  # 39

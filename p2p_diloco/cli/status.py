@@ -46,6 +46,13 @@ def register(subparsers) -> None:
                         help="give up after this long, counted from the command's start: joining the swarm and "
                         "reading the records share it, and the command exits within SECONDS + 10 whatever the "
                         "network does (exit code 1, saying how many peers it reached; default 20)")
+    parser.add_argument("--serve", type=int, metavar="PORT",
+                        help="serve a web page of the run on PORT (0: any free port; the address is printed) until "
+                        "stopped (Ctrl-C): the table above with each peer's eval loss, rounds averaged, bytes sent and "
+                        "bans, and the swarm's eval-loss curve; it reads the records again every few seconds, each "
+                        "read bounded by --timeout, and the page refreshes itself from /api/status (JSON)")
+    parser.add_argument("--serve-host", default="127.0.0.1", metavar="ADDR",
+                        help="the address --serve listens on (default 127.0.0.1: this machine only)")
     parser.set_defaults(run=run)
 
 
@@ -93,6 +100,10 @@ def run(args: argparse.Namespace, overrides: list[tuple[str, str]]) -> int:
 
         raise ConfigError("dht.initial_peers: status needs the multiaddr of a running bootstrap node or peer "
                           "(--initial-peers)")
+    if args.serve is not None:
+        from p2p_diloco.cli.status_serve import serve
+
+        return serve(cfg, args)
     configure_logging("WARNING")
     progress = _Progress(cfg.run.run_id, args.timeout)
     watchdog = threading.Timer(max(0.0, deadline + WATCHDOG_GRACE_S - time.monotonic()), _give_up,
@@ -126,9 +137,7 @@ def _read_status(cfg, progress: _Progress, deadline: float) -> tuple[list, int, 
     from hivemind.utils import get_dht_time
 
     from p2p_diloco.monitoring.nodes import PeerCounts
-    from p2p_diloco.swarm import SwarmError, fetch_progress, start_dht
-    from p2p_diloco.swarm.discovery.fingerprint import run_fragments
-    from p2p_diloco.swarm.discovery.progress import records_run
+    from p2p_diloco.swarm import SwarmError, start_dht
     from p2p_diloco.swarm.discovery.records import run_record_validators
 
     def left() -> float:
@@ -146,17 +155,28 @@ def _read_status(cfg, progress: _Progress, deadline: float) -> tuple[list, int, 
     try:
         progress.phase = "reading the run's records"
         progress.reachable = (PeerCounts(dht, timeout_s=min(2.0, left())).get() or (None,))[0]
-        fragments = run_fragments(dht, cfg.run.run_id, timeout_s=left())
-        runs = [records_run(cfg.run.run_id, (f, fragments)) for f in range(fragments)] or [cfg.run.run_id]
-        records = []
-        for run_id in runs:  # (up to 1024 fragments, each read bounded by the deadline too)
-            if time.monotonic() >= deadline:
-                break
-            records += _read_records(dht, run_id, fetch_progress, deadline=deadline)
+        records, fragments = read_run(dht, cfg.run.run_id, deadline)
         return records, fragments, get_dht_time()
     finally:
         progress.phase = "leaving the swarm"
         dht.shutdown()
+
+
+def read_run(dht, run_id: str, deadline: float, max_attempts: int = 3) -> tuple[list[ProgressRecord], int]:
+    """(records, number of fragments or 0) of run ``run_id``, read through ``dht`` before ``deadline``
+    (monotonic)."""
+    from p2p_diloco.swarm import fetch_progress
+    from p2p_diloco.swarm.discovery.fingerprint import run_fragments
+    from p2p_diloco.swarm.discovery.progress import records_run
+
+    fragments = run_fragments(dht, run_id, timeout_s=max(1.0, deadline - time.monotonic()))
+    runs = [records_run(run_id, (f, fragments)) for f in range(fragments)] or [run_id]
+    records = []
+    for run in runs:  # (up to 1024 fragments, each read bounded by the deadline too)
+        if time.monotonic() >= deadline:
+            break
+        records += _read_records(dht, run, fetch_progress, deadline=deadline, max_attempts=max_attempts)
+    return records, fragments
 
 
 def _give_up(progress: _Progress, as_json: bool) -> None:
@@ -260,9 +280,35 @@ def build_report(run_id: str, records: list[ProgressRecord], now: float, num_fra
         "peers": [{
             "peer": r.peer, "node": r.node, "stage": r.stage, "num_stages": r.num_stages, "round": r.round,
             "applied_round": r.applied_round, "inner_step": r.inner_step, "tokens_per_s": _number(r.tokens_per_s),
-            "loss": _number(r.loss), "last_seen_s": round(max(0.0, now - r.time), 1),
+            "loss": _number(r.loss), "last_seen_s": round(max(0.0, now - r.time), 1), **_facts(r, [r]),
         } for r in rows],
+        **_swarm_facts([r.eval_losses for r in rows], [r.round for r in rows], [r.bytes_sent for r in rows]),
     }
+
+
+def _facts(evaluated: ProgressRecord, held: list[ProgressRecord]) -> dict:
+    """A row's eval loss (that of ``evaluated``'s last evaluation), rounds averaged, bytes sent and bans (of the
+    stage process that wrote ``held``)."""
+    last = evaluated.eval_losses[-1] if evaluated.eval_losses else (None, None)
+    bans = {peer: why for r in held for peer, why in r.bans}
+    return {"eval_round": last[0], "eval_loss": last[1], "rounds_averaged": held[0].rounds_averaged,
+            "bytes_sent": held[0].bytes_sent, "bans": [{"peer": peer, "reason": why} for peer, why in bans.items()]}
+
+
+def _swarm_facts(evals: list, rounds: list[int], bytes_sent: list[int]) -> dict:
+    """The run's bytes sent (every stage process's) and its eval-loss curve: for each round, the lower median of the
+    eval losses the stage processes report for it, up to the lower median of their rounds (one record's claim of
+    rounds the swarm has not reached, or of a loss the others do not share, does not move the curve)."""
+    from p2p_diloco.medians import lower_median
+
+    limit = lower_median(rounds) if rounds else -1
+    by_round: dict[int, list[float]] = {}
+    for told in evals:
+        for round_index, loss in told:
+            if round_index <= limit:
+                by_round.setdefault(round_index, []).append(loss)
+    return {"bytes_sent_total": sum(bytes_sent),
+            "eval_curve": [[r, lower_median(losses)] for r, losses in sorted(by_round.items())]}
 
 
 def _fragment_report(run_id: str, records: list[ProgressRecord], now: float, num_fragments: int) -> dict:
@@ -279,7 +325,7 @@ def _fragment_report(run_id: str, records: list[ProgressRecord], now: float, num
             "num_fragments": num_fragments, "round": min(r.round for r in held),
             "applied_round": min(r.applied_round for r in held), "inner_step": min(r.inner_step for r in held),
             "tokens_per_s": _number(held[0].tokens_per_s), "loss": _number(last.loss),
-            "last_seen_s": round(max(0.0, now - max(r.time for r in held)), 1)})
+            "last_seen_s": round(max(0.0, now - max(r.time for r in held)), 1), **_facts(last, held)})
     rows.sort(key=lambda row: (row["peer"], row["fragments"][0], row["node"]))
     first = {row["peer"]: row for row in rows if row["fragments"][0] == 0}
     return {
@@ -291,6 +337,8 @@ def _fragment_report(run_id: str, records: list[ProgressRecord], now: float, num
         "tokens_per_s_total": sum(row["tokens_per_s"] or 0.0 for row in first.values()),
         "tokens_per_s_total_over": "the stage holding fragment 0 of every peer",
         "peers": rows,
+        **_swarm_facts([by_node[row["node"]][-1].eval_losses for row in rows], [row["round"] for row in rows],
+                       [row["bytes_sent"] for row in rows]),
     }
 
 

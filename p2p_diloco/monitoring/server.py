@@ -38,15 +38,11 @@ class MetricsServer:
         port = cfg.port + port_offset if cfg.port else 0
         app = _routes(make_wsgi_app(registry.registry), health)
         try:
-            self._server = make_server(cfg.host, port, app, server_class=_ThreadingWSGIServer,
-                                       handler_class=_QuietHandler)
+            self._server, self._thread = start_http(cfg.host, port, app, "metrics-http")
         except OSError as e:
             raise ConfigError(f"metrics.port: cannot serve metrics on {cfg.host}:{port} ({e.strerror or e}); "
                               "choose another port (0: any free one)") from None
         self.host, self.port = cfg.host, self._server.server_address[1]
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.5},
-                                        name="metrics-http", daemon=True)
-        self._thread.start()
 
     @property
     def url(self) -> str:
@@ -57,6 +53,15 @@ class MetricsServer:
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(timeout=5)
+
+
+def start_http(host: str, port: int, app: Callable, name: str) -> tuple[WSGIServer, threading.Thread]:
+    """Serve a WSGI app on ``host:port`` (0: any free port) from a daemon thread, each request in a daemon thread of
+    its own; OSError if the port cannot be listened on. Stop it with ``shutdown()`` and ``server_close()``."""
+    server = make_server(host, port, app, server_class=_ThreadingWSGIServer, handler_class=_QuietHandler)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.5}, name=name, daemon=True)
+    thread.start()
+    return server, thread
 
 
 def _routes(metrics_app: Callable, health: Callable[[], dict]) -> Callable:

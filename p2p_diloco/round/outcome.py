@@ -37,6 +37,8 @@ class RoundOutcome:
     """Groupmates flagged in the round (peer id -> reasons: see :mod:`p2p_diloco.swarm.averaging.guard`)."""
     banned: tuple[str, ...] = ()
     """Peers this peer no longer groups with."""
+    ban_reasons: dict = field(default_factory=dict)
+    """Why the last of them were banned (peer id -> reason; see ``guard.REPORTED_BANS``)."""
     averaged: bool = False
     """The group's average came back (``average`` holds it until the round is applied)."""
 

@@ -7,11 +7,13 @@ Used by :class:`~p2p_diloco.training.trainer.Trainer`, which owns the loop; the 
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import Optional
 
 from p2p_diloco.round.outcome import RoundReport
 from p2p_diloco.round.stage import Stage
+from p2p_diloco.swarm.discovery.records import MAX_BANS_SHOWN, MAX_EVALS_SHOWN
 from p2p_diloco.training.metrics import MetricsWriter
 from p2p_diloco.training.summary import TrainSummary, combined_report
 from p2p_diloco.training.sync import SwarmSync
@@ -46,6 +48,28 @@ class Ledger:
         self.inner_steps, self.anchor_digest = inner_steps, anchor_digest
         self.last_group: dict[int, list[str]] = {}  # per unit held: the group of its last round applied
         self.fingerprints: list[str] = [""] * len(held)  # each unit's anchor sha256, as last noted
+        self.evals: deque[tuple[int, float]] = deque(maxlen=MAX_EVALS_SHOWN)  # (rounds done, eval loss)
+        self.bans: dict[str, str] = {}  # peer -> why, the last MAX_BANS_SHOWN banned
+        for unit in held:
+            if unit.swarm is not None:
+                unit.swarm.facts = self.facts
+
+    def facts(self) -> dict:
+        """What the progress records tell besides the position (``ProgressRecord.eval_losses`` and the rest)."""
+        return {"eval_losses": tuple(self.evals), "bytes_sent": self.summary.bytes_sent,
+                "rounds_averaged": self.summary.averaged_rounds, "bans": tuple(self.bans.items())}
+
+    def note_eval(self, round_index: int, inner_step: int, loss: float | None, first: bool = False) -> None:
+        """An evaluation of the anchor after ``round_index`` rounds (None: not on the last stage), in the metrics,
+        the summary (its start, or its final eval loss), the console and the records."""
+        self.metrics.write("eval", round=round_index, inner_step=inner_step, eval_loss=loss)
+        if first:
+            self.summary.eval_loss_start = loss
+        else:
+            self.reporter.on_eval(round_index, loss)
+            self.summary.eval_loss_final = loss
+        if loss is not None:
+            self.evals.append((round_index, loss))
 
     def note_anchor(self, units: list[Held] | None = None) -> None:
         """Publish where each of ``units`` (default: all) stands, after its anchor changed (divergence checks, donor
@@ -105,6 +129,12 @@ class Ledger:
         """One round of the peer in the summary and on the console (every unit's round end of it)."""
         if not reports:
             return
+        for one in reports:  # each unit's averager bans on its own
+            for peer, why in one.outcome.ban_reasons.items():
+                self.bans.pop(peer, None)
+                self.bans[peer] = why
+        while len(self.bans) > MAX_BANS_SHOWN:
+            del self.bans[next(iter(self.bans))]
         report = combined_report(reports)
         self.summary.account(report, self.inner_steps)
         self.reporter.on_round(report)

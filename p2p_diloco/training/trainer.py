@@ -131,8 +131,7 @@ class Trainer:
                                            if unit.swarm else 1)
         self.reporter.on_start(num_rounds * H, self.stage.inner_step)
         if self.summary.eval_loss_start is None:
-            self.summary.eval_loss_start = self._evaluate()
-            self.metrics.write("eval", round=0, inner_step=0, eval_loss=self.summary.eval_loss_start)
+            self.ledger.note_eval(0, 0, self._evaluate(), first=True)
         failed = True
         try:
             while self.round_index < num_rounds and not self.stop_requested:
@@ -350,10 +349,7 @@ class Trainer:
         return loss if self.executor.is_last_stage else None
 
     def _evaluate_and_log(self, round_index: int) -> None:
-        loss = self._evaluate()
-        self.metrics.write("eval", round=round_index, inner_step=self.stage.inner_step, eval_loss=loss)
-        self.reporter.on_eval(round_index, loss)
-        self.summary.eval_loss_final = loss
+        self.ledger.note_eval(round_index, self.stage.inner_step, self._evaluate())
 
     def _publish(self, loss: float, tokens_per_s: float, force: bool = False) -> None:
         for unit in self.held:

@@ -161,6 +161,7 @@ def test_repeat_offender_is_banned_and_the_others_go_on(network):
     for result in results[:3]:
         assert result.group_size == 3 and set(result.group_peers) == {peer_id(h) for h in honest}
         assert result.banned == (peer_id(hostile),) and result.suspects == {}
+        assert result.ban_reasons == {peer_id(hostile): "offences in rounds [0, 1, 2] (bad average in round 2)"}
     assert not results[3].averaged
 
 

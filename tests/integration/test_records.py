@@ -21,7 +21,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from p2p_diloco.config import DHTConfig
 from p2p_diloco.swarm import SwarmError, fetch_progress, publish_progress, start_dht, visible_maddrs
 from p2p_diloco.swarm.discovery.fingerprint import check_fingerprint, config_key, publish_fingerprint
-from p2p_diloco.swarm.discovery.progress import ProgressRecord, progress_key
+from p2p_diloco.swarm.discovery.progress import ProgressRecord, progress_key, shown_facts
 from p2p_diloco.swarm.discovery.records import MAX_RECORD_TTL_S, peer_id_of_owner, record_owner, run_record_validators
 
 pytestmark = pytest.mark.timeout(120)
@@ -135,7 +135,7 @@ def attacker(swarm):
 def progress_value(round_index: int, node: str, **changes) -> dict:
     """A progress record as it goes into the DHT."""
     value = {k: v for k, v in vars(record(round_index)).items() if k != "expiration"}
-    return dict(value, node=node, **changes)
+    return dict(value, node=node, **shown_facts(record(round_index)) | changes)
 
 
 def store(node, subkey, value, key: str, ttl_s: float = 120) -> bool:

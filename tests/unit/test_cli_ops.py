@@ -41,6 +41,8 @@ def test_metrics_keys_on_the_command_line():
     (["status", "--run-id", "bad id!", "--initial-peers", BOOT], "run.run_id: must be 1-64 letters"),
     (["status", "--run-id", "r1", "--initial-peers", BOOT, "--timeout", "0"], "--timeout: a positive number"),
     (["status", "--run-id", "r1", "--initial-peers", BOOT, "--timeout", "nan"], "--timeout: a positive number"),
+    (["status", "--run-id", "r1", "--initial-peers", BOOT, "--serve", "65536"], "--serve: a port from 0 to 65535"),
+    (["status", "--run-id", "r1", "--initial-peers", BOOT, "--serve", "0", "--json"], "--serve and --json: choose"),
 ])
 def test_refused_before_anything_starts(argv, expected, capsys):
     assert main(argv) == 2

@@ -73,7 +73,7 @@ def test_an_intact_group_reads_as_before_for_a_follower():
     view = read_group(group(record(), record(tokens=512.0), record(), record()), MSGPackSerializer, ME, guard, 2.0,
                       as_follower())
     assert list(view.infos) == PEERS and view.modes == (AveragingMode.NODE,) * 4
-    assert guard.report(5) == {"suspects": {}, "banned": []}
+    assert guard.report(5) == {"suspects": {}, "banned": [], "ban_reasons": {}}
 
 
 # ---- whose offence a bad record is ----------------------------------------------------------------------------------

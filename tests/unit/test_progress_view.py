@@ -31,6 +31,7 @@ def link(joined: bool = True, num_rounds: int | None = None, met: frozenset = fr
     swarm._pace, swarm.watch_reads = Pace(), 0
     swarm.publish_every_s, swarm._last_publish, swarm.fingerprint = 10.0, float("-inf"), None
     swarm.anchor_fingerprint = swarm.prior_anchor_fingerprint = ""
+    swarm.facts = dict
     return swarm
 
 

@@ -237,20 +237,21 @@ class PseudoGradientAverager:
         except Exception as e:  # network failures of every kind end in a fallback, never in a crash
             cancel_step(pending.control)
             found = {"fallback_reason": f"{type(e).__name__}: {e}" if str(e) else type(e).__name__}
-        suspects, banned = self._flags_of(pending.round_index)
-        return RoundOutcome(**found, suspects=suspects, banned=tuple(banned),
+        suspects, banned, ban_reasons = self._flags_of(pending.round_index)
+        return RoundOutcome(**found, suspects=suspects, banned=tuple(banned), ban_reasons=ban_reasons,
                             averaging_s=time.monotonic() - pending.started_at,
                             bytes_sent=int(self.server.traffic[BYTES_SENT]) - pending.traffic_at_start[0],
                             bytes_received=int(self.server.traffic[BYTES_RECEIVED]) - pending.traffic_at_start[1])
 
-    def _flags_of(self, round_index: int) -> tuple[dict, list]:
-        """The groupmates flagged in a round and the peers banned so far, from the background process."""
+    def _flags_of(self, round_index: int) -> tuple[dict, list, dict]:
+        """The groupmates flagged in a round, the peers banned so far and why the last of them were, from the
+        background process."""
         try:
             report = self.server.ask("_report_flags", ASK_TIMEOUT_S, round_index=round_index)
-            return report["suspects"], report["banned"]
+            return report["suspects"], report["banned"], report["ban_reasons"]
         except Exception as e:  # the report is for metrics only: never fail a round over it
             logger.warning(f"Could not read the groupmates flagged in round {round_index}: {e!r}")
-            return {}, []
+            return {}, [], {}
 
     def download_state(self, donors: Sequence[str], timeout_s: float):
         """(metadata, tensors) of this stage from the first of ``donors`` (DHT peer ids, in the order to ask them)

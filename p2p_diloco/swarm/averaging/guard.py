@@ -75,6 +75,7 @@ STALL_WINDOW = 20  # rounds: stalls in 2 x ban_after of the last STALL_WINDOW ro
 MAX_CATCH_UP = 8.0  # see GroupView.catch_up
 KEPT_ROUNDS = 8  # flags of older rounds that nobody asked for are dropped
 KEPT_GROUPS = 16  # the groups a GroupViews remembers
+REPORTED_BANS = 16  # the last bans whose reasons a report carries (the progress records show them)
 VIEW_DIGEST_BYTES = 8
 
 
@@ -92,6 +93,7 @@ class PeerGuard:
         self.offence_rounds: dict[str, set[int]] = {}
         self.stall_rounds: dict[str, set[int]] = {}
         self.banned: set[str] = set()
+        self.ban_reasons: dict[str, str] = {}  # peer -> why it was banned, the last REPORTED_BANS in ban order
         self.flags: dict[int, dict[str, set[str]]] = {}  # round -> peer -> reasons
         self.left_out: dict[str, int] = {}  # peer -> the round whose all-reduce it broke (see leave_out)
         self.absences: dict[str, tuple[int, int]] = {}  # peer -> (round, times it was in no group: see absent)
@@ -161,13 +163,16 @@ class PeerGuard:
     def _ban(self, name: str, why: str) -> None:
         if self.ban_after and name not in self.banned:
             self.banned.add(name)
+            self.ban_reasons[name] = why
+            _keep_last(self.ban_reasons, REPORTED_BANS)
             logger.warning(f"Banned {name} after {why}: this peer no longer groups with it")
 
     def report(self, round_index: int) -> dict:
-        """The flags of a round (peer -> sorted reasons; forgotten once reported) and every banned peer."""
+        """The flags of a round (peer -> sorted reasons; forgotten once reported), every banned peer, and why the last
+        :data:`REPORTED_BANS` were banned."""
         flags = self.flags.pop(round_index, {})
         return {"suspects": {peer: sorted(reasons) for peer, reasons in sorted(flags.items())},
-                "banned": sorted(self.banned)}
+                "banned": sorted(self.banned), "ban_reasons": dict(self.ban_reasons)}
 
 
 @dataclass(frozen=True)

@@ -66,6 +66,9 @@ class SwarmLink:
         self.allowlist, self.stranger_wait_s = frozenset(allowlist), stranger_wait_s
         # the nodes of this stage's recent groups: the trainer points it at its SwarmSync's recently_met
         self.peers_met: Callable[[], frozenset] = frozenset
+        # what the records tell besides the position, for `status` (ProgressRecord's eval_losses, bytes_sent,
+        # rounds_averaged, bans): the trainer's ledger points it at its notes
+        self.facts: Callable[[], dict] = dict
         self._matching_since: dict[int, float] = {}  # round -> when this stage began looking for its group
         if fragment is not None:
             stage_index, num_stages = fragment
@@ -109,7 +112,7 @@ class SwarmLink:
                                 round=told_round, inner_step=position.inner_step + (told_round - position.round) *
                                 self.inner_steps, tokens_per_s=float(tokens_per_s), loss=float(loss),
                                 time=get_dht_time(), applied_round=applied_round, anchor=self.anchor_fingerprint,
-                                prior_anchor=self.prior_anchor_fingerprint)
+                                prior_anchor=self.prior_anchor_fingerprint, **self.facts())
         try:
             publish_progress(self.dht, self.records_run, record, self.ttl_s)
             if self.fingerprint is not None and force:

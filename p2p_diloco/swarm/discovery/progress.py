@@ -17,10 +17,19 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 from dataclasses import asdict, dataclass, fields
 from typing import Optional
 
-from p2p_diloco.swarm.discovery.records import ProgressValue, bound_to_writer, is_owner_subkey, record_owner
+from p2p_diloco.swarm.discovery.records import (
+    MAX_BANS_SHOWN,
+    MAX_EVALS_SHOWN,
+    MAX_REASON_CHARS,
+    ProgressValue,
+    bound_to_writer,
+    is_owner_subkey,
+    record_owner,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +68,15 @@ class ProgressRecord:
     applied the next round's average (delayed mode applies it a few steps into the round), can still compare."""
     node: str = ""
     """DHT peer id of the stage process that wrote it (part of its signed record; one record per writer's key)."""
+    eval_losses: tuple[tuple[int, float], ...] = ()
+    """(rounds done, eval loss of the anchor then) of this stage process's last evaluations, oldest first (empty except
+    on a peer's last stage). This field and the three below are shown by ``status``; nothing else reads them."""
+    bytes_sent: int = 0
+    """Bytes this stage process's averagers have sent since its run began."""
+    rounds_averaged: int = 0
+    """Rounds whose average of a group this stage process applied."""
+    bans: tuple[tuple[str, str], ...] = ()
+    """(peer id, why) of the last peers this stage process banned, oldest first."""
     expiration: float = 0.0
 
 
@@ -68,9 +86,26 @@ def publish_progress(dht, run_id: str, record: ProgressRecord, ttl_s: float) -> 
 
     value = {f.name: getattr(record, f.name) for f in fields(record) if f.name != "expiration"}
     value.update(node=dht.peer_id.to_base58(), loss=float(record.loss) if math.isfinite(record.loss) else None,
-                 tokens_per_s=max(0.0, float(record.tokens_per_s)) if math.isfinite(record.tokens_per_s) else 0.0)
+                 tokens_per_s=max(0.0, float(record.tokens_per_s)) if math.isfinite(record.tokens_per_s) else 0.0,
+                 **shown_facts(record))
     dht.store(progress_key(run_id), subkey=record_owner(dht, run_id), value=value,
               expiration_time=get_dht_time() + ttl_s, return_future=True)
+
+
+_MAX_COUNT = 2**62
+_PEER_NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+
+
+def shown_facts(record: ProgressRecord) -> dict:
+    """The fields only ``status`` shows, made to pass the schema whatever the trainer noted (a record the schema
+    refuses is not stored, and a peer without one is invisible to the round's timing): the last finite eval
+    losses, counts within bounds, the last bans with their reasons cut to printable ASCII."""
+    evals = [(int(r), float(loss)) for r, loss in record.eval_losses if 0 <= r <= _MAX_COUNT and math.isfinite(loss)]
+    bans = [(peer, re.sub(r"[^\x20-\x7e]", "?", str(why))[:MAX_REASON_CHARS]) for peer, why in record.bans
+            if isinstance(peer, str) and _PEER_NAME.match(peer)]
+    return {"eval_losses": evals[-MAX_EVALS_SHOWN:], "bans": bans[-MAX_BANS_SHOWN:],
+            "bytes_sent": min(max(0, int(record.bytes_sent)), _MAX_COUNT),
+            "rounds_averaged": min(max(0, int(record.rounds_averaged)), _MAX_COUNT)}
 
 
 def fetch_progress(dht, run_id: str, timeout_s: float = 10.0) -> list[ProgressRecord]:
@@ -107,8 +142,9 @@ def parse_progress(found) -> list[ProgressRecord]:
             # list of pairs with keys that are not strings makes it raise TypeError
             logger.debug(f"Skipping a malformed progress record under {subkey!r}: {e!r}")
             continue
-        loss = float("nan") if value["loss"] is None else value["loss"]
-        records.append(ProgressRecord(**dict(value, loss=loss), expiration=float(entry.expiration_time)))
+        value.update(loss=float("nan") if value["loss"] is None else value["loss"],
+                     eval_losses=tuple(value.get("eval_losses", ())), bans=tuple(value.get("bans", ())))
+        records.append(ProgressRecord(**value, expiration=float(entry.expiration_time)))
     return records
 
 

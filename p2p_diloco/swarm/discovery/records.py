@@ -48,6 +48,10 @@ _COUNT = conint(strict=True, ge=0, le=2**62)
 _FINITE = confloat(strict=True, allow_inf_nan=False)
 MAX_STAGES = 1024
 ADD_VALIDATORS_TIMEOUT_S = 10.0  # a node that takes longer to add a schema is stuck (see _add_validators)
+MAX_EVALS_SHOWN = 32  # the eval losses a progress record carries (its last ones)
+MAX_BANS_SHOWN = 16  # the bans a progress record names (its last ones)
+MAX_REASON_CHARS = 160  # a ban's reason, printable ASCII
+_REASON = constr(strict=True, max_length=MAX_REASON_CHARS, regex=r"^[\x20-\x7e]*$")
 MAX_RECORD_TTL_S = 600.0
 """No node stores or returns a run's record that expires further ahead than this (peers refresh their records with a
 lifetime of ``SwarmLink.ttl_s``, 120 s): a record published once with a far-future expiration would otherwise
@@ -70,9 +74,20 @@ class ProgressValue(BaseModel):
     applied_round: conint(strict=True, ge=-1, le=2**62)
     anchor: constr(strict=True, max_length=128, regex=r"^[0-9a-f]*$")
     prior_anchor: constr(strict=True, max_length=128, regex=r"^[0-9a-f]*$") = ""
+    # shown by `status` (optional: an older peer's record, without them, still parses)
+    eval_losses: conlist(tuple[_COUNT, _FINITE], max_items=MAX_EVALS_SHOWN) = []
+    bytes_sent: _COUNT = 0
+    rounds_averaged: _COUNT = 0
+    bans: conlist(tuple[_NAME, _REASON], max_items=MAX_BANS_SHOWN) = []
 
     class Config:
         extra = Extra.forbid
+
+    def dict(self, **kwargs) -> dict:
+        """The fields the writer gave, no default added: hivemind's ``SchemaValidator`` refuses a record whose parsed
+        value differs from the one stored, so a record without the optional fields (an older peer's) would be
+        refused if they came back as defaults."""
+        return super().dict(**dict(kwargs, exclude_unset=True))
 
     @root_validator(skip_on_failure=True)
     def _stage_of_its_peer(cls, values: dict) -> dict:
