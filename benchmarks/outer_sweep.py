@@ -53,7 +53,8 @@ def table(refs: dict, points: dict) -> tuple[str, list[dict]]:
         alone_tokens = tokens_to_reach(mean_curve(alone_runs), alone)
         lines.append(f"K = {k}: alone {alone:.4f}, data parallel {dp:.4f} "
                      f"(speedup {alone_tokens / tokens_to_reach(mean_curve(dp_runs), alone):.2f}x)")
-        lines.append(f"  {'outer lr':>8} {'momentum':>8}  " + "  ".join(f"{row + ' (gap, speedup)':>36}" for row in ROWS))
+        header = "  ".join(f"{row + ' (gap, speedup)':>36}" for row in ROWS)
+        lines.append(f"  {'outer lr':>8} {'momentum':>8}  {header}")
         for (kk, lr, m), results in sorted(points.items()):
             if kk != k:
                 continue

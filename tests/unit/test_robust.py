@@ -199,7 +199,7 @@ def test_honest_group_is_read_as_is():
     assert view.round_index == 5 and list(view.infos) == PEERS[:3]
     assert view.modes == (AveragingMode.NODE,) * 3 and view.bandwidths == (None,) * 3  # equal shares
     assert view.weights == {PEERS[0]: 1024.0, PEERS[1]: 512.0, PEERS[2]: 1024.0}
-    assert guard.report(5) == {"suspects": {}, "banned": []}
+    assert guard.report(5) == {"suspects": {}, "banned": [], "ban_reasons": {}}
 
 
 @pytest.mark.parametrize("bad, reason", [
@@ -246,8 +246,10 @@ def test_offences_in_enough_rounds_ban_and_are_reported():
         guard.record(round_index, PEERS[2], "nonfinite")  # one offending round, however many findings
         assert guard.refuses(PEERS[1]) is None
         assert (guard.refuses(PEERS[2]) is None) == (round_index < 2)
-    assert guard.report(2) == {"suspects": {str(PEERS[1]): ["clipped"], str(PEERS[2]): ["nonfinite", "norm"]},
-                               "banned": [str(PEERS[2])]}
+    report = guard.report(2)
+    assert report == {"suspects": {str(PEERS[1]): ["clipped"], str(PEERS[2]): ["nonfinite", "norm"]},
+                      "banned": [str(PEERS[2])], "ban_reasons": {str(PEERS[2]): report["ban_reasons"][str(PEERS[2])]}}
+    assert "nonfinite" in report["ban_reasons"][str(PEERS[2])] or "norm" in report["ban_reasons"][str(PEERS[2])]
     assert guard.report(2)["suspects"] == {}  # reported once
     view = read_group(group(record(), record(), record()), MSGPackSerializer, PEERS[0], guard, 2.0)
     assert view.weights[PEERS[2]] == 0.0 and guard.report(5)["suspects"] == {str(PEERS[2]): ["banned"]}
