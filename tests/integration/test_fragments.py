@@ -151,9 +151,12 @@ def test_peers_of_three_splits_average_every_fragment_together(tmp_path, process
 def test_streaming_sync_staggers_the_fragments_of_peers_of_two_splits(tmp_path, processes, bootstrap):
     """Streaming sync (diloco.streaming) between a P = 1 and a P = 2 peer, F = 3, H = 8: fragment f's round r ends
     after inner step (r + 1) 8 - s_f with s = (5, 2, 0), the last round of each on the run's last step; every
-    fragment-round is averaged by both, with bit-identical anchors, and one averaging is on the wire at a time."""
+    fragment-round is averaged by both, with bit-identical anchors, and one averaging is on the wire at a time.
+    The fragments travel as SparseLoCo parts (`sparseloco`, with the paper's outer step, as peers/sparseloco.toml):
+    the other fragment test covers the default compression."""
     rounds, H = 5, 8
-    common = ["--diloco.fragments", str(F), "--diloco.streaming", "true", "--train.wait_for_peers", "2", *CROWDED]
+    common = ["--diloco.fragments", str(F), "--diloco.streaming", "true", "--train.wait_for_peers", "2", *CROWDED,
+              "--averaging.compression", "sparseloco", "--diloco.outer_lr", "1.0", "--diloco.outer_momentum", "0"]
     for name in ("p1", "p2"):
         processes.start(name, *pipeline_peer(tmp_path, name, *common, *SPLITS[name], maddrs=bootstrap, rounds=rounds))
     for name in ("p1", "p2"):
@@ -175,4 +178,5 @@ def test_streaming_sync_staggers_the_fragments_of_peers_of_two_splits(tmp_path, 
         for ea, eb in zip(a, b):
             assert ea["averaged"] and eb["averaged"] and ea["group_size"] == 2, (f, ea, eb)
             assert ea["anchor_sha256"] == eb["anchor_sha256"], f
+            assert ea["compression"]["codecs"] and all(c.startswith("topk2:") for c in ea["compression"]["codecs"]), ea
     assert summary(tmp_path, "p1")["eval_loss_final"] < summary(tmp_path, "p1")["eval_loss_start"] - 1.0
