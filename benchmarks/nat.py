@@ -246,7 +246,7 @@ def _row(swarm: NATSwarm, name: str, code: int | None) -> str:
     reloads = [e for e in swarm.events(name, "sync") if e["action"] == "reload"]
     reach = next((line.split("] ", 1)[1] for line in swarm.log(name).splitlines() if "] Reachable" in line), "")
     error = next((line for line in swarm.log(name).splitlines() if line.startswith("error:")), "")
-    told = reach or error
+    told = reach or error or ("not checked: client mode is never dialed" if swarm.kinds[name] == "client" else "")
     return (f"| {name} | {KINDS[swarm.kinds[name]]} | {code} | {len(averaged)}/{len(applied)} | "
             f"{','.join(map(str, sizes)) or '-'} | {reloads[0]['round'] if reloads else '-'} | {told[:110]} |")
 
