@@ -183,7 +183,8 @@ def unreachable_message(maddrs: Sequence[str], answer: dict, checker: str) -> Op
     return (f"other peers cannot reach this peer: initial peer {checker} {seen}, and none of this peer's addresses "
             f"({', '.join(maddrs)}) accepts a connection there. Behind NAT or a firewall, set one of: --client-mode "
             "(train and average without accepting connections: the simplest), --use-auto-relay (be reached through "
-            "a relay: the initial peers), or forward a TCP port of the router to this machine and set --host-maddrs "
+            "a relay: the initial peers), or, with a public address that reaches this machine on a TCP port (a port "
+            "forwarded by the router, a cloud VM's public IP), listen on it and announce it: --host-maddrs "
             "/ip4/0.0.0.0/tcp/PORT --announce-maddrs /ip4/PUBLIC_IP/tcp/PORT. (dht.reachability_check = false "
             "skips this check)")
 
