@@ -1,7 +1,8 @@
 """Starting a hivemind DHT node from a :class:`DHTConfig`, with errors a user can act on.
 
-Called by the peer and bootstrap commands and by tests. No network code of our own: the node is
-hivemind's, running its own p2pd daemon.
+Called by the peer and bootstrap commands and by tests. The node is hivemind's, running its own p2pd daemon; a node
+behind NAT with ``use_auto_relay`` takes its initial peers as relays at once (``hivemind_api.behind_nat_mode``), and
+every node that accepts connections answers dial-back checks (:mod:`~p2p_diloco.swarm.discovery.reachability`).
 """
 
 from __future__ import annotations

@@ -202,7 +202,11 @@ def check_reachable(dht, cfg, initial_peer_ids: Sequence[str]) -> None:
         return
     wait_s = RELAY_WAIT_S if cfg.use_auto_relay else 0.0
     ask = functools.partial(_ask, peer_ids=list(initial_peer_ids), wait_for_relay_s=wait_s)
-    result = dht.run_coroutine(ask, return_future=True).result(wait_s + ASK_TIMEOUT_S * len(initial_peer_ids) + 10)
+    try:
+        result = dht.run_coroutine(ask, return_future=True).result(wait_s + ASK_TIMEOUT_S * len(initial_peer_ids) + 10)
+    except Exception as e:  # the node did not answer in time (overloaded) or has no address yet: no verdict
+        logger.info(f"Could not check that other peers can reach this one: {e!r}")
+        return
     maddrs, answer, checker = result["maddrs"], result["answer"], result["checker"]
     relayed = [m for m in maddrs if "/p2p-circuit" in m]
     if relayed:
