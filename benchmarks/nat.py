@@ -109,11 +109,11 @@ class NATNetwork(Namespaces):
     """An internet bridge, a home bridge and a masquerading router between them (public leg ``.1`` of the
     internet, inside leg ``.1`` of the home network); hosts are added on either side."""
 
-    def __init__(self, suffix: str | None = None):
+    def __init__(self):
         super().__init__()
         if (reason := nat_unavailable()) is not None:
             raise SystemExit(f"the NAT network {reason}")
-        self.prefix = f"{PREFIX}-{suffix or secrets.token_hex(3)}"
+        self.prefix = f"{PREFIX}-{secrets.token_hex(3)}"
         self.internet, self.home, self.router = (f"{self.prefix}-{n}" for n in ("net", "lan", "rt"))
         self.router_ip = f"{PUBLIC_SUBNET}.1"
         self.hosts: dict[str, str] = {}  # name -> address
@@ -165,10 +165,6 @@ class NATNetwork(Namespaces):
     def popen(self, name: str, command: list[str], **kwargs) -> subprocess.Popen:
         """Start ``command`` on host ``name`` (its own process group)."""
         return super().popen(self.namespace(name), command, **kwargs)
-
-    def run(self, name: str, *command: str, timeout_s: float = 30) -> subprocess.CompletedProcess:
-        return subprocess.run(["ip", "netns", "exec", self.namespace(name), *command], capture_output=True,
-                              text=True, timeout=timeout_s)
 
 
 def cleanup_nat() -> None:
