@@ -8,6 +8,9 @@ rate-limited with ``tc ... tbf`` in both directions.
 Needs root (ip netns, veth, bridge, tc). Only the namespaces it creates are touched; they are removed on
 exit, on SIGINT/SIGTERM and at interpreter exit, and `python benchmarks/netns.py --cleanup` removes any that a
 killed run left behind. netem is not available here: links have a rate, not an added delay.
+
+:class:`Namespaces` is what every emulated network here is made of (this WAN, and the NAT router of
+``benchmarks/nat.py``, run by ``--nat``): namespaces, veths to a bridge, processes, all removed on close.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -30,32 +34,104 @@ def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(list(args), check=check, capture_output=True, text=True)
 
 
-def existing_namespaces() -> list[str]:
+def netns_available() -> str | None:
+    """None if this process may create network namespaces (root, ``ip`` installed), else why not."""
+    if os.geteuid() != 0:
+        return "needs root (network namespaces)"
+    if shutil.which("ip") is None:
+        return "needs the ip command (apt-get install iproute2)"
+    return None
+
+
+def kill_namespace(namespace: str) -> None:
+    """SIGKILL every process of ``namespace``, then delete it (nothing if it does not exist)."""
+    for pid in _run("ip", "netns", "pids", namespace, check=False).stdout.split():
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except (ProcessLookupError, ValueError):
+            pass
+    _run("ip", "netns", "del", namespace, check=False)
+
+
+def existing_namespaces(prefix: str = PREFIX) -> list[str]:
     out = _run("ip", "netns", "list", check=False).stdout
-    return [line.split()[0] for line in out.splitlines() if line.startswith(PREFIX + "-")]
+    return [line.split()[0] for line in out.splitlines() if line.startswith(prefix + "-")]
 
 
-def cleanup() -> None:
-    for namespace in existing_namespaces():
-        _run("ip", "netns", "pids", namespace, check=False)
-        pids = _run("ip", "netns", "pids", namespace, check=False).stdout.split()
-        for pid in pids:
-            try:
-                os.kill(int(pid), signal.SIGKILL)
-            except (ProcessLookupError, ValueError):
-                pass
-        _run("ip", "netns", "del", namespace, check=False)
+def cleanup(prefix: str = PREFIX) -> None:
+    for namespace in existing_namespaces(prefix):
+        kill_namespace(namespace)
 
 
-class EmulatedWAN:
-    """``num_hosts`` namespaces ``p2pw-h<i>`` with address 10.88.0.<i+1>, links shaped to ``rate_mbit``."""
+class Namespaces:
+    """The network namespaces, links and processes one emulated network is made of: whatever it created, and only
+    that, is removed by ``close()`` (processes killed, namespaces deleted; their veths go with them). Links are made
+    inside their namespaces, never in this machine's own, so that two networks' interface names never collide."""
+
+    def __init__(self):
+        if (reason := netns_available()) is not None:
+            raise SystemExit(f"an emulated network {reason}")
+        self.namespaces: list[str] = []
+        self.processes: list[subprocess.Popen] = []
+
+    def add_namespace(self, name: str, bridge: str | None = None) -> str:
+        """A new namespace with its loopback up (and a bridge ``bridge``, up, if asked)."""
+        _run("ip", "netns", "add", name)
+        self.namespaces.append(name)
+        _run("ip", "-n", name, "link", "set", "lo", "up")
+        if bridge is not None:
+            _run("ip", "-n", name, "link", "add", bridge, "type", "bridge")
+            _run("ip", "-n", name, "link", "set", bridge, "up")
+        return name
+
+    def link(self, namespace: str, device: str, switch: str, port: str, bridge: str = "br0",
+             address: str | None = None) -> None:
+        """A veth from ``device`` in ``namespace`` (with ``address``, CIDR, if given) to ``port`` of ``bridge`` in
+        ``switch``; both ends up."""
+        _run("ip", "link", "add", device, "netns", namespace, "type", "veth", "peer", "name", port, "netns", switch)
+        _run("ip", "-n", switch, "link", "set", port, "master", bridge)
+        _run("ip", "-n", switch, "link", "set", port, "up")
+        if address is not None:
+            _run("ip", "-n", namespace, "addr", "add", address, "dev", device)
+        _run("ip", "-n", namespace, "link", "set", device, "up")
+
+    def popen(self, namespace: str, command: list[str], **kwargs) -> subprocess.Popen:
+        """Start ``command`` inside ``namespace`` (its own process group)."""
+        process = subprocess.Popen(["ip", "netns", "exec", namespace, *command], start_new_session=True, **kwargs)
+        self.processes.append(process)
+        return process
+
+    def stop_processes(self) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                try:
+                    os.killpg(process.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            process.wait()
+        self.processes.clear()
+
+    def close(self) -> None:
+        self.stop_processes()
+        for namespace in reversed(self.namespaces):
+            kill_namespace(namespace)
+        self.namespaces.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class EmulatedWAN(Namespaces):
+    """``num_hosts`` namespaces ``p2pw-h<i>`` with address 10.88.0.<i+1>, links shaped to ``rate_mbit``. One at a
+    time on a machine: its names are fixed, and it removes any ``p2pw-`` namespace a killed run left behind."""
 
     def __init__(self, num_hosts: int, rate_mbit: float | None):
-        if os.geteuid() != 0:
-            raise SystemExit("the emulated WAN needs root (network namespaces and tc)")
+        super().__init__()
         self.num_hosts, self.rate_mbit = num_hosts, rate_mbit
         self.core = f"{PREFIX}-core"
-        self.processes: list[subprocess.Popen] = []
 
     def host(self, index: int) -> str:
         return f"{PREFIX}-h{index}"
@@ -68,25 +144,12 @@ class EmulatedWAN:
         atexit.register(self.close)
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
-        _run("ip", "netns", "add", self.core)
-        _run("ip", "-n", self.core, "link", "add", "br0", "type", "bridge")
-        _run("ip", "-n", self.core, "link", "set", "br0", "up")
+        self.add_namespace(self.core, bridge="br0")
         for i in range(self.num_hosts):
-            self._add_host(i)
+            self.add_namespace(self.host(i))
+            self.link(self.host(i), self.interface(i), self.core, f"{PREFIX}b{i}", address=f"{self.ip(i)}/24")
         self.set_rate(self.rate_mbit)
         return self
-
-    def _add_host(self, i: int) -> None:
-        ns, inner, outer = self.host(i), f"{PREFIX}v{i}", f"{PREFIX}b{i}"
-        _run("ip", "netns", "add", ns)
-        _run("ip", "link", "add", inner, "type", "veth", "peer", "name", outer)
-        _run("ip", "link", "set", inner, "netns", ns)
-        _run("ip", "link", "set", outer, "netns", self.core)
-        _run("ip", "-n", self.core, "link", "set", outer, "master", "br0")
-        _run("ip", "-n", self.core, "link", "set", outer, "up")
-        _run("ip", "-n", ns, "addr", "add", f"{self.ip(i)}/24", "dev", inner)
-        _run("ip", "-n", ns, "link", "set", inner, "up")
-        _run("ip", "-n", ns, "link", "set", "lo", "up")
 
     def set_rate(self, rate_mbit: float | None) -> None:
         """Shape every host's link to ``rate_mbit`` in both directions (None: unshaped)."""
@@ -105,31 +168,15 @@ class EmulatedWAN:
 
     def popen(self, index: int, command: list[str], **kwargs) -> subprocess.Popen:
         """Start ``command`` inside host ``index``'s namespace (its own process group)."""
-        process = subprocess.Popen(["ip", "netns", "exec", self.host(index), *command], start_new_session=True,
-                                   **kwargs)
-        self.processes.append(process)
-        return process
-
-    def stop_processes(self) -> None:
-        for process in self.processes:
-            if process.poll() is None:
-                try:
-                    os.killpg(process.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            process.wait()
-        self.processes.clear()
+        return super().popen(self.host(index), command, **kwargs)
 
     def _on_signal(self, signum, _frame) -> None:
         self.close()
         sys.exit(128 + signum)
 
     def close(self) -> None:
-        self.stop_processes()
+        super().close()
         cleanup()
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 _SAMPLER = """
@@ -227,7 +274,19 @@ def main() -> None:
                         help="on two hosts at --rate Mbit/s, stock hivemind averagers average MB of fp32 once: the "
                              "bytes on each link against the MB of parts and replies (the wire's own overhead)")
     parser.add_argument("--rate", type=float, default=10.0, help="link rate for --bare-averaging, Mbit/s")
+    parser.add_argument("--nat", action="store_true",
+                        help="peers behind a NAT router (benchmarks/nat.py): a public, a client-mode, an auto-relay "
+                        "and a port-forwarded peer train together, an unreachable one is refused at start, a "
+                        "newcomer behind the NAT joins; one row per peer")
+    parser.add_argument("--rounds", type=int, default=16, help="--nat: rounds of the run")
+    parser.add_argument("--inner-steps", type=int, default=10, help="--nat: H")
+    parser.add_argument("--newcomer-after", type=int, default=1, help="--nat: rounds applied before the newcomer")
+    parser.add_argument("--out", type=Path, default=Path("runs/nat"), help="--nat: logs and output folders")
     args = parser.parse_args()
+    if args.nat:
+        from nat import run_benchmark
+
+        run_benchmark(args.out, args.rounds, args.inner_steps, args.newcomer_after)
     if args.bare_averaging:
         with tempfile.TemporaryDirectory() as folder, EmulatedWAN(2, args.rate) as wan:
             sent = bare_averaging_bytes(wan, args.bare_averaging, folder)
@@ -235,8 +294,11 @@ def main() -> None:
             print(f"host {host}: {count / 1e6:.3f} MB on the wire for {args.bare_averaging:g} MB of parts and "
                   f"replies ({count / (args.bare_averaging * 1e6):.3f}x)")
     if args.cleanup:
+        from nat import cleanup_nat
+
         cleanup()
-        print("removed", PREFIX, "namespaces")
+        cleanup_nat()
+        print("removed the emulated networks' namespaces")
     if args.selftest:
         with EmulatedWAN(2, args.selftest) as wan:
             print(f"measured {measure_rate(wan, max(2.0, args.selftest * 0.2)):.1f} Mbit/s with tbf at "

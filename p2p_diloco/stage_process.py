@@ -179,6 +179,7 @@ def run_stage(cfg: Config, *, pipeline=None, reporter: Optional[Reporter] = None
     from p2p_diloco.monitoring import serve_stage_metrics
     from p2p_diloco.swarm import PseudoGradientAverager, SwarmLink, start_dht, visible_maddrs
     from p2p_diloco.swarm.discovery.fingerprint import check_fingerprint, config_fingerprint
+    from p2p_diloco.swarm.discovery.reachability import check_reachable
     from p2p_diloco.swarm.discovery.records import swarm_validators
 
     stage_index = pipeline.stage_index if pipeline is not None else 0
@@ -200,12 +201,14 @@ def run_stage(cfg: Config, *, pipeline=None, reporter: Optional[Reporter] = None
         (output_dir / "config.toml").write_text(dump_config(cfg))
 
     own_dht = dht is None
+    dht_cfg = stage_dht_config(cfg.dht, stage_index, len(split))
     if own_dht:
-        dht = start_dht(stage_dht_config(cfg.dht, stage_index, len(split)),
-                        record_validators=swarm_validators(cfg.run.run_id, len(split), cfg.diloco.fragments))
+        dht = start_dht(dht_cfg, record_validators=swarm_validators(cfg.run.run_id, len(split), cfg.diloco.fragments))
     held, trainer, metrics_server = [], None, None
     try:
         logger.info(f"Stage {stage_index}: DHT node up; others can join through: {' '.join(visible_maddrs(dht))}")
+        if own_dht:  # a peer nobody can dial is told what to set now, not by rounds that time out
+            check_reachable(dht, dht_cfg, sorted(bootstrap_peer_ids(dht_cfg.initial_peers)))
         check_fingerprint(dht, cfg.run.run_id, fingerprint, allowlist=frozenset(cfg.averaging.allowlist))
         own_name = dht.peer_id.to_base58()
         peer_name = pipeline.broadcast_object(own_name) if pipeline is not None else own_name

@@ -18,6 +18,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # A test missing here only starts later; the list is a schedule, not a selection.
 LONGEST_FIRST = [
     "test_fragments.py::test_peers_of_three_splits_average_every_fragment_together",  # 113
+    "test_nat.py::test_peers_behind_nat_average_every_round_and_a_newcomer_behind_it_downloads_the_state",  # 88 (root)
     "test_pipeline.py::test_killing_one_stage_stops_its_peer_cleanly",  # 77
     "test_ops.py::test_status_and_metrics_of_a_running_swarm",  # 76
     "test_byzantine.py::test_repeat_offender_is_banned_and_the_others_go_on",  # 57

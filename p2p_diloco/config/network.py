@@ -170,7 +170,11 @@ class DHTConfig:
     use_relay: bool = True
     """Allow reaching peers behind NAT through libp2p circuit relays."""
     use_auto_relay: bool = False
-    """Look for relays to become reachable when this node is itself behind NAT."""
+    """Behind NAT: become reachable through relays, the initial peers (a slot is reserved on them at start-up)."""
+    reachability_check: bool = True
+    """Before training, a peer (not in client mode) asks an initial peer to dial it back at its announced addresses,
+    and stops with an error naming what to set if none accepts (a peer nobody can dial makes its groups' rounds time
+    out). false: skip the check."""
     startup_timeout_s: float = 30.0
     """Give up if the DHT cannot start or reach the initial peers within this many seconds (the node's whole start
     is given up JOIN_MARGIN_S = 10 s later at most, with exit code 1)."""

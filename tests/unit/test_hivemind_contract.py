@@ -6,9 +6,11 @@ import ast
 import asyncio
 import dataclasses
 import inspect
+import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 
+import hivemind
 import pytest
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.key_manager import GroupKeyManager
@@ -16,12 +18,15 @@ from hivemind.p2p import PeerID
 
 from p2p_diloco.swarm.averaging.hivemind_api import (
     ATTRIBUTES,
+    BEHIND_NAT_FLAGS,
     CALLED,
     HIVEMIND_BASES,
+    P2P,
     REPLACED,
     SUPPORTED_VERSION,
     DecentralizedAverager,
     Matchmaking,
+    behind_nat_mode,
     check_version,
 )
 from p2p_diloco.swarm.averaging.serving import keep_round_key
@@ -315,3 +320,19 @@ def test_set_data_for_gather_changes_what_a_step_gathers():
                           data_for_gather=b"sent")
     set_data_for_gather(control, b"replaced")
     assert control.data_for_gather == b"replaced"
+
+
+def test_a_reachability_mode_added_to_hiveminds_table_starts_the_daemon_with_its_flags():
+    """behind_nat_mode (a peer with --use-auto-relay): hivemind's P2P.create gives the daemon the flags of the
+    force_reachability mode it is passed, read from its table, and the relays as trustedRelays; the daemon hivemind
+    ships knows both flags (a flag it does not know stops it at start)."""
+    mode = behind_nat_mode()
+    assert behind_nat_mode() == mode and P2P.FORCE_REACHABILITY_MAPPING[mode] == BEHIND_NAT_FLAGS
+    source = _source(P2P.create)
+    assert "process_kwargs.update(cls.FORCE_REACHABILITY_MAPPING.get(force_reachability, {}))" in source
+    assert '("trustedRelays", trusted_relays)' in source and "**process_kwargs" in source
+    args = P2P._make_process_args("p2pd", **BEHIND_NAT_FLAGS)
+    assert {"-forceReachabilityPrivate=1", "-relayDiscovery=0"} <= set(args), args
+    daemon = Path(hivemind.__file__).parent / "hivemind_cli" / "p2pd"
+    usage = subprocess.run([str(daemon), "-h"], capture_output=True, text=True, timeout=30)
+    assert all(f"-{flag}" in usage.stdout + usage.stderr for flag in (*BEHIND_NAT_FLAGS, "trustedRelays"))

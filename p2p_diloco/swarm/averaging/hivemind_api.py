@@ -24,6 +24,9 @@ Replaced on the class, for the whole process: ``P2P.receive_raw_data``
 (:func:`~p2p_diloco.swarm.averaging.limits.install_message_cap`): a message whose header declares more bytes
 than the cap is refused before they are read (hivemind buffers whatever length a peer declares).
 
+Added to, for the whole process: ``P2P.FORCE_REACHABILITY_MAPPING`` (:data:`BEHIND_NAT`, the p2p daemon's flags for
+a node that reserves a slot on its initial peers as relays at once; see :func:`behind_nat_mode`).
+
 Written by a test hook only: ``StepControl._data_for_gather`` (:func:`set_data_for_gather`: a hostile test peer's
 record, made in the averager process).
 
@@ -92,6 +95,13 @@ ATTRIBUTES = {
     (Matchmaking, "_request_join_group"): "the follower's join request (replaced on the instance: REPLACED)",
 }
 """hivemind's private attributes our averaging reads or writes -> what they hold; only through the functions below."""
+
+BEHIND_NAT = "p2p_diloco-behind-nat"
+BEHIND_NAT_FLAGS = {"forceReachabilityPrivate": 1, "relayDiscovery": 0}
+"""The p2p daemon's flags for a node behind NAT that relays make reachable (``dht.use_auto_relay``): its reachability
+is private from the start (libp2p's AutoNAT never concludes for a node with private addresses only: nobody dials
+those back) and its relays are the trusted ones it is given, its initial peers, without discovery (with discovery,
+libp2p waits for 4 relay candidates or 3 minutes before it takes a reservation; a swarm seldom has 4 relays)."""
 
 HIVEMIND_BASES = (DecentralizedAverager, AllReduceRunner, TensorPartReducer)
 """The hivemind classes our averaging subclasses; every method a subclass redefines is a hook."""
@@ -166,13 +176,21 @@ def wrap_join_request(matchmaking: Matchmaking, wrap) -> bool:
     return True
 
 
+def behind_nat_mode() -> str:
+    """The ``force_reachability`` value of hivemind's ``P2P.create`` that starts the daemon with
+    :data:`BEHIND_NAT_FLAGS` (registered in hivemind's table of reachability modes on first use; call it in the process
+    that starts the daemon). Pass the relays as ``trusted_relays``: the daemon refuses to start without any."""
+    P2P.FORCE_REACHABILITY_MAPPING.setdefault(BEHIND_NAT, dict(BEHIND_NAT_FLAGS))
+    return BEHIND_NAT
+
+
 def set_data_for_gather(control: StepControl, data: bytes) -> None:
     """Replace the record a step gathers into its groups (hivemind keeps it read-only; a test hook's use)."""
     control._data_for_gather = data
 
 
 __all__ = [
-    "ATTRIBUTES", "CALLED", "P2P",
+    "ATTRIBUTES", "BEHIND_NAT", "BEHIND_NAT_FLAGS", "CALLED", "P2P", "behind_nat_mode",
     "AllReduceRunner", "AllreduceException", "AveragingMode", "AveragingStage", "BannedException", "CompressionInfo",
     "DecentralizedAverager", "GroupKeyManager", "HIVEMIND_BASES", "MPFuture", "Matchmaking", "MatchmakingException",
     "P2PContext", "P2PDaemonError", "P2PHandlerError", "PeerID", "PerTensorCompression", "REPLACED",

@@ -1,7 +1,8 @@
 """Starting a hivemind DHT node from a :class:`DHTConfig`, with errors a user can act on.
 
-Called by the peer and bootstrap commands and by tests. No network code of our own: the node is
-hivemind's, running its own p2pd daemon.
+Called by the peer and bootstrap commands and by tests. The node is hivemind's, running its own p2pd daemon; a node
+behind NAT with ``use_auto_relay`` takes its initial peers as relays at once (``hivemind_api.behind_nat_mode``), and
+every node that accepts connections answers dial-back checks (:mod:`~p2p_diloco.swarm.discovery.reachability`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ import hivemind
 from p2p_diloco.config import DHTConfig
 from p2p_diloco.config.network import JOIN_MARGIN_S
 from p2p_diloco.process import die_with_parent, leave_signals_to_parent, ready_or_killed
+from p2p_diloco.swarm.averaging.hivemind_api import behind_nat_mode
 from p2p_diloco.swarm.discovery.identity import IdentityLock, ensure_identity, load_signing_key
+from p2p_diloco.swarm.discovery.reachability import serve_dial_back
 from p2p_diloco.swarm.discovery.records import bind_signer, with_signer
 from p2p_diloco.swarm.errors import SwarmError
 
@@ -41,6 +44,7 @@ class _DHT(hivemind.DHT):
     def run(self) -> None:
         die_with_parent(signal.SIGKILL)
         leave_signals_to_parent(own_group=True)  # a signal to the peer's group is for the peer to handle
+        behind_nat_mode()  # (registered by the parent already, unless this process was not forked from it)
         logging.getLogger("hivemind.dht.dht").addFilter(_not_a_vanished_sender)
         super().run()
 
@@ -117,6 +121,7 @@ def start_dht(cfg: DHTConfig, record_validators: Iterable = (), check_identity_f
                 client_mode=cfg.client_mode,
                 use_relay=cfg.use_relay,
                 use_auto_relay=cfg.use_auto_relay,
+                **_relay_options(cfg),
                 startup_timeout=cfg.startup_timeout_s,
                 check_if_identity_free=check_identity_free and ephemeral_dir is None,  # a new identity is free
                 record_validators=list(record_validators),
@@ -141,7 +146,20 @@ def start_dht(cfg: DHTConfig, record_validators: Iterable = (), check_identity_f
         shutil.rmtree(ephemeral_dir, ignore_errors=True)  # (a SIGKILLed peer used to leave the folder in /tmp)
     dht.identity_lock = lock
     bind_signer(dht, record_validators)
+    if not cfg.client_mode:  # a node that others can dial answers their dial-back checks (swarm.discovery.reachability)
+        try:
+            serve_dial_back(dht)
+        except Exception as e:  # the node works without it: a peer asking it gets no verdict and goes on
+            logger.warning(f"This node will not answer dial-back checks: {e!r}")
     return dht
+
+
+def _relay_options(cfg: DHTConfig) -> dict:
+    """With ``use_auto_relay`` and initial peers: the initial peers are this node's relays, a slot reserved on them at
+    once (``behind_nat_mode``; hivemind's defaults wait for 4 relay candidates or 3 minutes)."""
+    if not (cfg.use_auto_relay and cfg.use_relay and cfg.initial_peers):
+        return {}
+    return {"trusted_relays": list(cfg.initial_peers), "force_reachability": behind_nat_mode()}
 
 
 def _no_answer_to_a_ping(error: Exception) -> bool:
