@@ -130,7 +130,8 @@ class Trainer:
                 unit.stage.restart_pending(unit.swarm.expected_group_size(unit.stage.round_index)
                                            if unit.swarm else 1)
         self.reporter.on_start(num_rounds * H, self.stage.inner_step)
-        if self.summary.eval_loss_start is None:
+        if not resumed:  # (a resumed peer's last stage holds its start loss, the others none: the decision is the
+            # peer's, or the others would wait in the evaluation's pipeline for a last stage that skips it)
             self.summary.eval_loss_start = self._evaluate()
             self.metrics.write("eval", round=0, inner_step=0, eval_loss=self.summary.eval_loss_start)
         failed = True
