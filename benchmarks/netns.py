@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -30,13 +31,26 @@ def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(list(args), check=check, capture_output=True, text=True)
 
 
-def existing_namespaces() -> list[str]:
+def run_prefix(letter: str = "t") -> str:
+    """A prefix of this process's own (``p2p<letter><pid in hex>``) for an :class:`EmulatedWAN` that may run beside
+    another: the default ``p2pw`` one's cleanup never matches it."""
+    return f"p2p{letter}{os.getpid():x}"
+
+
+def orphaned_prefixes() -> set[str]:
+    """The :func:`run_prefix` prefixes of namespaces whose process is gone (a test or benchmark killed mid-run)."""
     out = _run("ip", "netns", "list", check=False).stdout
-    return [line.split()[0] for line in out.splitlines() if line.startswith(PREFIX + "-")]
+    found = {m.group(1): int(m.group(2), 16) for m in re.finditer(r"^(p2p[a-z]([0-9a-f]+))-", out, re.M)}
+    return {prefix for prefix, pid in found.items() if not Path(f"/proc/{pid}").exists()}
 
 
-def cleanup() -> None:
-    for namespace in existing_namespaces():
+def existing_namespaces(prefix: str = PREFIX) -> list[str]:
+    out = _run("ip", "netns", "list", check=False).stdout
+    return [line.split()[0] for line in out.splitlines() if line.startswith(prefix + "-")]
+
+
+def cleanup(prefix: str = PREFIX) -> None:
+    for namespace in existing_namespaces(prefix):
         _run("ip", "netns", "pids", namespace, check=False)
         pids = _run("ip", "netns", "pids", namespace, check=False).stdout.split()
         for pid in pids:
@@ -48,23 +62,28 @@ def cleanup() -> None:
 
 
 class EmulatedWAN:
-    """``num_hosts`` namespaces ``p2pw-h<i>`` with address 10.88.0.<i+1>, links shaped to ``rate_mbit``."""
+    """``num_hosts`` namespaces ``<prefix>-h<i>`` with address 10.88.0.<i+1>, links shaped to ``rate_mbit``.
 
-    def __init__(self, num_hosts: int, rate_mbit: float | None):
+    ``prefix`` names its namespaces and links (at most 11 characters: a link's name is ``<prefix>v<i>``); on entry it
+    removes whatever a killed run of the same prefix left behind, so two runs that share a machine (a test beside a
+    benchmark) each need their own: :func:`run_prefix`."""
+
+    def __init__(self, num_hosts: int, rate_mbit: float | None, prefix: str = PREFIX):
         if os.geteuid() != 0:
             raise SystemExit("the emulated WAN needs root (network namespaces and tc)")
-        self.num_hosts, self.rate_mbit = num_hosts, rate_mbit
-        self.core = f"{PREFIX}-core"
+        assert len(prefix) <= 11 and num_hosts <= 100, "interface names have at most 15 characters"
+        self.num_hosts, self.rate_mbit, self.prefix = num_hosts, rate_mbit, prefix
+        self.core = f"{prefix}-core"
         self.processes: list[subprocess.Popen] = []
 
     def host(self, index: int) -> str:
-        return f"{PREFIX}-h{index}"
+        return f"{self.prefix}-h{index}"
 
     def ip(self, index: int) -> str:
         return f"{SUBNET}.{index + 1}"
 
     def __enter__(self) -> EmulatedWAN:
-        cleanup()
+        cleanup(self.prefix)
         atexit.register(self.close)
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
@@ -77,7 +96,7 @@ class EmulatedWAN:
         return self
 
     def _add_host(self, i: int) -> None:
-        ns, inner, outer = self.host(i), f"{PREFIX}v{i}", f"{PREFIX}b{i}"
+        ns, inner, outer = self.host(i), f"{self.prefix}v{i}", f"{self.prefix}b{i}"
         _run("ip", "netns", "add", ns)
         _run("ip", "link", "add", inner, "type", "veth", "peer", "name", outer)
         _run("ip", "link", "set", inner, "netns", ns)
@@ -92,7 +111,7 @@ class EmulatedWAN:
         """Shape every host's link to ``rate_mbit`` in both directions (None: unshaped)."""
         self.rate_mbit = rate_mbit
         for i in range(self.num_hosts):
-            for ns, dev in ((self.host(i), f"{PREFIX}v{i}"), (self.core, f"{PREFIX}b{i}")):
+            for ns, dev in ((self.host(i), f"{self.prefix}v{i}"), (self.core, f"{self.prefix}b{i}")):
                 _run("ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root", check=False)
                 if rate_mbit is not None:
                     # burst: 10 ms at the rate (at least 32 KB); queue: 1 s of traffic before drops
@@ -101,7 +120,7 @@ class EmulatedWAN:
                          "rate", f"{rate_mbit}mbit", "burst", str(burst), "latency", "1000ms")
 
     def interface(self, index: int) -> str:
-        return f"{PREFIX}v{index}"
+        return f"{self.prefix}v{index}"
 
     def popen(self, index: int, command: list[str], **kwargs) -> subprocess.Popen:
         """Start ``command`` inside host ``index``'s namespace (its own process group)."""
@@ -126,7 +145,7 @@ class EmulatedWAN:
 
     def close(self) -> None:
         self.stop_processes()
-        cleanup()
+        cleanup(self.prefix)
 
     def __exit__(self, *exc) -> None:
         self.close()
@@ -161,7 +180,7 @@ class WireCounter:
         self.process: subprocess.Popen | None = None
 
     def __enter__(self) -> WireCounter:
-        devs = [f"{PREFIX}b{i}" for i in self.hosts]
+        devs = [f"{self.wan.prefix}b{i}" for i in self.hosts]
         self.process = subprocess.Popen(["ip", "netns", "exec", self.wan.core, sys.executable, "-c", _SAMPLER,
                                          str(self.path), str(self.period_s), *devs], start_new_session=True)
         self.wan.processes.append(self.process)
@@ -235,8 +254,10 @@ def main() -> None:
             print(f"host {host}: {count / 1e6:.3f} MB on the wire for {args.bare_averaging:g} MB of parts and "
                   f"replies ({count / (args.bare_averaging * 1e6):.3f}x)")
     if args.cleanup:
-        cleanup()
-        print("removed", PREFIX, "namespaces")
+        orphans = orphaned_prefixes()
+        for prefix in [PREFIX, *orphans]:
+            cleanup(prefix)
+        print("removed", ", ".join([PREFIX, *sorted(orphans)]), "namespaces")
     if args.selftest:
         with EmulatedWAN(2, args.selftest) as wan:
             print(f"measured {measure_rate(wan, max(2.0, args.selftest * 0.2)):.1f} Mbit/s with tbf at "
