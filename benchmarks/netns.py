@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -51,6 +52,19 @@ def kill_namespace(namespace: str) -> None:
         except (ProcessLookupError, ValueError):
             pass
     _run("ip", "netns", "del", namespace, check=False)
+
+
+def run_prefix(letter: str = "t") -> str:
+    """A prefix of this process's own (``p2p<letter><pid in hex>``) for an :class:`EmulatedWAN` that may run beside
+    another: the default ``p2pw`` one's cleanup never matches it."""
+    return f"p2p{letter}{os.getpid():x}"
+
+
+def orphaned_prefixes() -> set[str]:
+    """The :func:`run_prefix` prefixes of namespaces whose process is gone (a test or benchmark killed mid-run)."""
+    out = _run("ip", "netns", "list", check=False).stdout
+    found = {m.group(1): int(m.group(2), 16) for m in re.finditer(r"^(p2p[a-z]([0-9a-f]+))-", out, re.M)}
+    return {prefix for prefix, pid in found.items() if not Path(f"/proc/{pid}").exists()}
 
 
 def existing_namespaces(prefix: str = PREFIX) -> list[str]:
@@ -125,29 +139,30 @@ class Namespaces:
 
 
 class EmulatedWAN(Namespaces):
-    """``num_hosts`` namespaces ``p2pw-h<i>`` with address 10.88.0.<i+1>, links shaped to ``rate_mbit``. One at a
-    time on a machine: its names are fixed, and it removes any ``p2pw-`` namespace a killed run left behind."""
+    """``num_hosts`` namespaces ``<prefix>-h<i>`` with address 10.88.0.<i+1>, links shaped to ``rate_mbit``. With the
+    default prefix (``p2pw``) one at a time on a machine: it removes any ``p2pw-`` namespace a killed run left behind;
+    with a :func:`run_prefix` of its own it runs beside others (the addresses live inside its own namespaces)."""
 
-    def __init__(self, num_hosts: int, rate_mbit: float | None):
+    def __init__(self, num_hosts: int, rate_mbit: float | None, prefix: str = PREFIX):
         super().__init__()
-        self.num_hosts, self.rate_mbit = num_hosts, rate_mbit
-        self.core = f"{PREFIX}-core"
+        self.num_hosts, self.rate_mbit, self.prefix = num_hosts, rate_mbit, prefix
+        self.core = f"{prefix}-core"
 
     def host(self, index: int) -> str:
-        return f"{PREFIX}-h{index}"
+        return f"{self.prefix}-h{index}"
 
     def ip(self, index: int) -> str:
         return f"{SUBNET}.{index + 1}"
 
     def __enter__(self) -> EmulatedWAN:
-        cleanup()
+        cleanup(self.prefix)
         atexit.register(self.close)
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
         self.add_namespace(self.core, bridge="br0")
         for i in range(self.num_hosts):
             self.add_namespace(self.host(i))
-            self.link(self.host(i), self.interface(i), self.core, f"{PREFIX}b{i}", address=f"{self.ip(i)}/24")
+            self.link(self.host(i), self.interface(i), self.core, self.bridge_port(i), address=f"{self.ip(i)}/24")
         self.set_rate(self.rate_mbit)
         return self
 
@@ -155,7 +170,7 @@ class EmulatedWAN(Namespaces):
         """Shape every host's link to ``rate_mbit`` in both directions (None: unshaped)."""
         self.rate_mbit = rate_mbit
         for i in range(self.num_hosts):
-            for ns, dev in ((self.host(i), f"{PREFIX}v{i}"), (self.core, f"{PREFIX}b{i}")):
+            for ns, dev in ((self.host(i), self.interface(i)), (self.core, self.bridge_port(i))):
                 _run("ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root", check=False)
                 if rate_mbit is not None:
                     # burst: 10 ms at the rate (at least 32 KB); queue: 1 s of traffic before drops
@@ -164,7 +179,11 @@ class EmulatedWAN(Namespaces):
                          "rate", f"{rate_mbit}mbit", "burst", str(burst), "latency", "1000ms")
 
     def interface(self, index: int) -> str:
-        return f"{PREFIX}v{index}"
+        return f"{self.prefix}v{index}"
+
+    def bridge_port(self, index: int) -> str:
+        """The bridge-side end of host ``index``'s link (in the core namespace)."""
+        return f"{self.prefix}b{index}"
 
     def popen(self, index: int, command: list[str], **kwargs) -> subprocess.Popen:
         """Start ``command`` inside host ``index``'s namespace (its own process group)."""
@@ -176,7 +195,7 @@ class EmulatedWAN(Namespaces):
 
     def close(self) -> None:
         super().close()
-        cleanup()
+        cleanup(self.prefix)
 
 
 _SAMPLER = """
@@ -208,7 +227,7 @@ class WireCounter:
         self.process: subprocess.Popen | None = None
 
     def __enter__(self) -> WireCounter:
-        devs = [f"{PREFIX}b{i}" for i in self.hosts]
+        devs = [self.wan.bridge_port(i) for i in self.hosts]
         self.process = subprocess.Popen(["ip", "netns", "exec", self.wan.core, sys.executable, "-c", _SAMPLER,
                                          str(self.path), str(self.period_s), *devs], start_new_session=True)
         self.wan.processes.append(self.process)
@@ -298,6 +317,8 @@ def main() -> None:
 
         cleanup()
         cleanup_nat()
+        for prefix in orphaned_prefixes():
+            cleanup(prefix)
         print("removed the emulated networks' namespaces")
     if args.selftest:
         with EmulatedWAN(2, args.selftest) as wan:

@@ -4,14 +4,18 @@
 # Every node of the volunteer cluster runs this script with the same arguments; torchrun starts
 # NPROC_PER_NODE stage processes here (one per GPU) and joins them with the other nodes' into one peer of
 # P = NNODES x NPROC_PER_NODE stages (NCCL on GPUs, gloo on CPUs). Stage j = NODE_RANK x NPROC_PER_NODE +
-# local rank. If a stage process dies, torchrun stops the others on every node.
+# local rank. If a stage process dies, the stages on the other nodes stop at their next exchange with it and
+# torchrun exits on every node: run the same commands again and the peer resumes from its checkpoints (each node
+# keeps its own stages' ones in --output-dir). gloo binds each stage to this node's interface towards MASTER_ADDR
+# unless GLOO_SOCKET_IFNAME names one; torchrun's store listens on MASTER_PORT of node 0, unauthenticated: keep
+# it on the cluster's private network.
 #
 #   # node 0 (also the rendezvous host):
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 peers/launch-torchrun.sh --config peers/peer.toml \
-#       --initial-peers /ip4/203.0.113.7/tcp/31337/p2p/Qm...
+#       --identity-path peer.id --initial-peers /ip4/203.0.113.7/tcp/31337/p2p/Qm...
 #   # node 1:
 #   NNODES=2 NODE_RANK=1 MASTER_ADDR=10.0.0.1 peers/launch-torchrun.sh --config peers/peer.toml \
-#       --initial-peers /ip4/203.0.113.7/tcp/31337/p2p/Qm...
+#       --identity-path peer.id --initial-peers /ip4/203.0.113.7/tcp/31337/p2p/Qm...
 #
 # Each stage process runs its own DHT node: a fixed port in --host-maddrs becomes port + stage index, and
 # --identity-path FILE becomes FILE.stage<j>. Everything after the environment goes to `p2p-diloco peer`.

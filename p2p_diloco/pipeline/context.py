@@ -9,12 +9,17 @@ The stages meet through a store that has no authentication, and object collectiv
 whoever reaches the store can run code in every stage. torch's ``TCPStore`` listens on all interfaces whatever
 ``MASTER_ADDR`` says, so our local launcher uses none: it names a ``FileStore`` in a private (0700) directory
 (:data:`STORE_FILE`), checked here, and binds gloo's and NCCL's sockets to the loopback interface. Under torchrun
-(MASTER_ADDR, MASTER_PORT) the store is torch's ``TCPStore``: keep MASTER_PORT on a private network or firewalled.
+(MASTER_ADDR, MASTER_PORT) the store is torch's ``TCPStore``: keep MASTER_PORT on a private network or firewalled;
+gloo's sockets are bound to this machine's interface towards MASTER_ADDR (:func:`interface_towards`).
 """
 
 from __future__ import annotations
 
+import fcntl
+import logging
 import os
+import socket
+import struct
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -24,6 +29,7 @@ import torch.distributed as dist
 
 ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")  # torchrun's
 STORE_FILE = "P2P_DILOCO_STORE_FILE"  # our local launcher's instead of MASTER_ADDR and MASTER_PORT
+logger = logging.getLogger(__name__)
 
 
 class PipelineError(RuntimeError):
@@ -61,6 +67,8 @@ class PipelineContext:
             torch.cuda.set_device(device)
         timeout = timedelta(seconds=timeout_s)
         store = _private_store(world, timeout)
+        if store is None and backend == "gloo":
+            _bind_gloo_towards(os.environ["MASTER_ADDR"])
         try:
             dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, store=store)
         except Exception as e:
@@ -133,6 +141,45 @@ def _private_store(world: int, timeout: timedelta):
     store = dist.FileStore(path, world)
     store.set_timeout(timeout)
     return store
+
+
+def _bind_gloo_towards(master_addr: str) -> None:
+    """Under torchrun, bind gloo's sockets to this machine's interface towards ``MASTER_ADDR`` (unless
+    ``GLOO_SOCKET_IFNAME`` says otherwise): left alone, gloo binds the address this machine's hostname resolves to,
+    often a loopback one (``127.0.1.1`` in Debian's /etc/hosts), which it then gives the other nodes to connect to.
+    """
+    if "GLOO_SOCKET_IFNAME" in os.environ:
+        return
+    interface = interface_towards(master_addr)
+    if interface is None:
+        logger.warning(f"Found no network interface of this machine towards MASTER_ADDR {master_addr}: gloo binds "
+                       "what this machine's hostname resolves to (set GLOO_SOCKET_IFNAME if the stages cannot meet)")
+        return
+    logger.info(f"gloo binds interface {interface} (the one towards MASTER_ADDR {master_addr})")
+    os.environ["GLOO_SOCKET_IFNAME"] = interface
+
+
+def interface_towards(address: str) -> str | None:
+    """The name of this machine's network interface whose IPv4 address the kernel picks to reach ``address`` (the
+    interface holding ``address`` if it is this machine's own); None if there is none (IPv6, no route, not Linux)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((address, 9))  # a UDP connect sends nothing: the kernel only chooses the route
+            local = probe.getsockname()[0]
+    except OSError:
+        return None
+    return next((name for _index, name in socket.if_nameindex() if _ipv4_address(name) == local), None)
+
+
+def _ipv4_address(interface: str) -> str | None:
+    """The (primary) IPv4 address of ``interface`` (Linux's SIOCGIFADDR); None if it has none."""
+    request = struct.pack("256s", interface.encode()[:15])
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            reply = fcntl.ioctl(probe.fileno(), 0x8915, request)  # SIOCGIFADDR
+    except OSError:
+        return None
+    return socket.inet_ntoa(reply[20:24])
 
 
 def check_one_gpu_per_stage(device: torch.device, spec: str, local_stages: int) -> None:

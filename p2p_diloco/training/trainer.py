@@ -130,7 +130,8 @@ class Trainer:
                 unit.stage.restart_pending(unit.swarm.expected_group_size(unit.stage.round_index)
                                            if unit.swarm else 1)
         self.reporter.on_start(num_rounds * H, self.stage.inner_step)
-        if self.summary.eval_loss_start is None:
+        if not resumed:  # (a resumed peer's last stage holds its start loss, the others none: the decision is the
+            # peer's, or the others would wait in the evaluation's pipeline for a last stage that skips it)
             self.ledger.note_eval(0, 0, self._evaluate(), first=True)
         failed = True
         try:

@@ -146,14 +146,20 @@ def test_mismatched_split_is_refused(tmp_path, processes, bootstrap):
 
 
 def test_torchrun_launch_script(tmp_path):
-    """peers/launch-torchrun.sh starts the stages through torchrun (here: one node, two stage processes)."""
+    """peers/launch-torchrun.sh starts the stages through torchrun (here: one node, two stage processes); started
+    again for one more round, the peer resumes from its checkpoints (the last stage alone holds the start's eval
+    loss: a stage that evaluated again on resume waited for it in the pipeline forever)."""
     script = Path(__file__).resolve().parents[2] / "peers" / "launch-torchrun.sh"
     env = dict(os.environ, NPROC_PER_NODE="2", PYTHON=sys.executable, MASTER_PORT=str(free_port()))
-    result = subprocess.run([str(script), "--host-maddrs", LOOPBACK, "--output-dir", str(tmp_path / "peer"),
-                             "--train.num_rounds", "1", "--diloco.inner_steps", "3", *TINY_TRAINING],
-                            env=env, capture_output=True, text=True, timeout=240)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert summary(tmp_path, "peer", 0)["rounds_completed"] == 1
-    assert summary(tmp_path, "peer", 1)["rounds_completed"] == 1
+    for rounds in (1, 2):
+        result = subprocess.run([str(script), "--host-maddrs", LOOPBACK, "--output-dir", str(tmp_path / "peer"),
+                                 "--train.num_rounds", str(rounds), "--diloco.inner_steps", "3",
+                                 "--checkpoint.every_rounds", "1", *TINY_TRAINING],
+                                env=env, capture_output=True, text=True, timeout=240)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert summary(tmp_path, "peer", 0)["rounds_completed"] == rounds
+        assert summary(tmp_path, "peer", 1)["rounds_completed"] == rounds
+    assert [e["round"] for e in events(tmp_path, "peer", "resume", 1)] == [1]
+    assert summary(tmp_path, "peer", 1)["eval_loss_start"] is not None
     alone = subprocess.run([str(script)], env=dict(env, NPROC_PER_NODE="1"), capture_output=True, text=True)
     assert alone.returncode == 2 and "at least 2 stages" in alone.stderr

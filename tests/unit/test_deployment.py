@@ -450,7 +450,8 @@ def test_readme_commands_are_accepted_by_the_cli(compose):
 
 
 def all_readme_commands() -> list[list[str]]:
-    """The p2p-diloco argument lists in every bash block of README.md ("..." elisions dropped)."""
+    """The p2p-diloco argument lists in every bash block of README.md ("..." elisions dropped); a line of
+    ``peers/launch-torchrun.sh`` is the ``p2p-diloco peer --stages P ...`` it runs (P from its environment)."""
     text = (ROOT / "README.md").read_text()
     commands = []
     for block in re.findall(r"^```bash\n(.*?)^```", text, re.M | re.S):
@@ -458,6 +459,11 @@ def all_readme_commands() -> list[list[str]]:
             words = shlex.split(line, comments=True)
             if words[:1] == ["p2p-diloco"] or words[:1] == [".venv/bin/p2p-diloco"]:
                 commands.append([w for w in words[1:] if w != "..."])
+            elif "peers/launch-torchrun.sh" in words:
+                at = words.index("peers/launch-torchrun.sh")
+                env = dict(w.split("=", 1) for w in words[:at])
+                stages = int(env.get("NNODES", 1)) * int(env.get("NPROC_PER_NODE", 1))
+                commands.append(["peer", "--stages", str(stages), *words[at + 1:]])
     return commands
 
 
@@ -469,6 +475,7 @@ def test_no_readme_command_uses_an_option_the_cli_lacks():
 
     commands = all_readme_commands()
     assert {argv[0] for argv in commands} >= {"peer", "bootstrap", "status", "prepare-data", "export", "generate"}
+    assert ["--stages", "8"] in [argv[1:3] for argv in commands], "the torchrun line (2 nodes x 4) is parsed"
     parser = build_parser()
     for argv in commands:
         if argv == ["--version"]:  # prints the version and exits 0 (an unknown option exits 2)

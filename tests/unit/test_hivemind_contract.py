@@ -336,3 +336,27 @@ def test_a_reachability_mode_added_to_hiveminds_table_starts_the_daemon_with_its
     daemon = Path(hivemind.__file__).parent / "hivemind_cli" / "p2pd"
     usage = subprocess.run([str(daemon), "-h"], capture_output=True, text=True, timeout=30)
     assert all(f"-{flag}" in usage.stdout + usage.stderr for flag in (*BEHIND_NAT_FLAGS, "trustedRelays"))
+
+
+def test_hivemind_shuts_down_on_the_futures_of_running_groups_so_the_server_finalizes_their_runners():
+    """hivemind's DecentralizedAverager._shutdown calls finalize() on each running group's future, not on its runner:
+    an AttributeError traceback whenever a peer stops with a group registered. AveragingServer._shutdown cancels the
+    runner a done future holds and passes over the futures still waiting for theirs."""
+    from p2p_diloco.swarm.averaging.server import AveragingServer
+
+    class Runner:
+        cancelled = False
+
+        def finalize(self, *, cancel: bool = False) -> None:
+            self.cancelled = cancel
+
+    async def shut_down(method) -> bool:
+        runner, running, waiting = Runner(), asyncio.Future(), asyncio.Future()
+        running.set_result(runner)
+        averager = SimpleNamespace(client_mode=True, _running_groups={b"g": running, b"g.P": waiting})
+        await method(averager, 1.0)
+        return runner.cancelled
+
+    with pytest.raises(AttributeError, match="finalize"):
+        asyncio.run(shut_down(DecentralizedAverager._shutdown))
+    assert asyncio.run(shut_down(AveragingServer._shutdown))

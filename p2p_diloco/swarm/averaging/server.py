@@ -228,6 +228,17 @@ class AveragingServer(GuardedAverager, DecentralizedAverager):
                 running_groups(self).pop(group_info.group_id + phase, None)
             groups_registered(self).set()
 
+    async def _shutdown(self, timeout: Optional[float]) -> None:
+        """hivemind's, mended: it calls ``finalize`` on each running group's future, not on the runner the future
+        holds, so an averager shut down with a group registered (its peer stopping mid-round: a stage of its pipeline
+        died) printed an AttributeError traceback above the peer's one-line error. A runner's ``finalize`` cancels
+        its all-reduce at once (nothing to wait for: ``timeout`` is hivemind's bound of that wait)."""
+        if not self.client_mode:
+            await self.remove_p2p_handlers(p2p_of(self), namespace=self.prefix)
+        for future in list(running_groups(self).values()):
+            if future.done() and not future.cancelled() and future.exception() is None:
+                future.result().finalize(cancel=True)
+
     async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs):
         """Agree on the round's plan, average under it, and leave the average and the residual in shared memory.
         ``group_info.group_id`` is the group's view id (:class:`~p2p_diloco.swarm.averaging.guard.GroupViews`)."""
