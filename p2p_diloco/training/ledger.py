@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from p2p_diloco.monitoring.memtrace import MemoryTrace
 from p2p_diloco.round.outcome import RoundReport
 from p2p_diloco.round.stage import Stage
 from p2p_diloco.training.metrics import MetricsWriter
@@ -46,6 +47,7 @@ class Ledger:
         self.inner_steps, self.anchor_digest = inner_steps, anchor_digest
         self.last_group: dict[int, list[str]] = {}  # per unit held: the group of its last round applied
         self.fingerprints: list[str] = [""] * len(held)  # each unit's anchor sha256, as last noted
+        self.memtrace = MemoryTrace("training")  # off unless P2P_DILOCO_MEMTRACE is set (a diagnostic)
 
     def note_anchor(self, units: list[Held] | None = None) -> None:
         """Publish where each of ``units`` (default: all) stands, after its anchor changed (divergence checks, donor
@@ -107,4 +109,5 @@ class Ledger:
             return
         report = combined_report(reports)
         self.summary.account(report, self.inner_steps)
+        self.memtrace.tick()
         self.reporter.on_round(report)

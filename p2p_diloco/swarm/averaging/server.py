@@ -38,7 +38,14 @@ from p2p_diloco.compression.codecs import codec_for, result_codec
 from p2p_diloco.compression.policy import CompressionPolicy
 from p2p_diloco.config import AveragingConfig
 from p2p_diloco.faults import HONEST, Honest, fault_point
-from p2p_diloco.process import die_with_parent, leave_signals_to_parent, lower_priority, ready_or_killed
+from p2p_diloco.monitoring.memtrace import MemoryTrace
+from p2p_diloco.process import (
+    die_with_parent,
+    leave_signals_to_parent,
+    lower_priority,
+    name_process,
+    ready_or_killed,
+)
 from p2p_diloco.swarm.averaging.allreduce import BYTES_RECEIVED, ExactAllReduceRunner
 from p2p_diloco.swarm.averaging.digests import exchange_digests, judge
 from p2p_diloco.swarm.averaging.download import download_from
@@ -117,6 +124,7 @@ class AveragingServer(GuardedAverager, DecentralizedAverager):
         self.guard = PeerGuard(cfg.ban_after, cfg.allowlist)  # its state lives in the background process
         self.rule = RobustRule(outlier_ratio=cfg.outlier_norm_ratio, clip_ratio=cfg.clip_ratio)
         self.behaviour = behaviour
+        self._memtrace = MemoryTrace(f"averager {prefix}")  # off unless P2P_DILOCO_MEMTRACE is set (a diagnostic)
         try:  # the subkey this peer's DHT node signs its entries under: the group's digest records (digests.py)
             self._digests_owner: Optional[bytes] = record_owner(dht)
         except SwarmError:  # a node started outside start_dht (tests) signs nothing: no digest comparison
@@ -166,6 +174,7 @@ class AveragingServer(GuardedAverager, DecentralizedAverager):
     # ---- runs in the background process ------------------------------------------------------------
     def run(self) -> None:
         die_with_parent(signal.SIGKILL)  # a peer killed with SIGKILL leaves no averager behind
+        name_process("diloco-avg")
         leave_signals_to_parent()  # a signal to the whole group is for the training process to handle
         super().run()
 
@@ -180,6 +189,7 @@ class AveragingServer(GuardedAverager, DecentralizedAverager):
             asyncio.get_event_loop().set_default_executor(
                 ThreadPoolExecutor(thread_name_prefix="averaging", initializer=lower_priority))
         _STEP.set(kwargs.get("step"))
+        self._memtrace.tick()
         return await super()._step(**kwargs)
 
     @staticmethod

@@ -18,7 +18,12 @@ import hivemind
 
 from p2p_diloco.config import DHTConfig
 from p2p_diloco.config.network import JOIN_MARGIN_S
-from p2p_diloco.process import die_with_parent, leave_signals_to_parent, ready_or_killed
+from p2p_diloco.process import (
+    die_with_parent,
+    leave_signals_to_parent,
+    name_process,
+    ready_or_killed,
+)
 from p2p_diloco.swarm.discovery.identity import IdentityLock, ensure_identity, load_signing_key
 from p2p_diloco.swarm.discovery.records import bind_signer, with_signer
 from p2p_diloco.swarm.errors import SwarmError
@@ -40,6 +45,7 @@ class _DHT(hivemind.DHT):
 
     def run(self) -> None:
         die_with_parent(signal.SIGKILL)
+        name_process("diloco-dht")
         leave_signals_to_parent(own_group=True)  # a signal to the peer's group is for the peer to handle
         logging.getLogger("hivemind.dht.dht").addFilter(_not_a_vanished_sender)
         super().run()
