@@ -315,3 +315,16 @@ def test_set_data_for_gather_changes_what_a_step_gathers():
                           data_for_gather=b"sent")
     set_data_for_gather(control, b"replaced")
     assert control.data_for_gather == b"replaced"
+
+
+def test_hivemind_keeps_the_last_state_served_until_the_next_request_so_a_state_host_answers_instead():
+    """Why the averager hands its state over through :class:`StateHost`: hivemind's thread in the training process
+    keeps the state it served in its locals (and the result of its future) until the next request arrives."""
+    from hivemind.averaging import averager
+
+    loop = _source(averager._background_thread_fetch_current_state)
+    assert "trigger, future = pipe.recv()" in loop
+    assert "future.set_result((state_metadata, state_tensors, tensor_infos))" in loop
+    assert "del state_tensors" not in loop and "del future" not in loop  # if hivemind drops them, the hook can go
+    assert "_background_thread_fetch_current_state" in _source(DecentralizedAverager.__init__)
+    assert "self._get_current_state_from_host_process()" in _source(DecentralizedAverager.rpc_download_state)

@@ -41,6 +41,7 @@ from p2p_diloco.faults import HONEST, Honest, fault_point
 from p2p_diloco.monitoring.memtrace import MemoryTrace
 from p2p_diloco.process import (
     die_with_parent,
+    freeze_before_fork,
     leave_signals_to_parent,
     lower_priority,
     name_process,
@@ -68,6 +69,7 @@ from p2p_diloco.swarm.averaging.hivemind_api import (
 from p2p_diloco.swarm.averaging.reduce import RoundReducer
 from p2p_diloco.swarm.averaging.robust import RobustRule, average_bound
 from p2p_diloco.swarm.averaging.serving import GuardedAverager
+from p2p_diloco.swarm.averaging.state_host import StateHost
 from p2p_diloco.swarm.discovery.records import record_owner
 from p2p_diloco.swarm.errors import SwarmError
 
@@ -146,6 +148,7 @@ class AveragingServer(GuardedAverager, DecentralizedAverager):
             declare_state_period=10,
             shutdown_timeout=5,
         )
+        self.state_host = StateHost(self.get_current_state, self.serializer)  # what newcomers download (serving.py)
         self._start_bounded(AVERAGER_START_TIMEOUT_S)
 
     # ---- called from the training process (by the client) ------------------------------------------
@@ -167,6 +170,7 @@ class AveragingServer(GuardedAverager, DecentralizedAverager):
     def _start_bounded(self, timeout_s: float) -> None:
         """Start the background process and wait until it serves, at most ``timeout_s`` (it only needs the local p2p
         daemon, so a longer wait means a stuck machine): then kill it and raise :class:`SwarmError`."""
+        freeze_before_fork()  # the fork shares this process's heap with the averager's: keep it shared
         self.run_in_background(await_ready=False)
         if not ready_or_killed(self, self.wait_until_ready, timeout_s):
             raise SwarmError(f"the averager's process was not ready within {timeout_s:.0f} s")

@@ -20,6 +20,7 @@ from p2p_diloco.config import DHTConfig
 from p2p_diloco.config.network import JOIN_MARGIN_S
 from p2p_diloco.process import (
     die_with_parent,
+    freeze_before_fork,
     leave_signals_to_parent,
     name_process,
     ready_or_killed,
@@ -113,6 +114,7 @@ def start_dht(cfg: DHTConfig, record_validators: Iterable = (), check_identity_f
     started = time.monotonic()
     ready_s = ready_timeout_s if ready_timeout_s is not None else cfg.startup_timeout_s + READY_MARGIN_S
     retry_until = started + min(ready_s, cfg.startup_timeout_s) - RETRY_AFTER_S
+    freeze_before_fork()  # the node's process shares this one's heap: keep it shared
     while True:
         try:
             dht = _DHT(
