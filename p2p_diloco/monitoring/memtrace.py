@@ -68,7 +68,8 @@ def rss_mb() -> float:
 
 def count_objects() -> tuple[collections.Counter, int, int]:
     """Objects tracked by gc by type name, and the tensors among them (count, bytes of their storages, each
-    storage once)."""
+    storage once). Objects frozen before a fork (``process.freeze_before_fork``) are not among them: they were alive
+    then, and what grows is allocated later."""
     counts: collections.Counter = collections.Counter()
     storages: dict[int, int] = {}
     for obj in gc.get_objects():
@@ -133,7 +134,8 @@ class MemoryTrace:
         if heap is not None:
             lines[0] += f"; heap {heap['in_use']:.1f} MB in use, {heap['free']:.1f} MB free in arenas"
         counts, tensors, tensor_bytes = count_objects()
-        lines[0] += f"; {tensors} tensors holding {tensor_bytes / 2**20:.1f} MB; {sum(counts.values())} gc objects"
+        lines[0] += (f"; {tensors} tensors holding {tensor_bytes / 2**20:.1f} MB; {sum(counts.values())} gc objects"
+                     f" (and {gc.get_freeze_count()} frozen before a fork, not counted)")
         grown = [(name, n - self._counts.get(name, 0)) for name, n in counts.items()]
         grown = sorted([g for g in grown if g[1] > 0], key=lambda g: -g[1])[:TOP]
         if self._counts:
