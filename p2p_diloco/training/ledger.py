@@ -11,6 +11,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Optional
 
+from p2p_diloco.monitoring.memtrace import MemoryTrace
 from p2p_diloco.round.outcome import RoundReport
 from p2p_diloco.round.stage import Stage
 from p2p_diloco.swarm.discovery.records import MAX_BANS_SHOWN, MAX_EVALS_SHOWN
@@ -50,6 +51,7 @@ class Ledger:
         self.fingerprints: list[str] = [""] * len(held)  # each unit's anchor sha256, as last noted
         self.evals: deque[tuple[int, float]] = deque(maxlen=MAX_EVALS_SHOWN)  # (rounds done, eval loss)
         self.bans: dict[str, str] = {}  # peer -> why, the last MAX_BANS_SHOWN banned
+        self.memtrace = MemoryTrace("training")  # off unless P2P_DILOCO_MEMTRACE is set (a diagnostic)
         for unit in held:
             if unit.swarm is not None:
                 unit.swarm.facts = self.facts
@@ -137,4 +139,5 @@ class Ledger:
             del self.bans[next(iter(self.bans))]
         report = combined_report(reports)
         self.summary.account(report, self.inner_steps)
+        self.memtrace.tick()
         self.reporter.on_round(report)

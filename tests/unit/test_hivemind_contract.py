@@ -360,3 +360,16 @@ def test_hivemind_shuts_down_on_the_futures_of_running_groups_so_the_server_fina
     with pytest.raises(AttributeError, match="finalize"):
         asyncio.run(shut_down(DecentralizedAverager._shutdown))
     assert asyncio.run(shut_down(AveragingServer._shutdown))
+
+
+def test_hivemind_keeps_the_last_state_served_until_the_next_request_so_a_state_host_answers_instead():
+    """Why the averager hands its state over through :class:`StateHost`: hivemind's thread in the training process
+    keeps the state it served in its locals (and the result of its future) until the next request arrives."""
+    from hivemind.averaging import averager
+
+    loop = _source(averager._background_thread_fetch_current_state)
+    assert "trigger, future = pipe.recv()" in loop
+    assert "future.set_result((state_metadata, state_tensors, tensor_infos))" in loop
+    assert "del state_tensors" not in loop and "del future" not in loop  # if hivemind drops them, the hook can go
+    assert "_background_thread_fetch_current_state" in _source(DecentralizedAverager.__init__)
+    assert "self._get_current_state_from_host_process()" in _source(DecentralizedAverager.rpc_download_state)

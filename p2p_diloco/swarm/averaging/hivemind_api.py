@@ -38,6 +38,10 @@ hivemind still sets each one and that no other module of the package names any o
 Wrapped, not replaced: ``StepControl.cancel`` (:func:`cancel_step`): the step reads as cancelled before the cancel's
 signal reaches the averager process (hivemind sends the signal first).
 
+Overridden so that hivemind's thread goes idle: ``DecentralizedAverager._get_current_state_from_host_process``
+(:mod:`~p2p_diloco.swarm.averaging.state_host`): the state a peer serves comes from the training process through a
+thread of ours, which keeps none of it once sent (hivemind's kept the last one until the next request).
+
 Called, not replaced: ``DecentralizedAverager.get_stub`` and the ``rpc_download_state`` stream it opens
 (:func:`~p2p_diloco.swarm.averaging.download.download_from` asks the donors the caller chose,
 checking what arrives as it arrives, instead of hivemind's ``load_state_from_peers``, which orders donors by the

@@ -38,7 +38,15 @@ from p2p_diloco.compression.codecs import codec_for, result_codec
 from p2p_diloco.compression.policy import CompressionPolicy
 from p2p_diloco.config import AveragingConfig
 from p2p_diloco.faults import HONEST, Honest, fault_point
-from p2p_diloco.process import die_with_parent, leave_signals_to_parent, lower_priority, ready_or_killed
+from p2p_diloco.monitoring.memtrace import MemoryTrace
+from p2p_diloco.process import (
+    die_with_parent,
+    freeze_before_fork,
+    leave_signals_to_parent,
+    lower_priority,
+    name_process,
+    ready_or_killed,
+)
 from p2p_diloco.swarm.averaging.allreduce import BYTES_RECEIVED, ExactAllReduceRunner
 from p2p_diloco.swarm.averaging.digests import exchange_digests, judge
 from p2p_diloco.swarm.averaging.download import download_from
@@ -61,6 +69,7 @@ from p2p_diloco.swarm.averaging.hivemind_api import (
 from p2p_diloco.swarm.averaging.reduce import RoundReducer
 from p2p_diloco.swarm.averaging.robust import RobustRule, average_bound
 from p2p_diloco.swarm.averaging.serving import GuardedAverager
+from p2p_diloco.swarm.averaging.state_host import StateHost
 from p2p_diloco.swarm.discovery.records import record_owner
 from p2p_diloco.swarm.errors import SwarmError
 
@@ -117,6 +126,7 @@ class AveragingServer(GuardedAverager, DecentralizedAverager):
         self.guard = PeerGuard(cfg.ban_after, cfg.allowlist)  # its state lives in the background process
         self.rule = RobustRule(outlier_ratio=cfg.outlier_norm_ratio, clip_ratio=cfg.clip_ratio)
         self.behaviour = behaviour
+        self._memtrace = MemoryTrace(f"averager {prefix}")  # off unless P2P_DILOCO_MEMTRACE is set (a diagnostic)
         try:  # the subkey this peer's DHT node signs its entries under: the group's digest records (digests.py)
             self._digests_owner: Optional[bytes] = record_owner(dht)
         except SwarmError:  # a node started outside start_dht (tests) signs nothing: no digest comparison
@@ -138,6 +148,7 @@ class AveragingServer(GuardedAverager, DecentralizedAverager):
             declare_state_period=10,
             shutdown_timeout=5,
         )
+        self.state_host = StateHost(self.get_current_state, self.serializer)  # what newcomers download (serving.py)
         self._start_bounded(AVERAGER_START_TIMEOUT_S)
 
     # ---- called from the training process (by the client) ------------------------------------------
@@ -159,6 +170,7 @@ class AveragingServer(GuardedAverager, DecentralizedAverager):
     def _start_bounded(self, timeout_s: float) -> None:
         """Start the background process and wait until it serves, at most ``timeout_s`` (it only needs the local p2p
         daemon, so a longer wait means a stuck machine): then kill it and raise :class:`SwarmError`."""
+        freeze_before_fork()  # the fork shares this process's heap with the averager's: keep it shared
         self.run_in_background(await_ready=False)
         if not ready_or_killed(self, self.wait_until_ready, timeout_s):
             raise SwarmError(f"the averager's process was not ready within {timeout_s:.0f} s")
@@ -166,6 +178,7 @@ class AveragingServer(GuardedAverager, DecentralizedAverager):
     # ---- runs in the background process ------------------------------------------------------------
     def run(self) -> None:
         die_with_parent(signal.SIGKILL)  # a peer killed with SIGKILL leaves no averager behind
+        name_process("diloco-avg")
         leave_signals_to_parent()  # a signal to the whole group is for the training process to handle
         super().run()
 
@@ -180,6 +193,7 @@ class AveragingServer(GuardedAverager, DecentralizedAverager):
             asyncio.get_event_loop().set_default_executor(
                 ThreadPoolExecutor(thread_name_prefix="averaging", initializer=lower_priority))
         _STEP.set(kwargs.get("step"))
+        self._memtrace.tick()
         return await super()._step(**kwargs)
 
     @staticmethod

@@ -40,6 +40,7 @@ from p2p_diloco.swarm.averaging.hivemind_api import (
 )
 from p2p_diloco.swarm.averaging.limits import StateGate
 from p2p_diloco.swarm.averaging.slices import ServedAverages
+from p2p_diloco.swarm.averaging.state_host import StateHost
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +52,7 @@ class GuardedAverager:
     """Mixin for a hivemind ``DecentralizedAverager`` with a ``guard`` attribute (a :class:`PeerGuard`)."""
 
     guard: PeerGuard
+    state_host: StateHost  # made in the training process before the fork
     behaviour: Honest = HONEST
 
     @property
@@ -140,6 +142,14 @@ class GuardedAverager:
                                          averaging_pb2.DownloadData.ByteSize)
         async for message in serve:
             yield message
+
+    async def _get_current_state_from_host_process(self):
+        """hivemind's request for the state to serve, through :class:`StateHost` (which keeps none of it)."""
+        return await self.state_host.request()
+
+    def shutdown(self) -> None:
+        self.state_host.close()
+        super().shutdown()
 
     def _keep_served(self, allreduce_id: bytes, served: ServedAverages) -> None:
         """Keep the averages of an all-reduce this peer reduces a slice of, for its last :data:`SERVED_ALLREDUCES`

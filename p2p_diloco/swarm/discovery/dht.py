@@ -19,7 +19,13 @@ import hivemind
 
 from p2p_diloco.config import DHTConfig
 from p2p_diloco.config.network import JOIN_MARGIN_S
-from p2p_diloco.process import die_with_parent, leave_signals_to_parent, ready_or_killed
+from p2p_diloco.process import (
+    die_with_parent,
+    freeze_before_fork,
+    leave_signals_to_parent,
+    name_process,
+    ready_or_killed,
+)
 from p2p_diloco.swarm.averaging.hivemind_api import behind_nat_mode
 from p2p_diloco.swarm.discovery.identity import IdentityLock, ensure_identity, load_signing_key
 from p2p_diloco.swarm.discovery.reachability import serve_dial_back
@@ -43,6 +49,7 @@ class _DHT(hivemind.DHT):
 
     def run(self) -> None:
         die_with_parent(signal.SIGKILL)
+        name_process("diloco-dht")
         leave_signals_to_parent(own_group=True)  # a signal to the peer's group is for the peer to handle
         behind_nat_mode()  # (registered by the parent already, unless this process was not forked from it)
         logging.getLogger("hivemind.dht.dht").addFilter(_not_a_vanished_sender)
@@ -111,6 +118,7 @@ def start_dht(cfg: DHTConfig, record_validators: Iterable = (), check_identity_f
     started = time.monotonic()
     ready_s = ready_timeout_s if ready_timeout_s is not None else cfg.startup_timeout_s + READY_MARGIN_S
     retry_until = started + min(ready_s, cfg.startup_timeout_s) - RETRY_AFTER_S
+    freeze_before_fork()  # the node's process shares this one's heap: keep it shared
     while True:
         try:
             dht = _DHT(
