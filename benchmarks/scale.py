@@ -3,12 +3,13 @@
 Loopback: ``p2p-diloco swarm --peers N`` for every N of --peers (default 2 4 8 12 16), all processes on this
 machine. Emulated WAN (root only, ``--netns 2 4 8``): one peer per network namespace with links shaped to --rate
 Mbit/s (``benchmarks/netns.py``'s EmulatedWAN), plus the bootstrap node in its own. The issue's setting: the tiny
-model, batches of 4 x 64 tokens, H = 20, 4 rounds, one thread a peer, the default mode (delayed, adaptive
-compression: int8 on the tiny model). So that 16 peers fit 2 cores, every peer's compute is slowed
-(``train.slowdown`` = --slowdown, 16 by default: a peer sleeps 15 times its step's time after each step, so N
-peers ask N/16 of a core for training, whatever N); the swarms of --crowded peers or more (12 by default) get the
-timeouts of the crowded tests (matchmaking 15 s, requests 6 s, rounds and all-reduces 90 s, a silent sender 20 s)
-against CPU starvation, the others the demo's (10, 3, 60, 60, 10 s).
+model, H = 20, 4 rounds, one thread a peer, the default mode (delayed, adaptive compression: int8 on the tiny
+model). So that 16 peers fit 2 cores, every peer's compute is slowed (``train.slowdown`` = --slowdown, 16 by
+default: a peer sleeps 15 times its step's time after each step, so N peers ask N/16 of a core for training,
+whatever N) and its steps are shorter than the issue's 4 x 64 tokens: 2 x 32 (with 4 x 64 and the slowdown, a step
+took 3-6 s on 2 busy cores, too coarse for the matchmaking window); the swarms of --crowded peers or more
+(12 by default) get the timeouts of the crowded tests (matchmaking 15 s, requests 6 s, rounds and all-reduces
+90 s, a silent sender 20 s) against CPU starvation, the others the demo's (10, 3, 60, 60, 10 s).
 
 Per N: the share of the N x rounds round ends that applied a group's average, the group sizes formed (and the share
 of round ends in one group of all N), matchmaking time (from the averaging step's start to the group that averaged:
@@ -42,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from scale_report import report_text, summarize, write_plot  # noqa: E402
 
-SETTING = ["--model.preset", "tiny", "--data.batch_size", "4", "--data.seq_len", "64", "--diloco.inner_steps", "20",
+SETTING = ["--model.preset", "tiny", "--data.batch_size", "2", "--data.seq_len", "32", "--diloco.inner_steps", "20",
            "--train.num_rounds", "4", "--data.eval_batches", "4", "--checkpoint.every_rounds", "0",
            "--train.log_every", "5", "--train.progress", "false", "--train.anchor_digest", "true"]
 DEMO_TIMEOUTS = ["--averaging.matchmaking_time_s", "10", "--averaging.request_timeout_s", "3",

@@ -103,7 +103,7 @@ def _fmt(value, spec: str = ".2f") -> str:
 
 
 def report_text(results: dict, args) -> str:
-    lines = [f"Scale: swarms of N peers, tiny model, batch 4 x 64, H = 20, {args.rounds} rounds, train.slowdown "
+    lines = [f"Scale: swarms of N peers, tiny model, batch 2 x 32, H = 20, {args.rounds} rounds, train.slowdown "
              f"{args.slowdown:g}, one thread a peer; timeouts: demo (matchmaking 10 s, request 3 s, round 60 s) "
              f"below N = {args.crowded}, crowded (15, 6, 90 s) from it", ""]
     header = (f"{'run':<12}{'avg':>7}{'one grp':>8}  {'groups':<22}{'match s':>8}{'p90':>6}{'reduce s':>9}"
