@@ -60,6 +60,7 @@ OPTIONS = {
     "num_params": "--params", "num_peers": "--peers", "bandwidth_mbit": "--bandwidth-mbit",
     "step_time_s": "--step-time", "inner_steps": "--h", "bits_per_param": "--bits-per-param",
     "allreduce_bits": "--allreduce-bits", "latency_s": "--latency-s", "num_stages": "--stages",
+    "latency_per_peer_s": "--latency-per-peer-s",
     "overlap_steps": "--overlap-steps", "num_fragments": "--fragments", "fragment_share": "--fragments",
 }
 
@@ -84,6 +85,9 @@ class PlanInputs:
     """Bits per parameter of the per-step AllReduce baseline."""
     latency_s: float = 0.5
     """Fixed overhead per round (matchmaking, group assembly), added to the transfer."""
+    latency_per_peer_s: float = 0.0
+    """Overhead per round that grows with the group: this much per peer of the group is added to ``latency_s``.
+    Matchmaking time grows with N (``benchmarks/scale.py`` measures it: BENCHMARKS.md, "Scale")."""
     num_stages: int = 1
     """Pipeline stages per peer (P); they share the peer's link."""
     overlap_steps: Optional[int] = None
@@ -162,6 +166,7 @@ def validate_inputs(inputs: PlanInputs) -> None:
     for name in ("num_params", "bandwidth_mbit", "step_time_s", "bits_per_param", "allreduce_bits"):
         _require_number(inputs, name, 0, inclusive=False)
     _require_number(inputs, "latency_s", 0, inclusive=True)
+    _require_number(inputs, "latency_per_peer_s", 0, inclusive=True)
     if inputs.overlap_steps is not None and (isinstance(inputs.overlap_steps, bool) or not isinstance(
             inputs.overlap_steps, int) or not 1 <= inputs.overlap_steps <= inputs.inner_steps):
         raise ConfigError(f"--overlap-steps: must be an integer between 1 and --h ({inputs.inner_steps}), got "
@@ -194,9 +199,14 @@ def min_inner_steps_to_hide(transfer_s: float, step_time_s: float) -> int:
     return steps
 
 
+def round_latency_s(inputs: PlanInputs) -> float:
+    """A round's overhead besides the transfer: ``latency_s`` plus ``latency_per_peer_s`` per peer of the group."""
+    return inputs.latency_s + inputs.latency_per_peer_s * inputs.num_peers
+
+
 def hiding_bits_per_param(inputs: PlanInputs) -> Optional[float]:
     """The most bits per parameter whose transfer fits in one round of compute; None if none does."""
-    budget_s = inputs.inner_steps * inputs.step_time_s - inputs.latency_s
+    budget_s = inputs.inner_steps * inputs.step_time_s - round_latency_s(inputs)
     if inputs.num_peers == 1 or budget_s <= 0:
         return None
     bits_per_s = inputs.bandwidth_mbit * 1e6
@@ -213,7 +223,8 @@ def make_plan(inputs: PlanInputs) -> Plan:
     bits_per_s = inputs.bandwidth_mbit * 1e6
     alone = inputs.num_peers == 1  # no group to average with: no round traffic, no matchmaking
     sent = allreduce_bytes(inputs.num_params, inputs.num_peers, inputs.bits_per_param)
-    transfer_s = 0.0 if alone else sent * 8 / bits_per_s + inputs.latency_s
+    latency_s = round_latency_s(inputs)
+    transfer_s = 0.0 if alone else sent * 8 / bits_per_s + latency_s
     compute_s = inputs.inner_steps * inputs.step_time_s
     utilization_none = compute_s / (compute_s + transfer_s)
     overlap = inputs.overlap_steps or max(1, inputs.inner_steps // 10)
@@ -222,7 +233,7 @@ def make_plan(inputs: PlanInputs) -> Plan:
     F = inputs.num_fragments
     share = inputs.fragment_share if inputs.fragment_share is not None else 1 / F
     window_s = min(overlap, inputs.inner_steps // F) * inputs.step_time_s  # streaming: each fragment's window
-    fragment_s = 0.0 if alone else share * sent * 8 / bits_per_s + inputs.latency_s
+    fragment_s = 0.0 if alone else share * sent * 8 / bits_per_s + latency_s
     wait_streaming = F * max(0.0, fragment_s - window_s)
     ar_sent = allreduce_bytes(inputs.num_params, inputs.num_peers, inputs.allreduce_bits)
     ar_comm_s = ar_sent * 8 / bits_per_s
@@ -243,11 +254,11 @@ def make_plan(inputs: PlanInputs) -> Plan:
         wait_per_round_s_delayed=wait_delayed,
         wait_per_round_s_eager=max(0.0, transfer_s - compute_s),
         overlap_steps=overlap,
-        mbit_to_hide_delayed=_mbit_to_hide(sent, overlap * inputs.step_time_s, inputs.latency_s, alone),
+        mbit_to_hide_delayed=_mbit_to_hide(sent, overlap * inputs.step_time_s, latency_s, alone),
         peak_bytes=share * sent,
         wait_per_round_s_streaming=wait_streaming,
         utilization_streaming=compute_s / (compute_s + wait_streaming),
-        mbit_to_hide_streaming=_mbit_to_hide(share * sent, window_s, inputs.latency_s, alone),
+        mbit_to_hide_streaming=_mbit_to_hide(share * sent, window_s, latency_s, alone),
         allreduce_bytes_per_step=ar_sent,
         allreduce_comm_s_per_step=ar_comm_s,
         utilization_allreduce=utilization_allreduce,

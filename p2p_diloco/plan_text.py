@@ -54,7 +54,8 @@ def _round_rows(plan: Plan) -> list[tuple[str, str, str]]:
         ("sent per peer per round", format_bytes(plan.bytes_per_round),
          f"{p.bits_per_param:g} bits/param; as much is received{share}"),
         ("transfer time per round", format_seconds(plan.transfer_s),
-         f"bytes x 8 / {p.bandwidth_mbit:g} Mbit/s + {p.latency_s:g} s latency"),
+         f"bytes x 8 / {p.bandwidth_mbit:g} Mbit/s + {p.latency_s:g} s latency"
+         + (f" + {p.latency_per_peer_s:g} s x {p.num_peers} peers" if p.latency_per_peer_s else "")),
         ("compute time per round", format_seconds(plan.compute_s), f"H = {p.inner_steps} x {p.step_time_s:g} s"),
         ("H that hides the transfer", f"{plan.min_inner_steps_to_hide:,}", "smallest H with transfer <= H x step time"),
         ("bits/param that hide it", "none" if hiding is None else f"{hiding:.3g}",

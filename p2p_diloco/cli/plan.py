@@ -17,7 +17,8 @@ if TYPE_CHECKING:
 # option dest -> PlanInputs field, for the options whose default depends on --paper
 _GIVEN = {"peers": "num_peers", "bandwidth_mbit": "bandwidth_mbit", "step_time": "step_time_s", "h": "inner_steps",
           "bits_per_param": "bits_per_param", "allreduce_bits": "allreduce_bits", "latency_s": "latency_s",
-          "stages": "num_stages", "overlap_steps": "overlap_steps", "fragments": "num_fragments"}
+          "latency_per_peer_s": "latency_per_peer_s", "stages": "num_stages", "overlap_steps": "overlap_steps",
+          "fragments": "num_fragments"}
 
 
 def register(subparsers) -> None:
@@ -51,6 +52,9 @@ def register(subparsers) -> None:
                        help="bits per parameter of the per-step AllReduce baseline (default 32)")
     swarm.add_argument("--latency-s", type=float, metavar="S",
                        help="fixed overhead per round for matchmaking etc., in seconds (default 0.5)")
+    swarm.add_argument("--latency-per-peer-s", type=float, metavar="S",
+                       help="overhead per round that grows with the group (matchmaking), in seconds per peer "
+                       "(default 0; benchmarks/scale.py measured 0.3 s per peer on 2 busy cores)")
     swarm.add_argument("--overlap-steps", type=int, metavar="M",
                        help="delayed mode: the step of the next round at which a round's average is applied "
                        "(diloco.overlap_steps; default H/10)")

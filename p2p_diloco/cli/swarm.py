@@ -30,6 +30,14 @@ DEMO_DEFAULTS = [
     ("inner.warmup_steps", "20"), ("averaging.matchmaking_time_s", "10"), ("averaging.request_timeout_s", "3"),
     ("averaging.round_timeout_s", "60"), ("checkpoint.every_rounds", "0"), ("train.progress", "false"),
 ]
+# Timeouts of a crowded machine (more than PEERS_PER_CORE peer processes a core, as the crowded tests use): 16 peers
+# on 2 busy cores end a round up to 10 s apart and answer a join request in seconds, and with the demo's timeouts
+# their rounds split into groups of 2 to 12 (benchmarks/scale.py; BENCHMARKS.md, "Scale")
+PEERS_PER_CORE = 4
+CROWDED_DEFAULTS = [
+    ("averaging.matchmaking_time_s", "15"), ("averaging.request_timeout_s", "6"), ("averaging.round_timeout_s", "90"),
+    ("averaging.allreduce_timeout_s", "90"), ("averaging.next_chunk_timeout_s", "20"),
+]
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 SAMPLE_PROMPT = "def "  # the demo trains on Python source
 
@@ -74,6 +82,10 @@ def run(args: argparse.Namespace, overrides: list[tuple[str, str]]) -> int:
     config_path.write_text(dump_config(cfg))
     _prepare_data_once(cfg)
     print(f"Swarm folder: {root}  (bootstrap + {args.peers} peer(s) x {cfg.pipeline.stages} stage(s))", flush=True)
+    if not args.config and crowded_defaults(args.peers * args.stages, os.cpu_count() or 1):
+        raised = ", ".join(f"{key.removeprefix('averaging.')} {value}" for key, value in CROWDED_DEFAULTS)
+        print(f"{args.peers * args.stages} peer processes on {os.cpu_count()} cores: the timeouts of a crowded "
+              f"machine unless given ({raised})", flush=True)
     processes: dict[str, subprocess.Popen] = {}
     try:
         processes["bootstrap"] = _start_bootstrap(root, cfg.run.run_id)
@@ -117,13 +129,19 @@ def print_sample(peer_dir: Path, prompt: str = SAMPLE_PROMPT, max_new_tokens: in
 
 
 def _swarm_config(args: argparse.Namespace, overrides: list[tuple[str, str]]):
-    base = [] if args.config else list(DEMO_DEFAULTS)
+    base = [] if args.config else list(DEMO_DEFAULTS) + crowded_defaults(args.peers * args.stages, os.cpu_count() or 1)
     if any(key == "model.init_from" for key, _ in overrides):  # the folder gives the shape: no preset beside it
         base = [(key, value) for key, value in base if key != "model.preset"]
     forced = [("pipeline.stages", str(args.stages)), ("dht.host_maddrs", LOOPBACK)]
     if args.peers > 1:
         forced += [("averaging.target_group_size", str(args.peers)), ("train.wait_for_peers", str(args.peers))]
     return load_config(args.config, base + forced + list(overrides))
+
+
+def crowded_defaults(num_processes: int, num_cores: int) -> list[tuple[str, str]]:
+    """The demo's timeouts raised for a machine with more than :data:`PEERS_PER_CORE` peer processes a core (the
+    options given still win)."""
+    return list(CROWDED_DEFAULTS) if num_processes > PEERS_PER_CORE * num_cores else []
 
 
 def _prepare_data_once(cfg) -> None:

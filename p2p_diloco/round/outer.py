@@ -28,13 +28,18 @@ class OuterOptimizer:
         self.lr, self.momentum, self.nesterov = lr, momentum, nesterov
         self.momentum_buffers = [torch.zeros_like(t) for t in self.anchor]
         self.num_steps = 0
+        # the L2 norm of the pseudo-gradient of the last step: the scale of one outer step of this peer's, by which
+        # the run's end bounds how far a final state it takes may be from its own (training.run_end)
+        self.last_grad_norm = 0.0
 
     @torch.no_grad()
     def step(self, pseudo_gradient: Sequence[torch.Tensor]) -> None:
         """Apply one outer step with the (averaged) pseudo-gradient ``phi0 - phi``."""
         assert len(pseudo_gradient) == len(self.anchor), "one pseudo-gradient tensor per anchor tensor"
+        squares = 0.0
         for theta, buf, grad in zip(self.anchor, self.momentum_buffers, pseudo_gradient):
             grad = grad.to(dtype=theta.dtype, device=theta.device)
+            squares += float(grad.double().pow(2).sum())
             if self.momentum == 0:
                 theta.sub_(grad, alpha=self.lr)
                 continue
@@ -42,6 +47,7 @@ class OuterOptimizer:
             update = grad.add(buf, alpha=self.momentum) if self.nesterov else buf
             theta.sub_(update, alpha=self.lr)
         self.num_steps += 1
+        self.last_grad_norm = squares ** 0.5
 
     @torch.no_grad()
     def peek(self, pseudo_gradient: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -9,6 +9,7 @@ for a few rounds (:meth:`Witnesses.discredit`).
 from __future__ import annotations
 
 import logging
+import random
 import time
 
 from p2p_diloco.round.stage import Stage
@@ -118,6 +119,46 @@ class StateFetcher:
             if refusal is not None:
                 logger.warning(f"{self.stage.label}: refused the state of {donor}: {refusal}")
                 continue
+            return meta, tensors
+        return None
+
+    def download_final(self, fingerprint: str, last: int, refusal):
+        """At the run's end: the state ``fingerprint`` after round ``last`` (the one most finished peers hold, see
+        :mod:`~p2p_diloco.training.run_end`), from the peers whose records hold it, believed ones first; or None.
+        A served state must be well-formed, of that fingerprint, its own donor's, and of the run's end; then
+        ``refusal(tensors, vouched)`` decides (``vouched``: two believed records hold it, one where a single peer is
+        believed, as :meth:`refusal` asks of any state)."""
+        started = time.monotonic()
+        deadline = started + self.download_timeout_s
+        records = self.witnesses.credited(self.swarm.others())
+        counted = self._counted()
+        believed = {r.node for r in counted}
+        holders = [r.node for r in records if r.applied_round == last and r.anchor == fingerprint]
+        votes = anchor_votes(counted, last)
+        vouched = bool(believed) and len(set(votes.get(fingerprint, ()))) >= min(2, len(believed))
+        for donor in sorted(holders, key=lambda node: (node not in believed, random.random())):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            downloaded = self.stage.averager.download_state([donor], timeout_s=remaining)
+            if downloaded is None:
+                continue
+            meta, tensors = downloaded
+            try:
+                self.stage.check_state(self.run_id, meta, tensors)
+                why = self._contradicts_own_record(donor, meta, tensors)
+                if why is None and self.stage.served_fingerprint(meta, tensors) != fingerprint:
+                    why = "it is not the final state its record holds"
+                if why is None and (meta["applied_round"], meta["round"]) != (last, self.stage.round_index):
+                    why = f"it is of round {meta['round']}, applied {meta['applied_round']}, not the run's end"
+                why = why or refusal(tensors, vouched)
+            except Exception as e:  # noqa: BLE001 (whatever the donor's bytes make fail is the donor's offence)
+                why = f"its state could not be checked ({type(e).__name__}: {e})"
+            if why is not None:
+                logger.warning(f"{self.stage.label}: refused the final state of {donor}: {why}")
+                continue
+            self.last_download = {"download_s": round(time.monotonic() - started, 3),
+                                  "state_bytes": sum(t.numel() * t.element_size() for t in tensors)}
             return meta, tensors
         return None
 

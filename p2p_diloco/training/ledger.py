@@ -121,7 +121,8 @@ class Ledger:
         for unit, report in zip(units, reports):
             self.metrics.write("round", **report.record(), **self.unit_facts(unit),
                                inner_step=self.held[0].stage.inner_step, anchor_sha256=self.digest(unit),
-                               anchor_applied_round=unit.stage.applied_round, flush=flush)
+                               anchor_applied_round=unit.stage.applied_round, flush=flush,
+                               record_reads=unit.swarm.record_reads if unit.swarm is not None else 0)
 
     def digest(self, unit: Held) -> str:
         """The metrics rows' ``anchor_sha256`` of a unit (already computed with its fingerprint), if asked for."""

@@ -49,6 +49,7 @@ from p2p_diloco.medians import lower_median
 from p2p_diloco.round.stage import Stage
 from p2p_diloco.swarm.discovery.progress import moved_past
 from p2p_diloco.training.fetch import StateFetcher
+from p2p_diloco.training.run_end import RunEnd
 from p2p_diloco.training.witnesses import Witnesses, anchor_votes, canonical_of
 
 logger = logging.getLogger(__name__)
@@ -83,6 +84,7 @@ class SwarmSync:
         self.fetcher = StateFetcher(stage, swarm, self.witnesses, self.fingerprints, run_id, download_timeout_s,
                                     num_rounds, verify_wait_s)
         self.events: list[dict] = []
+        self.end = RunEnd(self)
         self.holds_canonical = True  # this stage's anchor is the one the swarm agrees on (see _diverged_round)
         self.canonical: str | None = None  # that anchor's fingerprint, for the last diverged round
         # a round this stage's anchor lacks: a reload in delayed mode from a donor whose last round was still
@@ -204,39 +206,21 @@ class SwarmSync:
         self._record("reload", reason, meta)
 
     def at_end(self, deadline: float) -> None:
-        """The run's end, with the last round applied: one final anchor for every peer.
-
-        Without this, a run's last round can leave the swarm on several anchors with no round left to resync them:
-        a group of 4 whose matchmaking splits it into two pairs ends as two models, a peer whose last round failed
-        keeps its own pseudo-gradient, and a round failed for the whole group just before the last one leaves every
-        member on its own anchor (the last round's average, the same for all, moves each anchor by the same step).
-        So the stage waits (until ``deadline``) for the peers still averaging the last round to apply it, and takes
-        the canonical anchor after it (most votes, ties to the smallest node id: what every peer computes from the
-        same records, as the resync after any round) if it does not hold it: only peers off it download. In a calm
-        run everyone has applied it by now (the groupmates were waited for) and everyone holds it: nothing is
-        downloaded."""
-        last = (self.num_rounds or 0) - 1
-        if self.num_rounds is None or self.stage.applied_round != last or self.stage.averager is None:
-            return
-        # every signed record, not only the believed ones: the peer still averaging may be one this peer never met
-        # (say, the odd one out of every round); only the votes below are the believed peers'
-        finishing = [r.node for r in self.swarm.others() if r.round >= last and r.applied_round < last]
-        if finishing:
-            self.swarm.wait_for_groupmates(finishing, last, timeout_s=max(0.0, deadline - time.monotonic()))
-        if self._diverged_round(self.witnesses.counted(self.swarm.others())) == last:
-            self._resync(last)
+        """The run's end, with the last round applied: take the swarm's final state if this stage does not hold it
+        (:class:`~p2p_diloco.training.run_end.RunEnd`; called again until the swarm agrees)."""
+        self.end.step(deadline)
 
     def agreed_at_end(self, believed_only: bool = False) -> bool:
-        """Whether every other peer that applied the run's last round holds this stage's anchor after it (a peer
-        holding the canonical one stays until the others took it: they download it from such peers). Every signed
-        record counts, as in :meth:`at_end`: a peer restarted late under a fresh identity is a stranger to the
-        others, and it downloads the final anchor from them while they stay; a record that never agrees costs a
-        wait bounded by the caller. ``believed_only``: the peers whose word counts (:meth:`Witnesses.counted`)
-        only, to tell a split of the swarm from a stranger's claim."""
-        last = (self.num_rounds or 0) - 1
-        mine = self.fingerprints.get(last)
-        records = self._others() if believed_only else self.swarm.others()
-        return mine is None or set(anchor_votes(records, last)) <= {mine}
+        """Whether every other finished peer holds this stage's final state (:meth:`RunEnd.agreed`)."""
+        return self.end.agreed(believed_only)
+
+    def canonical_if_off(self, applied_round: int) -> str | None:
+        """The believed peers' canonical state after ``applied_round`` if this stage's is not it, else None."""
+        return self.canonical if self._diverged_round(self._others()) == applied_round else None
+
+    def resync(self, diverged_round: int) -> None:
+        """Take the believed peers' canonical state (see :meth:`resync_if_diverged`)."""
+        self._resync(diverged_round)
 
     def _resync(self, diverged_round: int) -> None:
         state = self.fetcher.download(at_least_round=self.stage.round_index, at_most_round=self.stage.round_index)
@@ -256,10 +240,14 @@ class SwarmSync:
             logger.info(f"{self.stage.label}: the donor's anchor is older (applied "
                         f"{meta['applied_round']}, this stage {self.stage.applied_round}); resync later")
             return
+        self.take_resync(meta, tensors, f"the anchor after round {diverged_round} differed from the swarm's")
+
+    def take_resync(self, meta: dict, tensors, reason: str) -> None:
+        """Take a downloaded (checked) state as a resync: its anchor and momentum, this stage's own progress kept."""
         self.stage.adopt(meta, tensors, "resync")
         self.fingerprints.clear()
         self.missed_round = None
-        self._record("resync", f"the anchor after round {diverged_round} differed from the swarm's", meta)
+        self._record("resync", reason, meta)
 
     def _record(self, kind: str, reason: str, meta: dict) -> None:
         logger.warning(f"{self.stage.label}: {kind} from a peer ({reason}); now at round "
@@ -290,25 +278,24 @@ class SyncGroup:
             for sync in self.syncs:
                 sync.resync_if_diverged()
 
-    def at_end(self, deadline: float) -> None:
-        """Each unit's agreement on the final anchor (:meth:`SwarmSync.at_end`). No collectives: a resync is each
-        fragment's own."""
-        for sync in self.syncs:
-            sync.at_end(deadline)
-
-    def believed_agree_at_end(self) -> bool:
-        """Whether every unit's believed peers hold its final anchor (:meth:`SwarmSync.agreed_at_end`)."""
-        return all(sync.agreed_at_end(believed_only=True) for sync in self.syncs)
-
-    def wait_agreed_at_end(self, deadline: float, poll_s: float = 0.25) -> bool:
-        """Stay until every unit's final anchor is every finished peer's (they may be downloading it from this one),
-        at most until ``deadline``; whether they agree."""
+    def agree_at_end(self, deadline: float, on_change, poll_s: float = 1.0) -> bool:
+        """The run's end: each unit takes the swarm's final state if it does not hold it (:meth:`SwarmSync.at_end`),
+        ``on_change()`` noting what changed, and stays while another finished peer holds another state (it may be
+        downloading this one), deciding again as the votes move; at most until ``deadline``. Whether every unit's
+        finished peers agree. No collectives: a resync is each unit's own."""
         while True:
+            for sync in self.syncs:
+                sync.at_end(deadline)
+            on_change()
             if all(sync.agreed_at_end() for sync in self.syncs):
                 return True
             if time.monotonic() >= deadline:
                 return False
             time.sleep(poll_s)
+
+    def believed_agree_at_end(self) -> bool:
+        """Whether every unit's believed peers hold its final anchor (:meth:`SwarmSync.agreed_at_end`)."""
+        return all(sync.agreed_at_end(believed_only=True) for sync in self.syncs)
 
     def _reload_if_behind(self, decisions: list[tuple[bool, str, int]]) -> bool:
         """Reload every fragment when any fragment of any stage of the peer is behind; whether the peer decided to.

@@ -303,11 +303,11 @@ class Trainer:
     def _leave(self) -> None:
         """At the end of the run, stay until the groupmates of the last round have its result too
         (:func:`~p2p_diloco.training.round_ends.wait_for_groupmates`), and until the peers that applied it agree on
-        the final anchor (:meth:`SyncGroup.at_end`): where the last round left the swarm on more than one anchor (its
-        group split, or this peer fell back), the peers off the canonical anchor download it, and the peers holding
-        it stay until they have; all of it within ``averaging.round_timeout_s`` of the last round's end here (the
-        bound of a round: a peer that cannot take the agreed anchor by then, a forger for one, does not keep the
-        others waiting longer)."""
+        one final state (:meth:`SyncGroup.agree_at_end`): where the last round left the swarm on more than one (its
+        groups split, or this peer fell back), the peers off the state most finished peers hold download it, and the
+        peers holding it stay until they have; all of it within ``averaging.round_timeout_s`` of the last round's end
+        here (the bound of a round: a peer that cannot take it by then, a forger for one, does not keep the others
+        waiting longer)."""
         if self.swarm is None:
             return
         self._publish(self.summary.last_loss or float("nan"), self.tokens_per_s, force=True)
@@ -315,11 +315,12 @@ class Trainer:
         wait_for_groupmates(self.held, self.ledger.last_group, started + self.cfg.averaging.next_chunk_timeout_s)
         if self.syncs is None:
             return
-        deadline = started + self.cfg.averaging.round_timeout_s
-        self.syncs.at_end(deadline)
-        if self._log_sync_events():
-            self._publish(self.summary.last_loss or float("nan"), self.tokens_per_s, force=True)
-        if self.syncs.wait_agreed_at_end(deadline):
+
+        def on_change() -> None:
+            if self._log_sync_events():
+                self._publish(self.summary.last_loss or float("nan"), self.tokens_per_s, force=True)
+
+        if self.syncs.agree_at_end(started + self.cfg.averaging.round_timeout_s, on_change):
             return
         if self.syncs.believed_agree_at_end():  # only peers never met disagree: a claim, not a split of the swarm
             logger.info("Leaving while peers this one never met still claim another final anchor")

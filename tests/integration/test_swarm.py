@@ -163,6 +163,30 @@ def test_a_last_round_split_into_groups_still_ends_on_one_model(tmp_path, proces
     assert at_end, [events(tmp_path, name, "sync") for name in names]
 
 
+def test_two_groups_that_never_met_still_end_on_one_model(tmp_path, processes, bootstrap):
+    """4 peers, one round, groups of 2 at most: the swarm splits into two pairs with two anchors, and each pair has
+    met only itself, so each believed its own anchor the swarm's and the run ended on two models (as 16 peers in
+    groups of 2 to 12 ended on four). Now the run's end agrees on one final anchor over every finished peer's
+    record (most holders; a tie to the smallest node id), and a pair off it takes it: it is one outer step from
+    its own (both pairs started the round from one anchor), within the bound on a final state that only peers
+    never met vouch for. The four final anchors are bit-identical."""
+    rounds, h = 1, 6
+    names = ["q0", "q1", "q2", "q3"]
+    for name in names:
+        processes.start(name, *peer_args(tmp_path, name, bootstrap, "pairs", rounds, h, "--diloco.mode", "none",
+                                         "--averaging.target_group_size", "2", wait_for=4))
+    for name in names:
+        assert processes.wait(name, timeout=300) == 0, processes.log(name)[-3000:]
+    last = [applied(tmp_path, name)[-1] for name in names]
+    told = [rounds_told(tmp_path, name) for name in names]
+    assert [e["applied_round"] for e in last] == [0] * 4 and max(e["group_size"] for e in last) <= 2, told
+    assert len({e["anchor_sha256"] for e in last}) >= 2, told  # the round left the swarm on two anchors or more
+    finals = {name: summary(tmp_path, name)["anchor_sha256"] for name in names}
+    assert len(set(finals.values())) == 1, (finals, told)
+    took = [e for name in names for e in events(tmp_path, name, "sync") if e["action"] == "resync"]
+    assert took and all(e["inner_step"] == rounds * h for e in took), took
+
+
 def test_killed_peer_does_not_stop_the_other(tmp_path, processes, bootstrap):
     """2 peers; one is killed (SIGKILL) after its first round: the survivor finishes every round, falling back
     to its own pseudo-gradient, without crashing or hanging past the configured timeouts."""

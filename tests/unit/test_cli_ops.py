@@ -184,3 +184,18 @@ def test_a_deadline_counts_from_the_process_start():
            "print(seconds_since_process_start())"
     took = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60).stdout)
     assert 1.4 <= took < 30
+
+
+def test_a_swarm_crowding_the_machine_gets_longer_timeouts_unless_given():
+    """``p2p-diloco swarm --peers 16`` on 2 cores ended rounds 10 s apart and split them into groups of 2 to 12 with
+    the demo's timeouts: past 4 peer processes a core it raises them, and the options given still win."""
+    from argparse import Namespace
+
+    from p2p_diloco.cli.swarm import _swarm_config, crowded_defaults
+
+    assert crowded_defaults(8, 2) == [] and crowded_defaults(9, 2) != []
+    args = Namespace(config=None, peers=64, stages=1)  # more than 4 a core on any machine this runs on
+    cfg = _swarm_config(args, [("averaging.request_timeout_s", "4")])
+    assert cfg.averaging.matchmaking_time_s == 15 and cfg.averaging.round_timeout_s == 90
+    assert cfg.averaging.request_timeout_s == 4  # given: kept
+    assert _swarm_config(Namespace(config=None, peers=2, stages=1), []).averaging.matchmaking_time_s == 10

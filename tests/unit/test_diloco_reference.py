@@ -180,6 +180,7 @@ class _FixedSwarm:
 
     def __init__(self, rounds: dict[int, int] | None = None, index: int = 0):
         self.anchor_fingerprint = ""
+        self.record_reads = 0  # reads of the DHT's records (none here)
         self.published: list[tuple[int, str, str]] = []  # (applied round, fingerprint published, actual one)
         self.rounds, self.index = rounds, index
 

@@ -137,10 +137,21 @@ def test_preset_parameter_count_matches_the_model_code():
     ("num_params", math.nan, "--params"), ("num_params", 0.5, "--params"), ("num_peers", 0, "--peers"),
     ("inner_steps", 0, "--h"), ("num_stages", 0, "--stages"), ("bits_per_param", -1, "--bits-per-param"),
     ("allreduce_bits", 0, "--allreduce-bits"), ("latency_s", -0.1, "--latency-s"), ("num_peers", 2.5, "--peers"),
+    ("latency_per_peer_s", -1.0, "--latency-per-peer-s"),
 ])
 def test_bad_inputs_name_their_option(field, value, option):
     with pytest.raises(ConfigError, match=option.replace("-", r"\-")):
         make_plan(replace(PlanInputs(num_params=1e9), **{field: value}))
+
+
+def test_matchmaking_time_per_peer_adds_to_the_latency_of_larger_groups():
+    """benchmarks/scale.py measures matchmaking time growing with N: --latency-per-peer-s adds it per group member."""
+    base = PlanInputs(num_params=1e9, num_peers=16, latency_s=0.5, step_time_s=1.0, inner_steps=50)
+    flat, grown = make_plan(base), make_plan(replace(base, latency_per_peer_s=0.25))
+    assert grown.transfer_s == pytest.approx(flat.transfer_s + 0.25 * 16)
+    assert grown.wait_per_round_s_none == pytest.approx(flat.wait_per_round_s_none + 4.0)
+    assert grown.hiding_bits_per_param < flat.hiding_bits_per_param  # less of the round is left for the bytes
+    assert "0.25 s x 16 peers" in format_plan(grown)
 
 
 def test_zero_latency_is_allowed():

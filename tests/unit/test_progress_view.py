@@ -28,7 +28,7 @@ def link(joined: bool = True, num_rounds: int | None = None, met: frozenset = fr
     swarm.fresh_read_s, swarm._last_read = 1.0, None  # no watch has read the records: each read is a new one
     swarm.peers_met, swarm.allowlist, swarm.stranger_wait_s, swarm._matching_since = lambda: met, allowlist, 8.0, {}
     swarm.watch_every_s, swarm._watch, swarm._watch_at, swarm._watched = 0.5, None, float("-inf"), []
-    swarm._pace, swarm.watch_reads = Pace(), 0
+    swarm._pace, swarm.watch_reads, swarm.record_reads = Pace(), 0, 0
     swarm.publish_every_s, swarm._last_publish, swarm.fingerprint = 10.0, float("-inf"), None
     swarm.anchor_fingerprint = swarm.prior_anchor_fingerprint = ""
     swarm.facts = dict

@@ -79,6 +79,8 @@ PHASES = (b"", b".P", b".Q")  # group id suffixes of a round's all-reduces (whol
 # the step (hivemind's StepControl) that the running task of the averager's background process serves: each step
 # runs in its own task, so the all-reduce of that step can see its cancel (see _unless_cancelled)
 _STEP: contextvars.ContextVar = contextvars.ContextVar("p2p_diloco_step", default=None)
+# when this task's step began (time.monotonic()): its matchmaking time is from there to its group's formation
+_STEP_STARTED: contextvars.ContextVar = contextvars.ContextVar("p2p_diloco_step_started", default=None)
 AVERAGER_START_TIMEOUT_S = 60.0  # its process needs only the local p2p daemon: over a minute means a stuck machine
 
 
@@ -194,6 +196,7 @@ class AveragingServer(GuardedAverager, DecentralizedAverager):
                 ThreadPoolExecutor(thread_name_prefix="averaging", initializer=lower_priority))
         _STEP.set(kwargs.get("step"))
         self._memtrace.tick()
+        _STEP_STARTED.set(time.monotonic())
         return await super()._step(**kwargs)
 
     @staticmethod
@@ -273,6 +276,8 @@ class AveragingServer(GuardedAverager, DecentralizedAverager):
                     tensors, codecs, group_info, group_info.group_id + phase, view, peer_fractions=fractions, **kwargs)
                 return averaged
 
+            step_started = _STEP_STARTED.get()
+            matched_s = time.monotonic() - step_started if step_started is not None else None
             fault_point("allreduce-group-formed")  # test hooks: unset, a dictionary lookup and a no-op
             await self.behaviour.join_allreduce()
             received_before, started = int(self.traffic[BYTES_RECEIVED]), time.monotonic()
@@ -293,7 +298,8 @@ class AveragingServer(GuardedAverager, DecentralizedAverager):
             # a throughput sample only when the payload amortizes the latency and the waits of the group
             measured = received * 8 / 1e6 / max(time.monotonic() - started, 1e-3) if received >= 2**20 else None
             proposal = self.policy.next_proposal(plan, outcome.q_avgs, my_round)
-            stats = dict(outcome.stats, bandwidth_mbit=measured)
+            # matched_s: from the step's start to this group (failed groups of the round's retries included)
+            stats = dict(outcome.stats, bandwidth_mbit=measured, matched_s=matched_s)
             return {"gathered": view.infos, "tokens": view.tokens, "stats": stats, "next": proposal}
         except BaseException as e:
             if isinstance(e, _StepCancelled):

@@ -87,6 +87,7 @@ class SwarmLink:
         # seldom while no believed peer can end the round soon)
         self._pace = Pace()
         self.watch_reads = 0  # reads the watch started (the round-end watch is most of a peer's DHT traffic)
+        self.record_reads = 0  # reads of the records of every kind (the watch's included): the metrics' round rows
         self._watch = None  # the read in flight (a future of the DHT's answer)
         self._watch_at = float("-inf")
         self._watched: list[ProgressRecord] = []  # the other peers of this stage, as the watch last read them
@@ -146,7 +147,7 @@ class SwarmLink:
         never-met identities made a peer of a group of three wait for eight)."""
         read = self._recent_read()
         if read is None:
-            read = fetch_progress(self.dht, self.records_run)
+            read = self._fetch()
         now = time.monotonic()
         self._matching_since = {r: t for r, t in self._matching_since.items() if r > round_index - 4}
         self._matching_since[round_index] = now
@@ -182,7 +183,7 @@ class SwarmLink:
 
         deadline = time.monotonic() + timeout_s
         while True:
-            seen = live_group_size(self.believed(fetch_progress(self.dht, self.records_run))[0], self.stage_index,
+            seen = live_group_size(self.believed(self._fetch())[0], self.stage_index,
                                    self.num_stages, self.node)
             if seen >= count or time.monotonic() >= deadline:
                 return seen
@@ -256,6 +257,7 @@ class SwarmLink:
             self._watch_at = time.monotonic()
             try:
                 self.watch_reads += 1
+                self.record_reads += 1
                 self._watch = request_progress(self.dht, self.records_run)
             except Exception as e:  # the DHT process may be shutting down
                 logger.debug(f"Could not read progress records: {e!r}")
@@ -296,7 +298,11 @@ class SwarmLink:
 
     def others(self) -> list[ProgressRecord]:
         """Live records of the same stage of other peers."""
-        return self._of_stage(fetch_progress(self.dht, self.records_run))
+        return self._of_stage(self._fetch())
+
+    def _fetch(self) -> list[ProgressRecord]:
+        self.record_reads += 1
+        return fetch_progress(self.dht, self.records_run)
 
     def _of_stage(self, records: list[ProgressRecord]) -> list[ProgressRecord]:
         return [r for r in records

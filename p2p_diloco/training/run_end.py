@@ -1,0 +1,177 @@
+"""The run's end for one unit (a stage, or a fragment): one final state for the whole swarm (docs/design.md 3.7).
+
+After its last round a unit's final state is the one most finished peers hold: every signed record of a peer that
+applied the last round votes (this one's own state included), a tie goes to the state held by the smallest node id.
+Every peer computes the same from the same records, whatever it believes. The peers' own beliefs
+(:mod:`p2p_diloco.training.witnesses`: the peers met in recent groups) cannot decide it: where the last round split
+the swarm into groups that had met only themselves, or mostly themselves, each group's members believed their own
+state the swarm's, and the run ended on as many models as groups (4 peers in 2 pairs: 2; 16 peers in groups of 2 to
+12: 4).
+
+A unit off that final state downloads it from the peers holding it. A state its believed peers agree on (the
+canonical one of :class:`~p2p_diloco.training.sync.SwarmSync`, with two votes) is taken as any resync. One vouched for
+by peers it never met is taken only if it is within :data:`NEAR_STEPS` of this unit's own outer steps of the state it
+held at the end (anchor and outer momentum): two groups that started the last round from one state end one outer step
+apart each, whereas made-up identities voting for a state of their own choosing could otherwise hand every peer any
+model at the end. So the most they can do is move the final model by a few outer steps (what a reducer can bias a
+round by). Where the vote's state is refused, the unit falls back on its believed peers' canonical state, as before.
+
+The decision is taken again until every finished peer holds this unit's state or the end's bound passes
+(:meth:`~p2p_diloco.training.sync.SyncGroup.agree_at_end`): as peers take the final state, the votes move to it.
+Called by :class:`~p2p_diloco.training.sync.SwarmSync`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from p2p_diloco.training.witnesses import anchor_votes, canonical_of
+
+logger = logging.getLogger(__name__)
+
+NEAR_STEPS = 6.0
+"""How far a final state vouched for only by peers never met may be from this unit's own, in this unit's own outer
+steps (the norm of its last pseudo-gradient; the anchor's distance scaled by the outer step's learning rate). Two
+groups of one swarm that split for the last round are 1-3 apart (each is one step from the state they shared)."""
+MAX_TRIES = 2  # downloads of one final state (its donors may be busy serving the others)
+
+
+@dataclass
+class FinalReference:
+    """This unit's own final state, kept before the end changes it: what a final state vouched for only by strangers
+    is measured against."""
+
+    anchor: list[torch.Tensor]
+    momentum: list[torch.Tensor]
+    grad_norm: float
+    """The norm of the pseudo-gradient of this unit's last outer step."""
+    anchor_per_grad: float
+    """How much the anchor moves per unit of pseudo-gradient in one outer step: lr (1 + mu) with Nesterov momentum,
+    lr without (two states that applied different pseudo-gradients g, g' to one state differ by this times |g - g'|,
+    and their momenta by |g - g'|)."""
+
+    @classmethod
+    def of(cls, stage) -> FinalReference:
+        outer = stage.outer_optimizer
+        scale = outer.lr * (1 + outer.momentum if outer.nesterov else 1.0)
+        with stage.state_lock:
+            return cls([t.clone() for t in stage.anchor], [m.clone() for m in outer.momentum_buffers],
+                       float(outer.last_grad_norm), float(scale))
+
+    def steps_from(self, tensors: list[torch.Tensor]) -> float:
+        """How far a served state ([anchor..., momentum...], checked for shapes) is from this one, in outer steps."""
+        if not self.grad_norm > 0:
+            return math.inf
+        count = len(self.anchor)
+        anchor = _distance(tensors[:count], self.anchor) / (self.anchor_per_grad * self.grad_norm)
+        momentum = _distance(tensors[count:], self.momentum) / self.grad_norm
+        return max(anchor, momentum)
+
+
+def _distance(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return math.sqrt(sum(float((x.double() - y.double()).pow(2).sum()) for x, y in zip(a, b)))
+
+
+class RunEnd:
+    """One unit's agreement on the final state (see the module docstring).
+
+    Args:
+        sync: the unit's :class:`~p2p_diloco.training.sync.SwarmSync` (its stage, swarm, witnesses, fetcher).
+    """
+
+    def __init__(self, sync):
+        self.sync = sync
+        self.reference: FinalReference | None = None
+        self.tries: Counter[str] = Counter()  # final state -> downloads of it tried
+
+    @property
+    def last(self) -> int:
+        return (self.sync.num_rounds or 0) - 1
+
+    def ready(self) -> bool:
+        """Whether this unit is at the run's end: the last round applied, with a swarm to agree with."""
+        stage = self.sync.stage
+        return self.sync.num_rounds is not None and stage.applied_round == self.last and stage.averager is not None
+
+    def step(self, deadline: float) -> None:
+        """Wait (until ``deadline``) for the peers still averaging the last round to apply it, then take the final
+        state if this unit does not hold it. Called again until the swarm agrees: each call decides on the records
+        as they are then."""
+        if not self.ready():
+            return
+        sync, last = self.sync, self.last
+        if self.reference is None:
+            self.reference = FinalReference.of(sync.stage)
+        # every signed record: the peer still averaging may be one this peer never met (the odd one out of every round)
+        records = sync.swarm.others()
+        finishing = [r.node for r in records if r.round >= last and r.applied_round < last]
+        if finishing:
+            sync.swarm.wait_for_groupmates(finishing, last, timeout_s=max(0.0, deadline - time.monotonic()))
+            records = sync.swarm.others()
+        mine = sync.fingerprints.get(last)
+        final = self.final_state(records, mine)
+        if final is None or final == mine:
+            return
+        if self._take(final, f"the swarm's final state after round {last} is another"):
+            return
+        believed = sync.canonical_if_off(last)  # refused or out of reach: the believed peers' state, as any resync
+        if believed is not None and self.tries[believed] < MAX_TRIES:
+            self.tries[believed] += 1
+            sync.resync(last)
+
+    def final_state(self, records, mine: str | None) -> str | None:
+        """The state most finished peers of ``records`` hold after the last round (this unit's own vote included), a
+        tie to the one held by the smallest node id; None when no other peer has finished. Every signed record votes
+        (a private swarm's members' only), less those of discredited donors."""
+        witnesses = self.sync.witnesses
+        voters = witnesses.credited(records)
+        if witnesses.allowlist:
+            voters = [r for r in voters if r.node in witnesses.allowlist]
+        votes = anchor_votes(voters, self.last)
+        if not votes:
+            return None
+        if mine is not None:
+            votes.setdefault(mine, []).append(self.sync.swarm.node)
+        return canonical_of(votes)
+
+    def agreed(self, believed_only: bool = False) -> bool:
+        """Whether every other peer that applied the last round holds this unit's state after it (a peer holding the
+        final state stays until the others took it: they download it from such peers). Every signed record counts:
+        a peer restarted late under a fresh identity is a stranger to the others, and it downloads the final state
+        from them while they stay; a record that never agrees costs a wait bounded by the caller.
+        ``believed_only``: the peers whose word counts (:meth:`Witnesses.counted`) only, to tell a split of the
+        swarm from a stranger's claim."""
+        sync = self.sync
+        mine = sync.fingerprints.get(self.last)
+        records = sync.witnesses.counted(sync.swarm.others()) if believed_only else sync.swarm.others()
+        return mine is None or set(anchor_votes(records, self.last)) <= {mine}
+
+    def _take(self, final: str, reason: str) -> bool:
+        """Download ``final`` from the peers holding it and take it as a resync; whether it was taken."""
+        if self.tries[final] >= MAX_TRIES:
+            return False
+        self.tries[final] += 1
+        sync = self.sync
+        state = sync.fetcher.download_final(final, self.last, self._refusal)
+        if state is None:
+            return False
+        sync.take_resync(*state, reason)
+        return True
+
+    def _refusal(self, tensors, vouched: bool) -> str | None:
+        """Why a final state (checked well-formed and of the voted fingerprint) is refused, or None: one that this
+        unit's believed peers do not vouch for must be near its own (:data:`NEAR_STEPS`)."""
+        if vouched:
+            return None
+        steps = self.reference.steps_from(tensors)
+        logger.info(f"{self.sync.stage.label}: the swarm's final state is {steps:.2f} outer steps from this one's")
+        if steps <= NEAR_STEPS:
+            return None
+        return (f"it is {steps:.1f} outer steps from this peer's own final state, and only peers never met vouch "
+                f"for it (at most {NEAR_STEPS:g})")
