@@ -30,6 +30,7 @@ from p2p_diloco.compression import sparse
 
 BLOCK = 256  # values per scale; a power of two, so hivemind's part boundaries fall on block boundaries
 MAX_DIMS = 8  # dimensions of a tensor on the wire: parts are 1-D, state tensors have their parameter's shape
+MAX_EXTENT = 2**48  # the product of a wire shape's sizes, zeros counted as 1 (a model tensor holds far fewer values)
 WIRE_DTYPE = "float32"  # the dtype field of fp32 and fp16 messages: the dtype of the tensor before encoding
 
 
@@ -205,6 +206,10 @@ def wire_shape(serialized: runtime_pb2.Tensor) -> tuple[tuple[int, ...], int]:
     if len(serialized.size) > MAX_DIMS:
         raise ValueError(f"a tensor declares {len(serialized.size)} dimensions, more than {MAX_DIMS}")
     shape = tuple(serialized.size)  # uint32 sizes: never negative
+    # a zero dimension makes any shape hold no values, but torch still computes its strides from the others: sizes
+    # whose product (zeros aside) passes 2**63 overflow there (a RuntimeError, not a refusal)
+    if math.prod(max(d, 1) for d in shape) > MAX_EXTENT:
+        raise ValueError(f"a tensor declares shape {list(shape)[:MAX_DIMS]}, whose sizes multiply past {MAX_EXTENT}")
     return shape, math.prod(shape)  # Python integers: a product of huge sizes is huge, never wrapped around
 
 
