@@ -54,7 +54,7 @@ def register(subparsers) -> None:
                        help="fixed overhead per round for matchmaking etc., in seconds (default 0.5)")
     swarm.add_argument("--latency-per-peer-s", type=float, metavar="S",
                        help="overhead per round that grows with the group (matchmaking), in seconds per peer "
-                       "(default 0; benchmarks/scale.py measured 0.3 s per peer on 2 busy cores)")
+                       "(default 0; benchmarks/scale.py measured 0.7 s per peer on 2 busy cores)")
     swarm.add_argument("--overlap-steps", type=int, metavar="M",
                        help="delayed mode: the step of the next round at which a round's average is applied "
                        "(diloco.overlap_steps; default H/10)")
