@@ -46,6 +46,7 @@ from p2p_diloco.process import (
     lower_priority,
     name_process,
     ready_or_killed,
+    release_free_memory,
 )
 from p2p_diloco.swarm.averaging.allreduce import BYTES_RECEIVED, ExactAllReduceRunner
 from p2p_diloco.swarm.averaging.digests import exchange_digests, judge
@@ -189,7 +190,8 @@ class AveragingServer(GuardedAverager, DecentralizedAverager):
         executor) on threads at a lower CPU priority than training, so that averaging in the background does not
         slow the inner steps down; the loop itself keeps training's priority, as it answers the swarm's
         matchmaking and all-reduce messages (at a lower priority, on a busy machine, a leader answered a join
-        request too late for the follower to wait, and groups formed without members that had joined them)."""
+        request too late for the follower to wait, and groups formed without members that had joined them). After
+        it, the pages its buffers left free in the C heap go back to the system (:func:`release_free_memory`)."""
         if not self._workers_niced:
             self._workers_niced = True
             asyncio.get_event_loop().set_default_executor(
@@ -197,7 +199,10 @@ class AveragingServer(GuardedAverager, DecentralizedAverager):
         _STEP.set(kwargs.get("step"))
         self._memtrace.tick()
         _STEP_STARTED.set(time.monotonic())
-        return await super()._step(**kwargs)
+        try:
+            return await super()._step(**kwargs)
+        finally:
+            release_free_memory()  # what the round's buffers left free in the C heap
 
     @staticmethod
     async def _unless_cancelled(work: typing.Awaitable, round_index: int):
