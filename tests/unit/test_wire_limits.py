@@ -342,8 +342,13 @@ def test_squatters_that_reconnect_do_not_keep_out_a_reader_faster_than_them(monk
         try:
             await asyncio.sleep(0.5)
             assert len(gate.streams) == 2
-            started, honest = time.monotonic(), _State(num_messages=200)
-            received = await asyncio.wait_for(read(gate, "honest", honest, every_s=0.005), timeout=10)
+            started, received = time.monotonic(), []
+            while not received and time.monotonic() - started < 5:
+                # refused while both streams are younger than PREEMPT_AFTER_S, it asks again, as a downloader
+                # does after its other donors (a loaded machine can make every ask land in a squatter's first 0.2 s)
+                received = await asyncio.wait_for(read(gate, "honest", _State(num_messages=200), every_s=0.005),
+                                                  timeout=10)
+                await asyncio.sleep(0 if received else 0.05)
             assert len(received) == 200 and time.monotonic() - started < 5
         finally:
             for task in squatters:
