@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import shlex
 import time
 from pathlib import Path
 
@@ -25,6 +27,8 @@ HELD = {"p1": [[0, 1, 2]], "p2": [[0, 1], [2]], "p3": [[0], [1], [2]], "new": [[
 # group's all-reduce waited 20 s for them (hivemind's leader/follower race, docs/design.md 3.7). Machines of their
 # own do not starve their averagers like this; the test gives them the grace of a slow machine
 CROWDED = ["--averaging.matchmaking_time_s", "6", "--averaging.request_timeout_s", "5"]
+# more arguments for every peer of the mixed-split test, as benchmarks/newcomer_rounds.py runs it (streaming on, off)
+EXTRA = shlex.split(os.environ.get("P2P_DILOCO_TEST_PEER_ARGS", ""))
 def fragment_rounds(tmp_path: Path, name: str) -> dict[int, list[dict]]:
     """Fragment -> the round rows that applied an average, in order, from whichever stage process holds it."""
     out: dict[int, list[dict]] = {}
@@ -64,7 +68,7 @@ def test_peers_of_three_splits_average_every_fragment_together(tmp_path, process
     # the newcomer's two stage processes took 12 to 35 s to start next to the three peers (up to 10 of their rounds),
     # and up to 45 s with another test beside them (make test's two workers): it reached the swarm on round 13 of 16
     rounds = 20
-    common = ["--diloco.fragments", str(F), "--data.seq_len", "64", *CROWDED]
+    common = ["--diloco.fragments", str(F), "--data.seq_len", "64", *CROWDED, *EXTRA]
     for name, split in SPLITS.items():
         processes.start(name, *pipeline_peer(tmp_path, name, *common, *split, "--train.wait_for_peers", "3",
                                              maddrs=bootstrap, rounds=rounds))
