@@ -52,16 +52,20 @@ def count(test_dir: Path) -> dict:
         for e in records(test_dir / name):
             if e.get("kind") != "round":
                 continue
+            # a row tells the outcome of the round it applies (in delayed mode the previous one; round 0's row
+            # of a delayed peer applies nothing and is no outcome), or of a round that fell back (its reason)
+            if e.get("applied_round") is None and not e.get("fallback_reason"):
+                continue
             part = result["before" if e["time"] < arrival else "after"]
             part[0] += 1
-            if not e.get("averaged"):
+            if not e.get("averaged") or e.get("fallback_reason"):
                 part[1] += 1
-                result["reasons"][(e.get("fallback_reason") or "?")[:90]] += 1
-                result["failed_fragment_rounds"].add((e.get("fragment"), e.get("round_index")))
+                result["reasons"][(e.get("fallback_reason") or "not averaged")[:90]] += 1
+                result["failed_fragment_rounds"].add((e.get("fragment"), e.get("applied_round", e.get("round_index"))))
     for e in new:
-        if e.get("kind") == "round":
+        if e.get("kind") == "round" and (e.get("applied_round") is not None or e.get("fallback_reason")):
             result["newcomer_rounds"] += 1
-            result["newcomer_averaged"] += bool(e.get("averaged"))
+            result["newcomer_averaged"] += bool(e.get("averaged")) and not e.get("fallback_reason")
     result["failed_fragment_rounds"] = len(result["failed_fragment_rounds"])
     result["reasons"] = dict(result["reasons"])
     return result
@@ -119,7 +123,20 @@ def main() -> None:
     parser.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated, of {list(SETTINGS)}")
     parser.add_argument("--timeout-s", type=float, default=900, help="one run's limit (default 900)")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "newcomer-rounds")
+    parser.add_argument("--recount", action="store_true",
+                        help="count again from the runs kept under --out (its results.json), running nothing")
     args = parser.parse_args()
+    if args.recount:
+        saved = json.loads((args.out / "results.json").read_text())
+        rows = []
+        for row in saved["rows"]:
+            dirs = sorted((args.out / "runs" / f"{row['setting']}-{row['index']}").glob("test_peers_of_three_splits*"))
+            rows.append({**row, **count(dirs[0])} if dirs else row)
+        (args.out / "results.json").write_text(json.dumps({"command": saved["command"], "rows": rows}, indent=1))
+        text = report(rows, saved["command"])
+        (args.out / "report.txt").write_text(text)
+        print(text)
+        return
     settings = args.settings.split(",")
     unknown = [s for s in settings if s not in SETTINGS]
     if unknown or args.runs < 1:
