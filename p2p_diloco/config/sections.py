@@ -192,13 +192,13 @@ class DiLoCoConfig:
     docs/design.md 2.11), each averaged on its own with every peer that holds it, so peers of any pipeline split
     train one model together; a stage boundary must fall on a fragment boundary. Part of the run's config
     fingerprint; pipeline.stages and pipeline.stage_layers then are not."""
-    streaming: bool = False
+    streaming: bool = True
     """With diloco.fragments F >= 2: streaming sync (Streaming DiLoCo, arXiv 2501.18512): fragment f ends its rounds
     (F - 1 - f) * inner_steps // F steps before the regular round end, so one fragment is on the wire at a time and
     the peak bytes in flight fall by about F (the last round of every fragment ends on the run's last step).
-    benchmarks/quality.py finds the same eval loss as all at once (BENCHMARKS.md, "Streaming sync"), but in a swarm
-    of real peers a newcomer's arrival has failed one fragment-round for the whole group (docs/design.md 2.11), so
-    the default stays False: every fragment ends its rounds on the regular round end (all at once)."""
+    benchmarks/quality.py finds the same eval loss as all at once (BENCHMARKS.md, "Streaming sync"), and a
+    newcomer's arrival fails no more fragment-rounds than all at once (benchmarks/newcomer_rounds.py). False: every
+    fragment ends its rounds on the regular round end (all at once). No effect with F < 2."""
 
     @property
     def merge_step(self) -> int:
