@@ -7,7 +7,7 @@ from concurrent.futures import Future
 from p2p_diloco.round.position import Position
 from p2p_diloco.swarm.discovery import link as swarm_link
 from p2p_diloco.swarm.discovery.link import SwarmLink
-from p2p_diloco.swarm.discovery.pace import WATCH_CEILING_S, WATCH_FLOOR_S, Pace, watch_interval
+from p2p_diloco.swarm.discovery.pace import WATCH_CEILING_S, WATCH_FLOOR_S, WATCH_ROUND_SHARE, Pace, watch_interval
 from p2p_diloco.swarm.discovery.progress import ProgressRecord
 
 SYBILS = [f"sybil{i}" for i in range(5)]
@@ -213,6 +213,20 @@ def test_the_watch_reads_seldom_only_while_no_believed_peer_can_end_the_round_so
     assert watch_interval(-1.0) == watch_interval(0.2) == WATCH_FLOOR_S
     assert watch_interval(4.0) == 2.0
     assert watch_interval(600.0) == watch_interval(float("inf")) == WATCH_CEILING_S < 5.0  # under matchmaking time
+    # never more than a share of a round: short rounds are watched at the floor, long ones up to the ceiling
+    assert watch_interval(600.0, round_s=5.0) == watch_interval(float("inf"), round_s=5.0) == WATCH_FLOOR_S
+    assert watch_interval(600.0, round_s=40.0) == 40.0 * WATCH_ROUND_SHARE
+    assert watch_interval(600.0, round_s=600.0) == WATCH_CEILING_S
+    assert watch_interval(0.2, round_s=600.0) == WATCH_FLOOR_S and watch_interval(None, round_s=600.0) == WATCH_FLOOR_S
+
+
+def test_a_round_lasts_what_the_fastest_known_pace_says():
+    pace = Pace()
+    pace.update([paced("a", 0, 0, at=100.0), paced("b", 0, 0, at=100.0), paced("c", 0, 0, at=100.0)])
+    assert pace.round_s([paced("a", 0, 0, at=100.0)], 10) is None  # no pace known yet
+    pace.update([paced("a", 0, 4, at=110.0), paced("b", 0, 20, at=110.0), paced("c", 0, 0, at=100.0)])
+    assert pace.round_s([paced("a", 0, 4, at=110.0)], 10) == 25.0  # 0.4 steps/s
+    assert pace.round_s([paced("a", 0, 4, at=110.0), paced("b", 0, 20, at=110.0)], 10) == 5.0  # b's 2 steps/s
 
 
 def test_a_link_watches_at_the_pace_of_the_records_it_read(monkeypatch):

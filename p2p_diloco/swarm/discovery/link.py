@@ -273,7 +273,8 @@ class SwarmLink:
         believed = self.believed(self._watched)[0]
         if not believed:
             return WATCH_FLOOR_S  # a newcomer's or a restarted peer's record may come in any time
-        return watch_interval(self._pace.seconds_to_end(believed, round_index, self.inner_steps, get_dht_time()))
+        return watch_interval(self._pace.seconds_to_end(believed, round_index, self.inner_steps, get_dht_time()),
+                              self._pace.round_s(believed, self.inner_steps))
 
     def believed(self, records: list[ProgressRecord]) -> tuple[list[ProgressRecord], list[ProgressRecord]]:
         """``records`` split into those whose word counts for this stage's round timing and those of strangers.

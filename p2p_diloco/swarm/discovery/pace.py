@@ -19,7 +19,13 @@ WATCH_FLOOR_S = 0.5
 of the watch before this module, when it read them all the time. On the WAN benchmark's 10 Mbit/s links those reads
 were 30-50 kB/s per host, a third of what its peers put on the wire in a run (BENCHMARKS.md, "The wire")."""
 WATCH_CEILING_S = 3.0
-"""... and at least this often, however far the round's end."""
+"""... and at least this often, however far the round's end ..."""
+WATCH_ROUND_SHARE = 0.05
+"""... and at least every this share of a round at the fastest believed writer's pace: a pace misjudged (a record
+written while its writer was slowed down, a machine busier at one moment than the next) delays the notice of a
+round's end by this share of a round at most, not by the ceiling. On rounds of a few seconds (the tests' on 2 busy
+cores) the watch reads at the floor, as before this module; a peer at half speed that noticed 3 s late trained
+80% of the others' tokens instead of about half (a fresh-clone busy CI run)."""
 
 
 class Pace:
@@ -61,9 +67,17 @@ class Pace:
         return soonest
 
 
-def watch_interval(seconds_to_end: float | None) -> float:
+    def round_s(self, records: list[ProgressRecord], inner_steps: int) -> float | None:
+        """A round's length at the pace of the fastest of ``records``' writers whose pace is known (None: none)."""
+        rates = [rate for r in records if (rate := self._rate.get(r.node)) and math.isfinite(rate)]
+        return inner_steps / max(rates) if rates else None
+
+
+def watch_interval(seconds_to_end: float | None, round_s: float | None = None) -> float:
     """How long the round-end watch waits before its next read: half the time to the soonest possible end, within
-    [:data:`WATCH_FLOOR_S`, :data:`WATCH_CEILING_S`]; the floor when a pace is unknown."""
+    [:data:`WATCH_FLOOR_S`, :data:`WATCH_CEILING_S`] and at most :data:`WATCH_ROUND_SHARE` of a round of ``round_s``
+    (not below the floor); the floor when a pace is unknown."""
     if seconds_to_end is None:
         return WATCH_FLOOR_S
-    return min(WATCH_CEILING_S, max(WATCH_FLOOR_S, seconds_to_end / 2))
+    ceiling = WATCH_CEILING_S if round_s is None else min(WATCH_CEILING_S, round_s * WATCH_ROUND_SHARE)
+    return max(WATCH_FLOOR_S, min(ceiling, seconds_to_end / 2))
