@@ -96,3 +96,14 @@ def test_describe_lists_every_key_with_its_doc():
     for section in Config.__dataclass_fields__:
         assert f"[{section}]" in text
     assert "diloco.inner_steps = 50" in text and "H: inner steps per round" in text
+
+
+def test_streaming_is_on_by_default_with_fragments_and_a_round_too_short_for_them_says_what_to_set():
+    from p2p_diloco.config.sections import DiLoCoConfig
+
+    assert DiLoCoConfig().streaming  # the default since issue 33 (benchmarks/newcomer_rounds.py)
+    DiLoCoConfig(fragments=4, inner_steps=4).validate()
+    DiLoCoConfig(fragments=0, inner_steps=1).validate()  # no fragments: nothing to stagger
+    with pytest.raises(ConfigError, match=r"diloco.fragments.*needs diloco.inner_steps >= 4.*diloco.streaming false"):
+        DiLoCoConfig(fragments=4, inner_steps=3).validate()
+    DiLoCoConfig(fragments=4, inner_steps=3, streaming=False).validate()  # all at once: any H
