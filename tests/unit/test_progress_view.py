@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 
+import pytest
+
 from p2p_diloco.round.position import Position
 from p2p_diloco.swarm.discovery import link as swarm_link
 from p2p_diloco.swarm.discovery.link import SwarmLink
@@ -250,3 +252,18 @@ def test_a_link_watches_at_the_pace_of_the_records_it_read(monkeypatch):
         watched(stranger, records, monkeypatch)
         stranger.others_ended_round(0)
     assert stranger.watch_every_s == WATCH_FLOOR_S
+
+
+@pytest.mark.parametrize("steps, seconds", [(10**18, 1e-6), (1, 1e9), (10**9, 1.0), (1, 1e-300)])
+def test_a_believed_writers_claimed_pace_moves_the_watch_only_within_its_bounds(steps, seconds):
+    """A believed peer's records claim any pace (a step count and times of its choice): the watch's next read stays
+    between the floor (the reads of the watch before pace.py) and the ceiling (under matchmaking time), so a claim
+    of a slow pace delays the notice of its round end by the ceiling at most, a fast one reads at the floor."""
+    pace = Pace()
+    first, later = paced("h", 0, 0, at=100.0), paced("h", 0, steps, at=100.0 + seconds)
+    pace.update([first])
+    pace.update([later])
+    for round_index in (0, 10**6):
+        interval = watch_interval(pace.seconds_to_end([later], round_index, 10, now=100.0 + seconds),
+                                  pace.round_s([later], 10))
+        assert WATCH_FLOOR_S <= interval <= WATCH_CEILING_S, (steps, seconds, round_index, interval)
