@@ -77,8 +77,7 @@ from p2p_diloco.swarm.errors import SwarmError
 logger = logging.getLogger(__name__)
 
 PHASES = (b"", b".P", b".Q")  # group id suffixes of a round's all-reduces (whole tensors; low-rank P; low-rank Q)
-# the step (hivemind's StepControl) that the running task of the averager's background process serves: each step
-# runs in its own task, so the all-reduce of that step can see its cancel (see _unless_cancelled)
+# the step (hivemind's StepControl) this task serves: each step runs in its own task (its cancel: _unless_cancelled)
 _STEP: contextvars.ContextVar = contextvars.ContextVar("p2p_diloco_step", default=None)
 # when this task's step began (time.monotonic()): its matchmaking time is from there to its group's formation
 _STEP_STARTED: contextvars.ContextVar = contextvars.ContextVar("p2p_diloco_step_started", default=None)
@@ -186,12 +185,11 @@ class AveragingServer(GuardedAverager, DecentralizedAverager):
         super().run()
 
     async def _step(self, **kwargs):
-        """hivemind's step, with the event loop's work of compression and reduction (all of it in the loop's default
-        executor) on threads at a lower CPU priority than training, so that averaging in the background does not
-        slow the inner steps down; the loop itself keeps training's priority, as it answers the swarm's
-        matchmaking and all-reduce messages (at a lower priority, on a busy machine, a leader answered a join
-        request too late for the follower to wait, and groups formed without members that had joined them). After
-        it, the pages its buffers left free in the C heap go back to the system (:func:`release_free_memory`)."""
+        """hivemind's step, its compression and reduction (the loop's default executor) on threads at a lower CPU
+        priority than training, so that background averaging does not slow the inner steps; the loop keeps
+        training's priority, as it answers matchmaking and all-reduce messages (at a lower one, on a busy machine,
+        a leader answered a join request too late for its follower, and groups formed without members that had
+        joined them). After it, the C heap's free pages go back to the system (:func:`release_free_memory`)."""
         if not self._workers_niced:
             self._workers_niced = True
             asyncio.get_event_loop().set_default_executor(
@@ -202,7 +200,7 @@ class AveragingServer(GuardedAverager, DecentralizedAverager):
         try:
             return await super()._step(**kwargs)
         finally:
-            release_free_memory()  # what the round's buffers left free in the C heap
+            release_free_memory()
 
     @staticmethod
     async def _unless_cancelled(work: typing.Awaitable, round_index: int):
