@@ -20,6 +20,7 @@ tests/integration/test_nat.py its core.
 
 from __future__ import annotations
 
+import os
 import secrets
 import shutil
 import subprocess
@@ -33,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 from local_bootstrap import start_bootstrap  # noqa: E402
 from netns import Namespaces, _run, cleanup, kill_namespace, netns_available  # noqa: E402
 
+from p2p_diloco.faults import HOLD_ENV  # noqa: E402
 from p2p_diloco.training.metrics import read_metrics  # noqa: E402
 
 PREFIX = "p2pn"
@@ -192,8 +194,8 @@ class NATSwarm:
         self.procs["bootstrap"] = proc
         return self.maddrs
 
-    def start_peer(self, name: str, kind: str, *extra: str) -> subprocess.Popen:
-        """A peer of ``kind`` on a new host ``name``, joining through the bootstrap node."""
+    def start_peer(self, name: str, kind: str, *extra: str, env: dict | None = None) -> subprocess.Popen:
+        """A peer of ``kind`` on a new host ``name``, joining through the bootstrap node (``env``: its environment)."""
         ip = self.net.add_host(name, public=kind == "public")
         listen = f"/ip4/{ip}/tcp/0"
         options = {"client": ["--client-mode"], "relay": ["--use-auto-relay"]}.get(kind, [])
@@ -205,7 +207,7 @@ class NATSwarm:
                    listen, "--run-id", self.run_id, "--output-dir", str(self.folder / name), *self.common, *options,
                    *extra]
         log = open(self.folder / f"{name}.log", "w")
-        self.procs[name] = self.net.popen(name, command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+        self.procs[name] = self.net.popen(name, command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
         self.kinds[name] = kind
         return self.procs[name]
 
@@ -253,17 +255,22 @@ FOUNDERS = ("public", "client", "relay", "forwarded")  # each founding peer is n
 def run_scenario(swarm: NATSwarm, newcomer_after: int, timeout_s: float = 240.0) -> dict[str, int]:
     """The founders (a peer of each reachable kind) start together and train; an unreachable peer starts beside
     them; once the public peer has applied ``newcomer_after`` rounds, a client-mode newcomer behind the NAT joins.
-    Returns every peer's exit code, once all have exited."""
+    The newcomer's process starts with the founders and is held before it reads the swarm's records
+    (:func:`p2p_diloco.faults.hold_point`), so that its start-up (imports, DHT) cannot make it arrive a busy
+    machine's tens of seconds late, when the run is nearly over. Returns every peer's exit code, once all have
+    exited."""
     swarm.start_bootstrap()
     for name in FOUNDERS:
         swarm.start_peer(name, name, "--train.wait_for_peers", str(len(FOUNDERS)))
     swarm.start_peer("unreachable", "unreachable")
+    release = swarm.folder / "newcomer.go"
+    swarm.start_peer("newcomer", "client", env=dict(os.environ, **{HOLD_ENV: f"start:{release}"}))
     deadline = time.monotonic() + timeout_s
     while len(swarm.applied("public")) < newcomer_after:
         if swarm.procs["public"].poll() is not None or time.monotonic() > deadline:
             raise AssertionError(f"the public peer applied no round in time; log:\n{swarm.log('public')[-3000:]}")
         time.sleep(0.3)
-    swarm.start_peer("newcomer", "client")
+    release.touch()
     return {name: swarm.wait(name, timeout_s) for name in [*FOUNDERS, "newcomer", "unreachable"]}
 
 

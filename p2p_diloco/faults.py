@@ -7,6 +7,12 @@ fault point costs a dictionary lookup. Points: ``checkpoint-data-written`` (a ch
 its manifest is not), ``allreduce-group-formed`` (in the averager: a round's group has formed, its all-reduce
 is about to start; the groupmates are waiting for this peer's parts).
 
+``P2P_DILOCO_HOLD=<point>:<file>`` makes the process wait at ``hold_point(<point>)`` until ``<file>`` exists (it
+writes ``<file>.held`` when it gets there): a test starts a newcomer beside the swarm, so that its imports and its
+DHT's start-up overlap the others' rounds, and lets it join at the round the test wants, whatever the machine's
+load. Points: ``start`` (a stage process, its DHT up, before it reads the swarm's records), ``leave`` (after the
+run's end was agreed, before the DHT stops: a finished peer still serves its final state).
+
 A hostile peer's averager lies to its groupmates (a test hook for the robust aggregation of
 :mod:`p2p_diloco.swarm.averaging.robust`; the peer's own training is unchanged). Only tests and benchmarks turn it on,
 and only explicitly: ``p2p-diloco peer --test-hostility <kind>[:<value>]``, or a :class:`Hostility` given to
@@ -49,11 +55,13 @@ import asyncio
 import math
 import os
 import signal
+import time
 from typing import Optional
 
 import torch
 
 ENV = "P2P_DILOCO_FAULT"
+HOLD_ENV = "P2P_DILOCO_HOLD"
 FAULT_EXIT_CODE = 17
 HOSTILITY_OPTION = "--test-hostility"
 # kind -> default value (None: the kind takes no value)
@@ -79,6 +87,20 @@ def fault_point(name: str) -> None:
         if scope == "group":
             os.killpg(os.getpgid(0), signal.SIGKILL)
         os._exit(FAULT_EXIT_CODE)
+
+
+def hold_point(name: str, poll_s: float = 0.1) -> None:
+    """Wait here until the file that ``P2P_DILOCO_HOLD=<name>:<file>`` names exists (see the module docstring)."""
+    spec = os.environ.get(HOLD_ENV)
+    if not spec:
+        return
+    point, _, path = spec.partition(":")
+    if point != name or not path:
+        return
+    with open(path + ".held", "a"):
+        pass
+    while not os.path.exists(path):
+        time.sleep(poll_s)
 
 
 class Honest:

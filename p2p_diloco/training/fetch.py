@@ -122,12 +122,13 @@ class StateFetcher:
             return meta, tensors
         return None
 
-    def download_final(self, fingerprint: str, last: int, refusal):
+    def download_final(self, fingerprint: str, last: int, refusal, at_round: int | None = None):
         """At the run's end: the state ``fingerprint`` after round ``last`` (the one most finished peers hold, see
         :mod:`~p2p_diloco.training.run_end`), from the peers whose records hold it, believed ones first; or None.
         A served state must be well-formed, of that fingerprint, its own donor's, and of the run's end; then
         ``refusal(tensors, vouched)`` decides (``vouched``: two believed records hold it, one where a single peer is
-        believed, as :meth:`refusal` asks of any state)."""
+        believed, as :meth:`refusal` asks of any state). ``at_round``: the round the state's peer is on (its
+        ``round``), this stage's own by default (a stage that joins after the run ended: the run's end)."""
         started = time.monotonic()
         deadline = started + self.download_timeout_s
         records = self.witnesses.credited(self.swarm.others())
@@ -149,7 +150,8 @@ class StateFetcher:
                 why = self._contradicts_own_record(donor, meta, tensors)
                 if why is None and self.stage.served_fingerprint(meta, tensors) != fingerprint:
                     why = "it is not the final state its record holds"
-                if why is None and (meta["applied_round"], meta["round"]) != (last, self.stage.round_index):
+                at = self.stage.round_index if at_round is None else at_round
+                if why is None and (meta["applied_round"], meta["round"]) != (last, at):
                     why = f"it is of round {meta['round']}, applied {meta['applied_round']}, not the run's end"
                 why = why or refusal(tensors, vouched)
             except Exception as e:  # noqa: BLE001 (whatever the donor's bytes make fail is the donor's offence)

@@ -22,6 +22,7 @@ import torch
 
 from p2p_diloco.config import Config
 from p2p_diloco.data.prepare import recorded_data_path
+from p2p_diloco.faults import hold_point
 from p2p_diloco.monitoring.sinks import open_sinks
 from p2p_diloco.round.fragments import Fragments
 from p2p_diloco.round.outcome import RoundReport
@@ -116,6 +117,7 @@ class Trainer:
 
     # ---- the loop -----------------------------------------------------------------------------------
     def run(self) -> TrainSummary:
+        hold_point("start")  # test hooks: unset, a dictionary lookup and a no-op
         started = time.monotonic()
         resumed = self.cfg.checkpoint.resume and self._resume()
         H, num_rounds = self.cfg.diloco.inner_steps, self.cfg.train.num_rounds
@@ -145,6 +147,7 @@ class Trainer:
             else:
                 self._flush()  # the end: apply the last round's average
                 self._leave()
+                hold_point("leave")
             failed = False
         finally:
             self.summary.stopped_early = self.round_index < num_rounds

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from p2p_diloco.faults import FAULT_EXIT_CODE
+from p2p_diloco.faults import FAULT_EXIT_CODE, HOLD_ENV
 from p2p_diloco.training import list_checkpoints, read_checkpoint
 from tests.integration.conftest import _descendants
 from tests.integration.test_swarm import applied, events, peer_args, summary
@@ -126,13 +126,17 @@ def test_newcomer_downloads_the_swarms_state(tmp_path, processes, bootstrap):
     serves a poisoned anchor: the honest peers never reload from it, and the newcomer, which asks it first (its
     records claim the most advanced anchor), refuses its state and takes an honest one. (Records far ahead are not
     even asked: ``tests/unit/test_sync_trust.py``.)"""
-    rounds = 24  # 14 rounds of this tiny swarm took 25 s: a newcomer slow to start on a busy machine found the run
-    # over (its donors finishing, then gone): seen in the fresh-clone busy CI
+    rounds = 16
     for name in ("p0", "p1"):
         processes.start(name, *peer_args(tmp_path, name, bootstrap, "join", rounds, 25, wait_for=2))
     processes.start("x", *peer_args(tmp_path, "x", bootstrap, "join", rounds, 25, "--test-hostility", "false-state:1"))
+    # the newcomer's process starts now and is held before it reads the records: started at round 2, its imports
+    # took a busy CI machine so long that it arrived as the run ended (and trained alone, or took the end)
+    go = tmp_path / "new.go"
+    processes.start("new", *peer_args(tmp_path, "new", bootstrap, "join", rounds, 25),
+                    env=dict(os.environ, **{HOLD_ENV: f"start:{go}"}))
     wait_until(lambda: len(applied(tmp_path, "p0")) >= 2, 240, processes.procs["p0"], lambda: processes.log("p0"))
-    processes.start("new", *peer_args(tmp_path, "new", bootstrap, "join", rounds, 25))
+    go.touch()
     for name in ("p0", "p1", "new", "x"):
         assert processes.wait(name, timeout=360) == 0, processes.log(name)[-3000:]
     for name in ("p0", "p1"):  # a reload or resync a busy machine may need, but never one from the false records
@@ -152,6 +156,41 @@ def test_newcomer_downloads_the_swarms_state(tmp_path, processes, bootstrap):
     others = survivor_digests(tmp_path, ("p0", "p1"))
     assert first["anchor_sha256"] in others[first["anchor_applied_round"]], (first, others)
     assert summary(tmp_path, "new")["rounds_completed"] <= rounds - 2
+
+
+def test_a_peer_that_joins_a_finished_run_takes_its_final_state_and_one_after_its_peers_left_is_told(
+        tmp_path, processes, bootstrap):
+    """Two peers finish a run of 3 rounds and stay (held after the end); a newcomer of the same run, started then,
+    trains nothing: it downloads the final state, and ends on the founders' final anchor. Once the founders have left
+    (their records still in the DHT), another newcomer stops at once with an error saying the run is over, instead of
+    training the whole run alone on a model nobody else holds."""
+    rounds = 3
+    goes = {name: tmp_path / f"{name}.go" for name in ("p0", "p1")}
+    for name, go in goes.items():
+        processes.start(name, *peer_args(tmp_path, name, bootstrap, "over", rounds, 10, wait_for=2),
+                        env=dict(os.environ, **{HOLD_ENV: f"leave:{go}"}))
+    for name, go in goes.items():
+        wait_until(lambda go=go: Path(f"{go}.held").exists(), 240, processes.procs[name],
+                   lambda name=name: processes.log(name))
+    processes.start("new", *peer_args(tmp_path, "new", bootstrap, "over", rounds, 10, wait_for=2))
+    assert processes.wait("new", timeout=240) == 0, processes.log("new")[-3000:]
+    for go in goes.values():
+        go.touch()
+    for name in goes:
+        assert processes.wait(name, timeout=120) == 0, processes.log(name)[-3000:]
+    final = {summary(tmp_path, name)["anchor_sha256"] for name in goes}
+    assert len(final) == 1, final
+    new = summary(tmp_path, "new")
+    assert new["anchor_sha256"] in final and new["reloads"] == 1, new
+    syncs = events(tmp_path, "new", "sync")
+    assert [s["action"] for s in syncs] == ["reload"] and "the run ended" in syncs[0]["reason"], syncs
+    assert events(tmp_path, "new", "round") == [], "the newcomer trained a round of a finished run"
+
+    processes.start("late", *peer_args(tmp_path, "late", bootstrap, "over", rounds, 10, wait_for=2))
+    assert processes.wait("late", timeout=240) != 0, processes.log("late")[-3000:]
+    error = [line for line in processes.log("late").splitlines() if line.startswith("error:")]
+    assert error and "run over is over" in error[0] and "--run-id" in error[0], processes.log("late")[-3000:]
+    assert events(tmp_path, "late", "round") == []
 
 
 def test_crash_in_the_middle_of_a_checkpoint_write_keeps_the_previous_one(tmp_path, processes):

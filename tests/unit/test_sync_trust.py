@@ -138,13 +138,35 @@ def test_a_single_voucher_is_not_enough_where_two_peers_vouch_for_that_round():
     assert [e["action"] for e in sync.events] == ["reload"]
 
 
-def test_a_state_past_the_runs_end_or_behind_this_peer_is_refused():
+def test_a_finished_run_is_taken_only_when_most_believed_peers_finished_it_and_a_state_behind_is_refused():
+    """A newcomer to a run most of whose peers applied the last round takes its final state and has nothing left to
+    train (training the whole run alone would end on a model nobody holds). One record claiming the end, or a
+    finished peer among peers still training, does not end it: a state past the run's end is then refused (the
+    peer would have finished at once with that model); and a state behind the peer is refused."""
     finished = state_at(20, 19)
     records = [Record(20, 19, fingerprint(finished), node=n) for n in ("a", "b")]
     newcomer = make_stage()
     sync = sync_of(newcomer, records, {"a": finished, "b": finished}, num_rounds=20)
     sync.at_start(resumed=False)
-    assert not sync.events and newcomer.round_index == 0  # it would have finished at once with that model
+    assert [e["action"] for e in sync.events] == ["reload"] and "the run ended" in sync.events[0]["reason"]
+    assert (newcomer.round_index, newcomer.applied_round) == (20, 19)
+    assert newcomer.inner_step == 20 * newcomer.diloco_cfg.inner_steps  # the trainer's loop: nothing left
+    assert fingerprint(newcomer.shareable_state("run")) == fingerprint(finished)
+
+    running = state_at(6, 5)
+    for claims in ([Record(20, 19, fingerprint(finished), node="mallory")],  # one identity's word
+                   [Record(20, 19, fingerprint(finished), node="mallory"), Record(20, 19, "e" * 64, node="eve")]):
+        records = claims + [Record(6, 5, fingerprint(running), node=n) for n in ("a", "b", "c")]
+        newcomer = make_stage()
+        sync = sync_of(newcomer, records, {n: running for n in "abc"} | {"mallory": finished}, num_rounds=20)
+        sync.at_start(resumed=False)
+        assert [e["action"] for e in sync.events] == ["reload"] and newcomer.round_index == 6, sync.events
+        assert "mallory" not in newcomer.averager.asked
+    records = [Record(20, 19, fingerprint(finished), node="a"), Record(4, 3, "", node="b"), Record(4, 3, "", node="c")]
+    newcomer = make_stage()
+    sync = sync_of(newcomer, records, {"a": finished}, num_rounds=20)
+    sync.at_start(resumed=False)
+    assert newcomer.round_index < 20
     old = state_at(3, 2)
     peer = make_stage()
     peer.round_index, peer.applied_round = 5, 4
