@@ -165,20 +165,22 @@ def test_a_peer_that_joins_a_finished_run_takes_its_final_state_and_one_after_it
     (their records still in the DHT), another newcomer stops at once with an error saying the run is over, instead of
     training the whole run alone on a model nobody else holds."""
     rounds = 3
-    goes = {name: tmp_path / f"{name}.go" for name in ("p0", "p1")}
-    for name, go in goes.items():
+    goes = {name: tmp_path / f"{name}.go" for name in ("p0", "p1", "new", "late")}
+    for name in ("p0", "p1"):
         processes.start(name, *peer_args(tmp_path, name, bootstrap, "over", rounds, 10, wait_for=2),
-                        env=dict(os.environ, **{HOLD_ENV: f"leave:{go}"}))
-    for name, go in goes.items():
-        wait_until(lambda go=go: Path(f"{go}.held").exists(), 240, processes.procs[name],
+                        env=dict(os.environ, **{HOLD_ENV: f"leave:{goes[name]}"}))
+    for name in ("new", "late"):  # started now (their imports beside the founders' run), held until their turn
+        processes.start(name, *peer_args(tmp_path, name, bootstrap, "over", rounds, 10, wait_for=2),
+                        env=dict(os.environ, **{HOLD_ENV: f"start:{goes[name]}"}))
+    for name in ("p0", "p1"):
+        wait_until(lambda name=name: Path(f"{goes[name]}.held").exists(), 240, processes.procs[name],
                    lambda name=name: processes.log(name))
-    processes.start("new", *peer_args(tmp_path, "new", bootstrap, "over", rounds, 10, wait_for=2))
+    goes["new"].touch()
     assert processes.wait("new", timeout=240) == 0, processes.log("new")[-3000:]
-    for go in goes.values():
-        go.touch()
-    for name in goes:
+    for name in ("p0", "p1"):
+        goes[name].touch()
         assert processes.wait(name, timeout=120) == 0, processes.log(name)[-3000:]
-    final = {summary(tmp_path, name)["anchor_sha256"] for name in goes}
+    final = {summary(tmp_path, name)["anchor_sha256"] for name in ("p0", "p1")}
     assert len(final) == 1, final
     new = summary(tmp_path, "new")
     assert new["anchor_sha256"] in final and new["reloads"] == 1, new
@@ -186,7 +188,7 @@ def test_a_peer_that_joins_a_finished_run_takes_its_final_state_and_one_after_it
     assert [s["action"] for s in syncs] == ["reload"] and "the run ended" in syncs[0]["reason"], syncs
     assert events(tmp_path, "new", "round") == [], "the newcomer trained a round of a finished run"
 
-    processes.start("late", *peer_args(tmp_path, "late", bootstrap, "over", rounds, 10, wait_for=2))
+    goes["late"].touch()
     assert processes.wait("late", timeout=240) != 0, processes.log("late")[-3000:]
     error = [line for line in processes.log("late").splitlines() if line.startswith("error:")]
     assert error and "run over is over" in error[0] and "--run-id" in error[0], processes.log("late")[-3000:]

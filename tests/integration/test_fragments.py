@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from p2p_diloco.faults import HOLD_ENV
 from p2p_diloco.training.state.anchor import load_peer_anchor
 from tests.integration.test_ops import LOADED_STATUS_TIMEOUT_S, run_clis
 from tests.integration.test_pipeline import pipeline_peer
@@ -66,12 +67,16 @@ def test_peers_of_three_splits_average_every_fragment_together(tmp_path, process
     of 21 processes on 2 cores, docs/design.md 2.11; the anchors agree again after the resync that follows. Its load
     may leave a stage process of the others behind the swarm: it then catches up by one reload.)"""
     # the newcomer's two stage processes took 12 to 35 s to start next to the three peers (up to 10 of their rounds),
-    # and up to 45 s with another test beside them (make test's two workers): it reached the swarm on round 13 of 16
-    rounds = 20
+    # and up to 45 s with another test beside them (make test's two workers): it reached the swarm on round 13 of 16.
+    # So it starts with them and is held before it reads the swarm's records (faults.hold_point) until its turn
+    rounds = 14
     common = ["--diloco.fragments", str(F), "--data.seq_len", "64", *CROWDED, *EXTRA]
     for name, split in SPLITS.items():
         processes.start(name, *pipeline_peer(tmp_path, name, *common, *split, "--train.wait_for_peers", "3",
                                              maddrs=bootstrap, rounds=rounds))
+    go = tmp_path / "new.go"
+    processes.start("new", *pipeline_peer(tmp_path, "new", *common, *NEWCOMER, maddrs=bootstrap, rounds=rounds),
+                    env=dict(os.environ, **{HOLD_ENV: f"start:{go}"}))
     def applied(name):  # the fragments a peer has applied an average of, from any of its stage processes
         return {e["fragment"] for stage in range(len(HELD[name])) for e in events(tmp_path, name, "round", stage)
                 if e["applied_round"] is not None}
@@ -82,8 +87,8 @@ def test_peers_of_three_splits_average_every_fragment_together(tmp_path, process
     while any(applied(name) != set(range(F)) for name in SPLITS):
         assert time.monotonic() < deadline, {name: processes.log(name)[-1500:] for name in SPLITS}
         time.sleep(0.2)
-    calm_until = time.time()  # the newcomer's start (two imports of torch, three averagers) ends the calm
-    processes.start("new", *pipeline_peer(tmp_path, "new", *common, *NEWCOMER, maddrs=bootstrap, rounds=rounds))
+    calm_until = time.time()  # the newcomer's arrival ends the calm
+    go.touch()
     # (--timeout counts from the process start: imports and joining beside a training swarm and the busy loops take
     # a large part of the default 20 s)
     status, = run_clis(["status", "--initial-peers", *bootstrap, "--run-id", "p2p-diloco-demo", "--json",
