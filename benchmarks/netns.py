@@ -285,6 +285,16 @@ def bare_averaging_bytes(wan: EmulatedWAN, megabytes: float, folder) -> dict[int
     return {host: samples[-1][1] - samples[0][1] for host, samples in counter.samples().items()}
 
 
+def tcp_counters(wan: EmulatedWAN, host: int) -> dict[str, int]:
+    """The kernel's TCP counters of host ``host``'s namespace (segments sent, retransmitted, received): what the
+    bytes on its link are made of besides the payload (headers, acknowledgements, retransmissions)."""
+    out = subprocess.run(["ip", "netns", "exec", wan.host(host), "nstat", "-az", "TcpOutSegs", "TcpRetransSegs",
+                          "TcpInSegs", "TcpExtTCPLostRetransmit", "IpExtOutOctets", "IpExtInOctets"],
+                         capture_output=True, text=True, check=True).stdout
+    return {fields[0]: int(fields[1]) for fields in (line.split() for line in out.splitlines())
+            if len(fields) >= 2 and fields[1].isdigit()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cleanup", action="store_true", help="remove namespaces a killed run left behind")
@@ -308,10 +318,15 @@ def main() -> None:
         run_benchmark(args.out, args.rounds, args.inner_steps, args.newcomer_after)
     if args.bare_averaging:
         with tempfile.TemporaryDirectory() as folder, EmulatedWAN(2, args.rate) as wan:
+            before = {host: tcp_counters(wan, host) for host in (0, 1)}
             sent = bare_averaging_bytes(wan, args.bare_averaging, folder)
+            tcp = {host: {k: v - before[host].get(k, 0) for k, v in tcp_counters(wan, host).items()} for host in (0, 1)}
         for host, count in sent.items():
+            c = tcp[host]
             print(f"host {host}: {count / 1e6:.3f} MB on the wire for {args.bare_averaging:g} MB of parts and "
-                  f"replies ({count / (args.bare_averaging * 1e6):.3f}x)")
+                  f"replies ({count / (args.bare_averaging * 1e6):.3f}x); IP out {c.get('IpExtOutOctets', 0) / 1e6:.3f}"
+                  f" MB, IP in {c.get('IpExtInOctets', 0) / 1e6:.3f} MB; TCP segments out {c.get('TcpOutSegs', 0)}, "
+                  f"retransmitted {c.get('TcpRetransSegs', 0)}, in {c.get('TcpInSegs', 0)}")
     if args.cleanup:
         from nat import cleanup_nat
 
