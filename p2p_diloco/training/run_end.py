@@ -18,7 +18,10 @@ round by). Where the vote's state is refused, the unit falls back on its believe
 
 The decision is taken again until every finished peer holds this unit's state or the end's bound passes
 (:meth:`~p2p_diloco.training.sync.SyncGroup.agree_at_end`): as peers take the final state, the votes move to it.
-Called by :class:`~p2p_diloco.training.sync.SwarmSync`.
+A unit that starts where the run is over (most of its believed peers applied the last round: it joined late, or
+restarted after the end) takes that final state and has nothing left to train (:meth:`RunEnd.final_at_start`); with
+no holder left to serve it, the peer stops with an error instead of training the whole run alone on a model nobody
+else holds. Called by :class:`~p2p_diloco.training.sync.SwarmSync` and its ``SyncGroup``.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from p2p_diloco.swarm.errors import SwarmError
 from p2p_diloco.training.witnesses import anchor_votes, canonical_of
 
 logger = logging.getLogger(__name__)
@@ -175,3 +179,39 @@ class RunEnd:
             return None
         return (f"it is {steps:.1f} outer steps from this peer's own final state, and only peers never met vouch "
                 f"for it (at most {NEAR_STEPS:g})")
+
+    # ---- a unit that starts where the run is over ------------------------------------------------------
+    def final_at_start(self) -> str | None:
+        """The fingerprint of the final state the believed peers agree on if most of them have applied the last
+        round and this unit has not, else None (one identity's claim of the end, or a minority's, ends nothing)."""
+        sync, last = self.sync, self.last
+        if sync.num_rounds is None or sync.stage.applied_round >= last:
+            return None
+        others = sync._others()
+        if not sync._majority(others, lambda r: r.applied_round >= last):
+            return None
+        votes = anchor_votes(others, last)
+        return canonical_of(votes) if votes else None
+
+    def download_at_start(self, fingerprint: str):
+        """That final state from the peers holding it, taken only where two believed records vouch for it (one where
+        a single peer is believed), as any reload asks; None if none could be had."""
+        return self.sync.fetcher.download_final(
+            fingerprint, self.last,
+            lambda tensors, vouched: None if vouched else "the peers this stage believes do not vouch for it",
+            at_round=self.sync.num_rounds)
+
+    def take_at_start(self, state) -> None:
+        """Become the holder of the final ``state`` at the run's last inner step: nothing is left to train."""
+        sync = self.sync
+        sync.take_reload(state, f"the run ended (round {self.last} applied by the swarm) before this peer joined: "
+                                "its final state", sync.num_rounds * sync.stage.diloco_cfg.inner_steps)
+
+    def over_error(self) -> SwarmError:
+        """What stops a peer that found the run over and its final state out of reach."""
+        sync = self.sync
+        return SwarmError(
+            f"run {sync.fetcher.run_id} is over: the peers of this stage that this one believes have applied its last "
+            f"round ({sync.num_rounds} rounds), and no peer holding its final state served it (they may have left; "
+            f"their records outlive them by minutes). Nothing was trained. To train, start a new run (another "
+            f"--run-id), or go on with this one past its end with a larger --train.num_rounds on every peer")

@@ -48,7 +48,6 @@ from concurrent.futures import ThreadPoolExecutor
 from p2p_diloco.medians import lower_median
 from p2p_diloco.round.stage import Stage
 from p2p_diloco.swarm.discovery.progress import moved_past
-from p2p_diloco.swarm.errors import SwarmError
 from p2p_diloco.training.fetch import StateFetcher
 from p2p_diloco.training.run_end import RunEnd
 from p2p_diloco.training.witnesses import Witnesses, anchor_votes, canonical_of
@@ -121,27 +120,6 @@ class SwarmSync:
 
     def after_round(self) -> None:
         SyncGroup([self], self.executor).after_round()
-
-    def swarm_final(self) -> str | None:
-        """At start: the fingerprint of the final state the believed peers agree on if most of them have applied the
-        run's last round and this stage has not (the run ended before this peer joined, or while it was down), else
-        None."""
-        if self.num_rounds is None or self.stage.applied_round >= self.num_rounds - 1:
-            return None
-        last, others = self.num_rounds - 1, self._others()
-        if not self._majority(others, lambda r: r.applied_round >= last):
-            return None
-        votes = anchor_votes(others, last)
-        return canonical_of(votes) if votes else None
-
-    def download_final(self, fingerprint: str):
-        """The run's final state ``fingerprint`` for a stage that joins after the run ended, from the peers holding it;
-        taken only where two believed records vouch for it (one where a single peer is believed), as any reload
-        asks; None if none could be had."""
-        return self.fetcher.download_final(
-            fingerprint, self.num_rounds - 1,
-            lambda tensors, vouched: None if vouched else "the peers this stage believes do not vouch for it",
-            at_round=self.num_rounds)
 
     def behind_at_start(self, resumed: bool) -> tuple[bool, str, int]:
         """Whether this stage must reload before its first round: (behind, why, the swarm's round)."""
@@ -297,26 +275,16 @@ class SyncGroup:
             self._reload_if_behind([sync.behind_at_start(resumed) for sync in self.syncs])
 
     def _take_the_end(self) -> bool:
-        """Where the believed peers of every unit of the peer have finished the run (applied its last round), take
-        its final state and skip to the end: a peer that joins a run that is over (or restarts after it ended) has
-        nothing to train, and training the whole run alone would end on a model nobody else holds. SwarmError when
-        the final state cannot be had (the finished peers have left). Whether it was taken."""
-        finals = [sync.swarm_final() for sync in self.syncs]
-        if self.executor.any_stage(None in finals):  # every unit of every stage, or none
+        """Where the run is over for every unit of the peer, take its final state and skip to the end
+        (:meth:`RunEnd.take_at_start`, every unit of every stage or none); whether it was taken."""
+        finals = [sync.end.final_at_start() for sync in self.syncs]
+        if self.executor.any_stage(None in finals):
             return False
-        states = [sync.download_final(final) for sync, final in zip(self.syncs, finals)]
+        states = [sync.end.download_at_start(final) for sync, final in zip(self.syncs, finals)]
         if self.executor.any_stage(None in states):
-            sync = self.syncs[0]
-            raise SwarmError(
-                f"run {sync.fetcher.run_id} is over: the peers of this stage that this one believes have applied its "
-                f"last round ({sync.num_rounds} rounds), and no peer holding its final state served it (they may "
-                f"have left; their records outlive them by minutes). Nothing was trained. To train, "
-                f"start a new run (another --run-id), or go on with this one past its end with a larger "
-                f"--train.num_rounds on every peer")
-        step = self.syncs[0].num_rounds * self.syncs[0].stage.diloco_cfg.inner_steps
+            raise self.syncs[0].end.over_error()
         for sync, state in zip(self.syncs, states):
-            sync.take_reload(state, f"the run ended (round {sync.num_rounds - 1} applied by the swarm) before this "
-                                    "peer joined: its final state", step)
+            sync.end.take_at_start(state)
         return True
 
     def after_round(self) -> None:
