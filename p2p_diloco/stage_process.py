@@ -59,7 +59,8 @@ def _serve_state(stage: Stage, averager, run_id: str, wait_s: float):
         averager.wait_for_round(max(0.0, deadline - time.monotonic()))
         with stage.state_lock:  # no round end in between: the buffers still hold the average of that round
             if averager.round_settled or time.monotonic() >= deadline:  # (or a round end started another)
-                return averager.behaviour.served(*stage.shareable_state(run_id, averager.finished_average()))
+                finished = averager.finished_average() or ()  # (average, group size) of the round in flight
+                return averager.behaviour.served(*stage.shareable_state(run_id, *finished))
 
 
 def select_device(spec: str) -> torch.device:

@@ -164,7 +164,11 @@ class DiLoCoConfig:
     inner_steps: int = 50
     """H: inner steps per round (outer step)."""
     outer_lr: float = 0.7
-    """Learning rate of the outer Nesterov SGD."""
+    """Learning rate of the outer Nesterov SGD for an average of 2 peers (and for a round that fell back)."""
+    outer_lr_group_exponent: float = 0.0
+    """How the outer step grows with the group that averaged a round: a group of g peers takes outer_lr * (g / 2) **
+    a, g capped at 8 (docs/design.md 2.5; the DiLoCo scaling-law study, arXiv 2503.09799, finds the best outer lr
+    growing with the number of replicas). Every member of a group sees the same g. 0: the same step for any group."""
     outer_momentum: float = 0.5
     """Momentum of the outer SGD (DiLoCo's 0.9 learns worse here: BENCHMARKS.md, "Learning quality")."""
     nesterov: bool = True
@@ -208,6 +212,8 @@ class DiLoCoConfig:
     def validate(self) -> None:
         require(self.inner_steps > 0, "diloco.inner_steps", f"must be a positive integer, got {self.inner_steps!r}")
         positive(self.outer_lr, "diloco.outer_lr")
+        require(math.isfinite(self.outer_lr_group_exponent) and 0 <= self.outer_lr_group_exponent <= 1,
+                "diloco.outer_lr_group_exponent", f"must be in [0, 1], got {self.outer_lr_group_exponent!r}")
         require(0 <= self.outer_momentum < 1, "diloco.outer_momentum",
                  f"must be in [0, 1), got {self.outer_momentum!r}")
         require(self.overlap_steps is None or 1 <= self.overlap_steps <= self.inner_steps, "diloco.overlap_steps",

@@ -39,8 +39,8 @@ class Blocking:
         contribution = stage.with_feedback(delta)  # 3.
         start(contribution)  # 4.
         average = stage.collect(report)  # 5. this round's
-        stage.outer_optimizer.step(average)  # 6. theta = outer_step(theta, avg); phi0 = phi = theta
-        stage.set_params(stage.anchor)
+        stage.outer_optimizer.step(average, stage.applied_group_size)  # 6. theta = outer_step(theta, avg) ...
+        stage.set_params(stage.anchor)  # ... phi0 = phi = theta
 
     def merge_due(self, stage: Stage) -> bool:
         return False
@@ -82,7 +82,7 @@ class Eager(Blocking):
         applied = stage.collect(report)  # 5. the previous round's (bounded wait), its residual into e
         contribution = stage.with_feedback(delta)  # 3.
         if applied is not None:
-            stage.outer_optimizer.step(applied)  # 6. theta = outer_step(theta, avg_prev)
+            stage.outer_optimizer.step(applied, stage.applied_group_size)  # 6. theta = outer_step(theta, avg_prev)
         share = self.eager_step(stage, previous, applied, contribution)  # 6'. the eager state, this round included
         start(contribution, share)  # 4.
         stage.set_params(stage.eager_anchor)
@@ -107,7 +107,7 @@ class Eager(Blocking):
         gradient = [share * c for c in fresh]
         if previous is not None:
             gradient = [g + a - previous.share * old for g, a, old in zip(gradient, applied, previous.contribution)]
-        stage.eager_optimizer.step(gradient)
+        stage.eager_optimizer.step(gradient, stage.applied_group_size)
         return share
 
 

@@ -67,6 +67,7 @@ class Stage(StageCheckpoint, StateSharing):
         # phi0: in blocking mode every round starts from the anchor; with overlap, from the rebased params
         self.round_start = [t.clone() for t in self.anchor] if self.rule.overlaps else self.anchor
         self.pending: PendingRound | None = None
+        self.applied_group_size = 1  # the group of the average step 5 last collected (1: a fallback, or none)
         # error feedback e (fp32, CPU), kept while pseudo-gradients are compressed
         compressed = averager is not None and averager.compresses
         self.feedback = [torch.zeros_like(t) for t in self.anchor] if compressed else None
@@ -210,7 +211,7 @@ class Stage(StageCheckpoint, StateSharing):
         applied = self.collect(report)
         if applied is None:
             return
-        self.outer_optimizer.step(applied)
+        self.outer_optimizer.step(applied, self.applied_group_size)
         progress = self.pseudo_gradient()
         self.set_params([theta - d for theta, d in zip(self.anchor, progress)])
         self.round_start = [t.clone() for t in self.anchor]
@@ -236,7 +237,7 @@ class Stage(StageCheckpoint, StateSharing):
             return None
         report = RoundReport(self.round_index - 1)
         progress = self.pseudo_gradient()  # of a round stopped half-way
-        self.outer_optimizer.step(self.collect(report))
+        self.outer_optimizer.step(self.collect(report), self.applied_group_size)
         if self.eager_anchor is not None:  # the shared anchor now holds every contribution, exactly once
             outer = self.outer_optimizer
             self.eager_optimizer.load_state_tensors(outer.momentum_buffers, outer.num_steps)
@@ -296,14 +297,17 @@ class Stage(StageCheckpoint, StateSharing):
 
     def collect(self, report: RoundReport) -> list[torch.Tensor] | None:
         """Step 5: the pending round's average, or its own contribution if that round failed; None if nothing
-        is pending."""
+        is pending. ``applied_group_size`` is then the size of the group that averaged it (1: a fallback)."""
         pending = self.pending
+        self.applied_group_size = 1
         if pending is None:
             return None
         report.waited_s = self._settle(pending)
         self.pending = None
         report.applied_round = self.applied_round = pending.round_index
         report.outcome = outcome = pending.outcome
+        if outcome.averaged:  # the outer step of an average grows with its group (round/outer.py, group_lr)
+            self.applied_group_size = outcome.group_size
         if not outcome.averaged:  # the whole own contribution, feedback included, is applied: nothing is owed
             if self.feedback is not None:
                 self.feedback = [torch.zeros_like(e) for e in self.feedback]
@@ -314,7 +318,8 @@ class Stage(StageCheckpoint, StateSharing):
 
     def _make_outer(self, anchor: list[torch.Tensor]) -> OuterOptimizer:
         cfg = self.diloco_cfg
-        return OuterOptimizer(anchor, lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=cfg.nesterov)
+        return OuterOptimizer(anchor, lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=cfg.nesterov,
+                              group_exponent=cfg.outer_lr_group_exponent)
 
     def set_params(self, values: list[torch.Tensor]) -> None:
         for p, value in zip(self.params, values):

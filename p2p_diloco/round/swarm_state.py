@@ -77,12 +77,13 @@ class StateSharing:
     stage's own methods (a mixin of the Stage: it owns the state it changes)."""
 
     def shareable_state(self, run_id: str, finished_average: list[torch.Tensor] | None = None,
-                        ) -> tuple[dict, list[torch.Tensor]]:
+                        finished_group_size: int = 1) -> tuple[dict, list[torch.Tensor]]:
         """What this stage serves to others: metadata and [anchor..., momentum...] (fp32 copies).
 
         Args:
             run_id: the donor's run.
             finished_average: the average of the round still pending, if it has already arrived.
+            finished_group_size: the size of the group that averaged it (its outer step depends on it).
         """
         with self.state_lock:
             anchor = [t.clone() for t in self.anchor]
@@ -90,9 +91,10 @@ class StateSharing:
             applied, outer_steps = self.applied_round, self.outer_optimizer.num_steps
             pending = self.pending
             arrived = pending.outcome if pending is not None else None
-            average = arrived.average if arrived is not None and arrived.averaged else finished_average
+            average, group_size = (arrived.average, arrived.group_size) if arrived is not None and arrived.averaged \
+                else (finished_average, finished_group_size)
             if pending is not None and average is not None:
-                anchor = self.outer_optimizer.peek(average)
+                anchor = self.outer_optimizer.peek(average, group_size)
                 mu = self.outer_optimizer.momentum
                 momentum = [m * mu + a for m, a in zip(momentum, average)] if mu else momentum
                 applied, outer_steps = pending.round_index, outer_steps + 1

@@ -57,13 +57,13 @@ class FinalReference:
     """The norm of the pseudo-gradient of this unit's last outer step."""
     anchor_per_grad: float
     """How much the anchor moves per unit of pseudo-gradient in one outer step: lr (1 + mu) with Nesterov momentum,
-    lr without (two states that applied different pseudo-gradients g, g' to one state differ by this times |g - g'|,
-    and their momenta by |g - g'|)."""
+    lr without, lr the last step's (it grows with the group: round/outer.py). Two states that applied different
+    pseudo-gradients g, g' to one state differ by this times |g - g'|, and their momenta by |g - g'|."""
 
     @classmethod
     def of(cls, stage) -> FinalReference:
         outer = stage.outer_optimizer
-        scale = outer.lr * (1 + outer.momentum if outer.nesterov else 1.0)
+        scale = outer.last_lr * (1 + outer.momentum if outer.nesterov else 1.0)
         with stage.state_lock:
             return cls([t.clone() for t in stage.anchor], [m.clone() for m in outer.momentum_buffers],
                        float(outer.last_grad_norm), float(scale))

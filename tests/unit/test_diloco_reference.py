@@ -55,8 +55,10 @@ def reference_diloco(cfg, dataset: ShardDataset, seeds: list[int]) -> list[torch
     tau = cfg.diloco.merge_step
     base = Transformer(ModelArgs(**ARGS))
     global_params = [p.detach().clone().requires_grad_(True) for p in base.parameters()]
-    outer = torch.optim.SGD(global_params, lr=cfg.diloco.outer_lr, momentum=cfg.diloco.outer_momentum,
-                            nesterov=True)
+    # every outer step of the global params is on a mean of all K workers: with diloco.outer_lr_group_exponent a,
+    # the step of a group of K (<= 8) is outer_lr * (K / 2) ** a (docs/design.md 2.5)
+    group_lr = cfg.diloco.outer_lr * (len(seeds) / 2) ** cfg.diloco.outer_lr_group_exponent
+    outer = torch.optim.SGD(global_params, lr=group_lr, momentum=cfg.diloco.outer_momentum, nesterov=True)
     workers = [copy.deepcopy(base) for _ in seeds]
     optimizers = [torch.optim.AdamW(
         [{"params": [p for p in w.parameters() if p.dim() >= 2], "weight_decay": cfg.inner.weight_decay},
@@ -99,6 +101,8 @@ def reference_diloco(cfg, dataset: ShardDataset, seeds: list[int]) -> list[torch
                     f + m - previous_share * old for f, m, old in zip(fresh, _exact_mean(previous), previous[k])]
                 for e, grad in zip(eager_params[k], grads):
                     e.grad = grad
+                for group in eager_opts[k].param_groups:  # before any group: a step alone, at outer_lr
+                    group["lr"] = cfg.diloco.outer_lr if previous is None else group_lr
                 eager_opts[k].step()
             previous_share = share
         if to_apply is not None:
@@ -243,11 +247,14 @@ def test_schedule_matches_reference():
         assert inner_lr(step, cfg.inner, ROUNDS * H) == pytest.approx(_reference_lr(step, cfg.inner, ROUNDS * H))
 
 
-@pytest.mark.parametrize("mode", ["none", "delayed", "eager", "delayed-tau2"])
+GROUP_LR = [("diloco.outer_lr_group_exponent", "0.5")]
+
+
+@pytest.mark.parametrize("mode", ["none", "delayed", "eager", "delayed-tau2", "delayed-group-lr", "eager-group-lr"])
 def test_trainer_matches_plain_diloco_simulation(dataset, tmp_path, mode):
     torch.manual_seed(0)
     overrides = [("diloco.mode", "delayed"), ("diloco.overlap_steps", "2")] if mode == "delayed-tau2" else \
-        [("diloco.mode", mode)]
+        [("diloco.mode", mode.removesuffix("-group-lr"))] + (GROUP_LR if mode.endswith("-group-lr") else [])
     cfg = config(tmp_path, overrides)
     seeds = [11, 22, 33]
     expected = reference_diloco(cfg, dataset, seeds)
@@ -279,8 +286,11 @@ def test_the_three_modes_are_different_algorithms(dataset, tmp_path):
                for mode in ("none", "delayed", "eager")}
     anchors["delayed-tau2"] = reference_diloco(config(tmp_path, [("diloco.mode", "delayed"),
                                                                  ("diloco.overlap_steps", "2")]), dataset, [11, 22, 33])
+    for mode in ("delayed", "eager"):
+        anchors[f"{mode}-group-lr"] = reference_diloco(config(tmp_path, [("diloco.mode", mode), *GROUP_LR]), dataset,
+                                                       [11, 22, 33])
     for a, b in (("none", "delayed"), ("delayed", "eager"), ("none", "eager"), ("delayed", "delayed-tau2"),
-                 ("none", "delayed-tau2")):
+                 ("none", "delayed-tau2"), ("delayed", "delayed-group-lr"), ("eager", "eager-group-lr")):
         gap = max((x - y).abs().max().item() for x, y in zip(anchors[a], anchors[b]))
         assert gap > 1e-4, (a, b, gap)
 
@@ -334,3 +344,13 @@ def test_a_slow_worker_ends_each_round_with_the_others_and_contributes_its_token
     first = stages[0].anchor
     for stage in stages[1:]:
         assert all(torch.equal(a, b) for a, b in zip(stage.anchor, first))
+
+
+def test_the_outer_step_grows_with_the_group_only_within_the_measured_sizes():
+    """group_lr: a fallback (1) and a pair (2) take outer_lr; the step grows as (g / 2) ** a up to g = 8; a larger group
+    (or a crowd of identities joining one) takes g = 8's step; exponent 0 is a fixed step."""
+    from p2p_diloco.round.outer import group_lr
+    assert group_lr(0.7, 0.5, 1) == group_lr(0.7, 0.5, 2) == 0.7
+    assert group_lr(0.7, 0.5, 4) == pytest.approx(0.7 * 2 ** 0.5)
+    assert group_lr(0.7, 0.5, 8) == group_lr(0.7, 0.5, 16) == group_lr(0.7, 0.5, 1000) == pytest.approx(1.4)
+    assert {group_lr(0.7, 0.0, g) for g in (1, 2, 4, 8, 64)} == {0.7}

@@ -11,7 +11,7 @@ import torch
 
 from p2p_diloco.config import load_config
 from p2p_diloco.model import ModelArgs, Transformer
-from p2p_diloco.round.outcome import PendingRound, RoundOutcome
+from p2p_diloco.round.outcome import PendingRound, RoundOutcome, RoundReport
 from p2p_diloco.round.swarm_state import StateError
 from p2p_diloco.training import Stage
 from p2p_diloco.training.sync import SwarmSync
@@ -62,6 +62,36 @@ def test_donor_serves_the_state_after_an_average_that_already_arrived():
     expected = donor.outer_optimizer.peek(average)
     assert all(torch.equal(a, b) for a, b in zip(tensors[: len(before)], expected))
     assert all(torch.equal(a, b) for a, b in zip(donor.anchor, before))  # ...computed without touching the donor
+
+
+@pytest.mark.parametrize("collected", [False, True])
+def test_a_served_state_is_the_one_the_donor_reaches_when_its_step_grows_with_the_group(collected):
+    """With diloco.outer_lr_group_exponent the outer step of an average depends on its group's size: a donor serving
+    the state after a round in flight must step it as it will itself (else a newcomer starts from an anchor no peer
+    holds), whether the average is still in the averager's buffers or already collected."""
+    cfg = load_config(None, [("diloco.mode", "delayed"), ("diloco.outer_lr_group_exponent", "0.5")])
+    torch.manual_seed(0)
+    donor = Stage(Transformer(ModelArgs(**TINY_ARGS)), stage_index=0, num_stages=1, inner_cfg=cfg.inner,
+                  diloco_cfg=cfg.diloco, total_steps=100)
+    donor.round_index, donor.applied_round = 4, 2
+    donor.inner_step = donor.round_index * donor.diloco_cfg.inner_steps
+    average = [torch.full_like(t, 0.01) for t in donor.anchor]
+    donor.pending = PendingRound(3, [torch.zeros_like(t) for t in donor.anchor], 1.0)
+    outcome = RoundOutcome(average=average, averaged=True, group_size=4, group_tokens=4.0)
+    if collected:
+        donor.pending.outcome = outcome
+        meta, tensors = donor.shareable_state("run")
+    else:
+        meta, tensors = donor.shareable_state("run", finished_average=average, finished_group_size=4)
+    alone = donor.outer_optimizer.peek(average)  # the step of a group of 2 or of a fallback
+    donor.pending.outcome = outcome
+    donor.merge_now(RoundReport(4))
+    count = len(donor.anchor)
+    assert meta["applied_round"] == donor.applied_round == 3
+    assert all(torch.equal(a, b) for a, b in zip(tensors[:count], donor.anchor))
+    assert all(torch.equal(a, b) for a, b in zip(tensors[count:], donor.outer_optimizer.momentum_buffers))
+    assert donor.outer_optimizer.last_lr == pytest.approx(cfg.diloco.outer_lr * 2 ** 0.5)
+    assert max((a - b).abs().max().item() for a, b in zip(alone, donor.anchor)) > 1e-4  # the step did grow
 
 
 def test_reload_becomes_the_donor_and_resync_keeps_local_progress():

@@ -292,13 +292,15 @@ class PseudoGradientAverager:
             with contextlib.suppress(Exception):
                 pending.control.result(timeout=timeout_s)
 
-    def finished_average(self) -> Optional[list[torch.Tensor]]:
-        """The average of the round in flight if it has already arrived (without collecting it), else None."""
+    def finished_average(self) -> Optional[tuple[list[torch.Tensor], int]]:
+        """The average of the round in flight and the size of its group, if it has already arrived (without
+        collecting it), else None."""
         pending = self._pending
         if pending is None or not pending.control.done() or pending.control.exception() is not None:
             return None
+        group_size = len(pending.control.result()["gathered"])
         with self.server.get_tensors() as buffers:
-            return [buffer.clone() for buffer in buffers]
+            return [buffer.clone() for buffer in buffers], group_size
 
     def abandon_round(self) -> None:
         """Stop caring about the round in flight without cancelling it: it finishes with its group in the
