@@ -167,7 +167,7 @@ class DiLoCoConfig:
     """Learning rate of the outer Nesterov SGD for an average of 2 peers (and for a round that fell back)."""
     outer_lr_group_exponent: float = 0.0
     """How the outer step grows with the group that averaged a round: a group of g peers takes outer_lr * (g / 2) **
-    a, g capped at 8 (docs/design.md 2.5; the DiLoCo scaling-law study, arXiv 2503.09799, finds the best outer lr
+    a, g capped at 8 (docs/design.md 2.3; the DiLoCo scaling-law study, arXiv 2503.09799, finds the best outer lr
     growing with the number of replicas). Every member of a group sees the same g. 0: the same step for any group."""
     outer_momentum: float = 0.5
     """Momentum of the outer SGD (DiLoCo's 0.9 learns worse here: BENCHMARKS.md, "Learning quality")."""

@@ -5,7 +5,7 @@ to the same anchor gets a bit-identical result. Follows ``torch.optim.SGD`` (dam
 ``m = mu * m + g``; ``theta -= lr * (g + mu * m)`` with Nesterov, ``theta -= lr * m`` without.
 
 The step of an average of g contributions may grow with g (``diloco.outer_lr_group_exponent``, docs/design.md
-2.5): the mean of more peers' pseudo-gradients is less noisy, and the DiLoCo scaling-law study (arXiv 2503.09799)
+2.3): the mean of more peers' pseudo-gradients is less noisy, and the DiLoCo scaling-law study (arXiv 2503.09799)
 finds the best outer learning rate growing with the number of replicas. :func:`group_lr` is that rule; every member
 of a group sees the same group size, so their anchors stay identical.
 Called by :class:`p2p_diloco.round.stage.Stage` and by the reference simulation in the tests.

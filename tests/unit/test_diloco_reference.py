@@ -56,7 +56,7 @@ def reference_diloco(cfg, dataset: ShardDataset, seeds: list[int]) -> list[torch
     base = Transformer(ModelArgs(**ARGS))
     global_params = [p.detach().clone().requires_grad_(True) for p in base.parameters()]
     # every outer step of the global params is on a mean of all K workers: with diloco.outer_lr_group_exponent a,
-    # the step of a group of K (<= 8) is outer_lr * (K / 2) ** a (docs/design.md 2.5)
+    # the step of a group of K (<= 8) is outer_lr * (K / 2) ** a (docs/design.md 2.3)
     group_lr = cfg.diloco.outer_lr * (len(seeds) / 2) ** cfg.diloco.outer_lr_group_exponent
     outer = torch.optim.SGD(global_params, lr=group_lr, momentum=cfg.diloco.outer_momentum, nesterov=True)
     workers = [copy.deepcopy(base) for _ in seeds]
