@@ -167,8 +167,13 @@ class DiLoCoConfig:
     """Learning rate of the outer Nesterov SGD for an average of 2 peers (and for a round that fell back)."""
     outer_lr_group_exponent: float = 0.0
     """How the outer step grows with the group that averaged a round: a group of g peers takes outer_lr * (g / 2) **
-    a, g capped at 8 (docs/design.md 2.3; the DiLoCo scaling-law study, arXiv 2503.09799, finds the best outer lr
-    growing with the number of replicas). Every member of a group sees the same g. 0: the same step for any group."""
+    a, g capped at diloco.outer_lr_largest_group (docs/design.md 2.3; the DiLoCo scaling-law study, arXiv 2503.09799,
+    finds the best outer lr growing with the number of replicas). Every member of a group sees the same g. 0: the
+    same step for any group."""
+    outer_lr_largest_group: int = 4
+    """The largest group whose size still raises the outer step (larger groups take its step): where the tiny model's
+    best outer lr stopped growing (BENCHMARKS.md, "The outer step against the group size"); a crowd of identities
+    joining one group cannot raise the step past it."""
     outer_momentum: float = 0.5
     """Momentum of the outer SGD (DiLoCo's 0.9 learns worse here: BENCHMARKS.md, "Learning quality")."""
     nesterov: bool = True
@@ -214,6 +219,8 @@ class DiLoCoConfig:
         positive(self.outer_lr, "diloco.outer_lr")
         require(math.isfinite(self.outer_lr_group_exponent) and 0 <= self.outer_lr_group_exponent <= 1,
                 "diloco.outer_lr_group_exponent", f"must be in [0, 1], got {self.outer_lr_group_exponent!r}")
+        require(isinstance(self.outer_lr_largest_group, int) and 2 <= self.outer_lr_largest_group <= 64,
+                "diloco.outer_lr_largest_group", f"must be an integer in [2, 64], got {self.outer_lr_largest_group!r}")
         require(0 <= self.outer_momentum < 1, "diloco.outer_momentum",
                  f"must be in [0, 1), got {self.outer_momentum!r}")
         require(self.overlap_steps is None or 1 <= self.overlap_steps <= self.inner_steps, "diloco.overlap_steps",

@@ -19,18 +19,17 @@ import torch
 
 REFERENCE_GROUP = 2
 """The group size ``diloco.outer_lr`` is the step of: the smallest group that averages."""
-LARGEST_SCALED_GROUP = 8
-"""Groups larger than this take this group's step: the rule is not extrapolated beyond the group sizes it was measured
-at (BENCHMARKS.md, "The outer step against the group size"), and a crowd of identities joining one group cannot
-raise the step further."""
 
 
-def group_lr(lr: float, exponent: float, group_size: int) -> float:
+def group_lr(lr: float, exponent: float, group_size: int, largest: int) -> float:
     """The outer learning rate for an average of ``group_size`` contributions: ``lr * (g / 2) ** exponent`` with ``g``
-    the group size clamped to [2, 8]; a round that fell back (g = 1: the peer's own pseudo-gradient) takes ``lr``."""
+    the group size clamped to [2, ``largest``]; a round that fell back (g = 1: the peer's own pseudo-gradient) takes
+    ``lr``. Groups larger than ``largest`` take its step: the rule does not extrapolate beyond where it was measured
+    (BENCHMARKS.md, "The outer step against the group size"), and a crowd of identities joining one group cannot
+    raise the step further."""
     if exponent == 0 or group_size <= REFERENCE_GROUP:
         return lr
-    return lr * (min(group_size, LARGEST_SCALED_GROUP) / REFERENCE_GROUP) ** exponent
+    return lr * (min(group_size, largest) / REFERENCE_GROUP) ** exponent
 
 
 class OuterOptimizer:
@@ -42,12 +41,14 @@ class OuterOptimizer:
         momentum: outer momentum (DiLoCo: 0.9).
         nesterov: use Nesterov momentum.
         group_exponent: how the step grows with the group size (:func:`group_lr`); 0: the same step for any group.
+        largest_group: the largest group whose size still raises the step.
     """
 
     def __init__(self, anchor: Sequence[torch.Tensor], lr: float, momentum: float, nesterov: bool = True,
-                 group_exponent: float = 0.0):
+                 group_exponent: float = 0.0, largest_group: int = REFERENCE_GROUP):
         self.anchor = list(anchor)
-        self.lr, self.momentum, self.nesterov, self.group_exponent = lr, momentum, nesterov, group_exponent
+        self.lr, self.momentum, self.nesterov = lr, momentum, nesterov
+        self.group_exponent, self.largest_group = group_exponent, largest_group
         self.last_lr = lr  # the learning rate of the last step (the run's end measures steps by it)
         self.momentum_buffers = [torch.zeros_like(t) for t in self.anchor]
         self.num_steps = 0
@@ -57,7 +58,7 @@ class OuterOptimizer:
 
     def lr_for(self, group_size: int) -> float:
         """The learning rate of a step on an average of ``group_size`` contributions."""
-        return group_lr(self.lr, self.group_exponent, group_size)
+        return group_lr(self.lr, self.group_exponent, group_size, self.largest_group)
 
     @torch.no_grad()
     def step(self, pseudo_gradient: Sequence[torch.Tensor], group_size: int = 1) -> None:

@@ -319,7 +319,7 @@ class Stage(StageCheckpoint, StateSharing):
     def _make_outer(self, anchor: list[torch.Tensor]) -> OuterOptimizer:
         cfg = self.diloco_cfg
         return OuterOptimizer(anchor, lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=cfg.nesterov,
-                              group_exponent=cfg.outer_lr_group_exponent)
+                              group_exponent=cfg.outer_lr_group_exponent, largest_group=cfg.outer_lr_largest_group)
 
     def set_params(self, values: list[torch.Tensor]) -> None:
         for p, value in zip(self.params, values):

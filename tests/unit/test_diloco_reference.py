@@ -56,8 +56,9 @@ def reference_diloco(cfg, dataset: ShardDataset, seeds: list[int]) -> list[torch
     base = Transformer(ModelArgs(**ARGS))
     global_params = [p.detach().clone().requires_grad_(True) for p in base.parameters()]
     # every outer step of the global params is on a mean of all K workers: with diloco.outer_lr_group_exponent a,
-    # the step of a group of K (<= 8) is outer_lr * (K / 2) ** a (docs/design.md 2.3)
-    group_lr = cfg.diloco.outer_lr * (len(seeds) / 2) ** cfg.diloco.outer_lr_group_exponent
+    # the step of a group of K is outer_lr * (K / 2) ** a, K capped at diloco.outer_lr_largest_group (design 2.3)
+    group = min(len(seeds), cfg.diloco.outer_lr_largest_group)
+    group_lr = cfg.diloco.outer_lr * (group / 2) ** cfg.diloco.outer_lr_group_exponent
     outer = torch.optim.SGD(global_params, lr=group_lr, momentum=cfg.diloco.outer_momentum, nesterov=True)
     workers = [copy.deepcopy(base) for _ in seeds]
     optimizers = [torch.optim.AdamW(
@@ -346,11 +347,14 @@ def test_a_slow_worker_ends_each_round_with_the_others_and_contributes_its_token
         assert all(torch.equal(a, b) for a, b in zip(stage.anchor, first))
 
 
-def test_the_outer_step_grows_with_the_group_only_within_the_measured_sizes():
-    """group_lr: a fallback (1) and a pair (2) take outer_lr; the step grows as (g / 2) ** a up to g = 8; a larger group
-    (or a crowd of identities joining one) takes g = 8's step; exponent 0 is a fixed step."""
+def test_the_outer_step_grows_with_the_group_only_up_to_the_largest_group():
+    """group_lr: a fallback (1) and a pair (2) take outer_lr; the step grows as (g / 2) ** a up to the largest group;
+    a larger group (or a crowd of identities joining one) takes the largest group's step; exponent 0 is a fixed
+    step."""
     from p2p_diloco.round.outer import group_lr
-    assert group_lr(0.7, 0.5, 1) == group_lr(0.7, 0.5, 2) == 0.7
-    assert group_lr(0.7, 0.5, 4) == pytest.approx(0.7 * 2 ** 0.5)
-    assert group_lr(0.7, 0.5, 8) == group_lr(0.7, 0.5, 16) == group_lr(0.7, 0.5, 1000) == pytest.approx(1.4)
-    assert {group_lr(0.7, 0.0, g) for g in (1, 2, 4, 8, 64)} == {0.7}
+    assert group_lr(0.7, 0.5, 1, 4) == group_lr(0.7, 0.5, 2, 4) == 0.7
+    assert group_lr(0.7, 0.5, 3, 4) == pytest.approx(0.7 * 1.5 ** 0.5)
+    assert group_lr(0.7, 0.5, 4, 4) == group_lr(0.7, 0.5, 8, 4) == group_lr(0.7, 0.5, 1000, 4) \
+        == pytest.approx(0.7 * 2 ** 0.5)
+    assert group_lr(0.7, 0.5, 8, 8) == pytest.approx(1.4)
+    assert {group_lr(0.7, 0.0, g, 4) for g in (1, 2, 4, 8, 64)} == {0.7}
