@@ -56,9 +56,9 @@ ALL_ROWS = ("alone", "alone-diloco", "none/none", "none/adaptive", "delayed/none
 """``mode/compression@N``: the round's average arrives N inner steps into the next round (default: --arrival-steps,
 H); delayed applies it then or at diloco.overlap_steps, whichever comes first. ``delayed-H``: overlap_steps = H.
 ``mode/compression~F``: streaming sync of F fragments (model/fragments.py), one fragment averaged at a time."""
-SPARSELOCO_OUTER = [("diloco.outer_momentum", "0"), ("diloco.outer_lr", "1.0")]
-"""Rows of compression ``sparseloco``: theta <- theta - alpha * mean of the sparse contributions, alpha = 1, no outer
-momentum (arXiv 2508.15706, Algorithm 1)."""
+SPARSELOCO_OUTER = [("diloco.outer_momentum", "0"), ("diloco.outer_lr", "1.0"), ("diloco.outer_lr_group_exponent", "0")]
+"""Rows of compression ``sparseloco``: theta <- theta - alpha * mean of the sparse contributions, alpha = 1 for any
+group, no outer momentum (arXiv 2508.15706, Algorithm 1)."""
 MODES = ("none", "delayed", "delayed-H", "eager")
 """Any ``mode/compression`` with a mode of these and a compression of ``averaging.compression`` is a row too."""
 

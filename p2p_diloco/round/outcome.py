@@ -74,6 +74,8 @@ class RoundReport:
     round_end_s: float = 0.0
     """Time the round end took on the training thread, waiting included (overhead = this - waited_s)."""
     delta_norm: float = 0.0
+    outer_lr: float | None = None
+    """The learning rate of the outer step that applied ``applied_round`` (it grows with the group: round/outer.py)."""
 
     def record(self) -> dict:
         """The report as one flat row (metrics, checkpoints): its own fields and the outcome's, no tensors."""

@@ -200,8 +200,8 @@ class Stage(StageCheckpoint, StateSharing):
         """delayed mode, at a round end: report the merge done earlier in the round (if any) with it."""
         merged, self._merged = self._merged, None
         if merged is not None:
-            report.applied_round, report.outcome, report.waited_s = \
-                merged.applied_round, merged.outcome, merged.waited_s
+            report.applied_round, report.outcome, report.waited_s, report.outer_lr = \
+                merged.applied_round, merged.outcome, merged.waited_s, merged.outer_lr
 
     @torch.no_grad()
     def merge_now(self, report: RoundReport) -> None:
@@ -308,6 +308,7 @@ class Stage(StageCheckpoint, StateSharing):
         report.outcome = outcome = pending.outcome
         if outcome.averaged:  # the outer step of an average grows with its group (round/outer.py, group_lr)
             self.applied_group_size = outcome.group_size
+        report.outer_lr = self.outer_optimizer.lr_for(self.applied_group_size)
         if not outcome.averaged:  # the whole own contribution, feedback included, is applied: nothing is owed
             if self.feedback is not None:
                 self.feedback = [torch.zeros_like(e) for e in self.feedback]

@@ -165,7 +165,8 @@ def test_streaming_sync_staggers_the_fragments_of_peers_of_two_splits(tmp_path, 
     the other fragment test covers the default compression."""
     rounds, H = 5, 8
     common = ["--diloco.fragments", str(F), "--diloco.streaming", "true", "--train.wait_for_peers", "2", *CROWDED,
-              "--averaging.compression", "sparseloco", "--diloco.outer_lr", "1.0", "--diloco.outer_momentum", "0"]
+              "--averaging.compression", "sparseloco", "--diloco.outer_lr", "1.0", "--diloco.outer_momentum", "0",
+              "--diloco.outer_lr_group_exponent", "0"]
     for name in ("p1", "p2"):
         processes.start(name, *pipeline_peer(tmp_path, name, *common, *SPLITS[name], maddrs=bootstrap, rounds=rounds))
     for name in ("p1", "p2"):

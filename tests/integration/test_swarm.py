@@ -54,7 +54,8 @@ SETTINGS = {
     "eager-lowrank": ["--diloco.mode", "eager", "--averaging.lowrank_min_size", "16384"],
     # SparseLoCo: top-k of each chunk at 2 bits, the paper's outer step (no momentum, alpha 1)
     "delayed-sparseloco": ["--diloco.mode", "delayed", "--averaging.compression", "sparseloco",
-                           "--diloco.outer_momentum", "0", "--diloco.outer_lr", "1.0"],
+                           "--diloco.outer_momentum", "0", "--diloco.outer_lr", "1.0",
+                           "--diloco.outer_lr_group_exponent", "0"],
 }
 
 
@@ -80,6 +81,10 @@ def test_three_peers_identical_anchors_and_runs_never_mix(tmp_path, processes, b
             assert [e["applied_round"] for e in rounds_seen] == list(range(rounds)), rounds_told(tmp_path, name)
             told = rounds_told(tmp_path, name)
             assert all(e["averaged"] and e["group_size"] == len(names) for e in rounds_seen), told
+            # the outer step grows with the group (design 2.3): 0.7 * (g / 2) ** 0.5 by default, the paper's 1.0 for
+            # SparseLoCo (exponent 0)
+            step = 1.0 if setting == "delayed-sparseloco" else 0.7 * (len(names) / 2) ** 0.5
+            assert all(e["outer_lr"] == pytest.approx(step) for e in rounds_seen), [e["outer_lr"] for e in rounds_seen]
             # the robust averaging does not take honest peers for hostile ones
             assert not [e["suspects"] for e in rounds_seen if any(set(r) & OFFENCES for r in e["suspects"].values())]
         for r in range(rounds):  # bit-identical anchors after every round

@@ -32,8 +32,11 @@ class Vector(nn.Module):
 
 
 def make_stage(mode: str, averager=None, lr: float = 0.7, momentum: float = 0.9) -> Stage:
+    """A stage whose outer step is ``lr`` for any group (the formulas below take a fixed eta; the step that grows with
+    the group is checked against the plain-PyTorch reference in test_diloco_reference.py)."""
     cfg = load_config(None, [("diloco.mode", mode), ("diloco.outer_lr", str(lr)),
-                             ("diloco.outer_momentum", str(momentum)), ("averaging.compression", "none")])
+                             ("diloco.outer_momentum", str(momentum)), ("diloco.outer_lr_group_exponent", "0"),
+                             ("averaging.compression", "none")])
     return Stage(Vector(), stage_index=0, num_stages=1, inner_cfg=cfg.inner, diloco_cfg=cfg.diloco,
                  total_steps=100, averager=averager)
 

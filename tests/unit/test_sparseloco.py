@@ -211,7 +211,8 @@ def reference_sparseloco(deltas: list[list[list[torch.Tensor]]], k: int, beta: f
 def test_a_sparseloco_group_follows_algorithm_1_of_the_paper():
     k, beta, alpha, rounds, workers = 32, 0.9, 1.0, 4, 3
     cfg = load_config(None, [("diloco.mode", "none"), ("diloco.inner_steps", "1"), ("diloco.outer_lr", str(alpha)),
-                             ("diloco.outer_momentum", "0"), ("averaging.compression", "sparseloco"),
+                             ("diloco.outer_momentum", "0"), ("diloco.outer_lr_group_exponent", "0"),
+                             ("averaging.compression", "sparseloco"),
                              ("averaging.sparse_topk", str(k)), ("averaging.sparse_feedback_decay", str(beta)),
                              ("averaging.clip_ratio", "0"), ("averaging.outlier_norm_ratio", "0")])
     group = ExactGroup(workers, SHAPES, cfg.averaging)
