@@ -165,16 +165,16 @@ class DiLoCoConfig:
     """H: inner steps per round (outer step)."""
     outer_lr: float = 0.7
     """Learning rate of the outer Nesterov SGD for an average of 2 peers (and for a round that fell back)."""
-    outer_lr_group_exponent: float = 0.5
+    outer_lr_group_exponent: float = 0.0
     """How the outer step grows with the group that averaged a round: a group of g peers takes outer_lr * (g / 2) **
-    a, g capped at diloco.outer_lr_largest_group: with the defaults 0.7 for a pair, 0.86 for three, 0.99 for four or
-    more (docs/design.md 2.3; the DiLoCo scaling-law study, arXiv 2503.09799, finds the best outer lr growing with the
-    number of replicas, and so did benchmarks/quality.py from 2 to 4 workers: BENCHMARKS.md, "The outer step against
-    the group size"). Every member of a group sees the same g. 0: the same step for any group."""
+    a, g capped at diloco.outer_lr_largest_group; every member of a group sees the same g. 0 (the default): the same
+    step for any group. 0.5 (0.7 for a pair, 0.86 for three, 0.99 for four or more) learned 2-3% better on the tiny
+    model over 30 rounds with 4 and 8 peers, and 1% worse on the 3.35M-parameter model and 6-12% worse on runs of
+    8-20 rounds (docs/design.md 2.3; BENCHMARKS.md, "The outer step against the group size")."""
     outer_lr_largest_group: int = 4
-    """The largest group whose size still raises the outer step (larger groups take its step): where the tiny model's
-    best outer lr stopped growing (BENCHMARKS.md, "The outer step against the group size"); a crowd of identities
-    joining one group cannot raise the step past it."""
+    """With diloco.outer_lr_group_exponent > 0, the largest group whose size still raises the outer step (larger groups
+    take its step): where the tiny model's best outer lr stopped growing (BENCHMARKS.md, "The outer step against the
+    group size"); a crowd of identities joining one group cannot raise the step past it."""
     outer_momentum: float = 0.5
     """Momentum of the outer SGD (DiLoCo's 0.9 learns worse here: BENCHMARKS.md, "Learning quality")."""
     nesterov: bool = True

@@ -48,8 +48,9 @@ def summary(tmp_path, name: str, stage: int = 0) -> dict:
 SETTINGS = {
     # the defaults: one-step delay, adaptive compression (on the tiny model: blockwise int8)
     "delayed-adaptive": ["--diloco.mode", "delayed"],
-    # blocking DiLoCo, fp32
-    "none-fp32": ["--diloco.mode", "none", "--averaging.compression", "none"],
+    # blocking DiLoCo, fp32, with the outer step that grows with the group (design 2.3)
+    "none-fp32": ["--diloco.mode", "none", "--averaging.compression", "none",
+                  "--diloco.outer_lr_group_exponent", "0.5"],
     # eager overlap, adaptive compression with the tiny model's matrices in low rank
     "eager-lowrank": ["--diloco.mode", "eager", "--averaging.lowrank_min_size", "16384"],
     # SparseLoCo: top-k of each chunk at 2 bits, the paper's outer step (no momentum, alpha 1)
@@ -81,9 +82,9 @@ def test_three_peers_identical_anchors_and_runs_never_mix(tmp_path, processes, b
             assert [e["applied_round"] for e in rounds_seen] == list(range(rounds)), rounds_told(tmp_path, name)
             told = rounds_told(tmp_path, name)
             assert all(e["averaged"] and e["group_size"] == len(names) for e in rounds_seen), told
-            # the outer step grows with the group (design 2.3): 0.7 * (g / 2) ** 0.5 by default, the paper's 1.0 for
-            # SparseLoCo (exponent 0)
-            step = 1.0 if setting == "delayed-sparseloco" else 0.7 * (len(names) / 2) ** 0.5
+            # the outer step: 0.7 by default, 0.7 * (g / 2) ** 0.5 where it grows with the group (design 2.3), the
+            # paper's 1.0 for SparseLoCo
+            step = {"delayed-sparseloco": 1.0, "none-fp32": 0.7 * (len(names) / 2) ** 0.5}.get(setting, 0.7)
             assert all(e["outer_lr"] == pytest.approx(step) for e in rounds_seen), [e["outer_lr"] for e in rounds_seen]
             # the robust averaging does not take honest peers for hostile ones
             assert not [e["suspects"] for e in rounds_seen if any(set(r) & OFFENCES for r in e["suspects"].values())]

@@ -16,7 +16,7 @@ def write(tmp_path, text: str):
 def test_defaults_are_valid_and_diloco_defaults():
     cfg = load_config()
     assert cfg.diloco.outer_lr == 0.7 and cfg.diloco.outer_momentum == 0.5 and cfg.diloco.nesterov
-    assert cfg.diloco.outer_lr_group_exponent == 0.5 and cfg.diloco.outer_lr_largest_group == 4
+    assert cfg.diloco.outer_lr_group_exponent == 0 and cfg.diloco.outer_lr_largest_group == 4
     assert cfg.pipeline.stages == 1
 
 
