@@ -94,6 +94,37 @@ def test_a_served_state_is_the_one_the_donor_reaches_when_its_step_grows_with_th
     assert max((a - b).abs().max().item() for a, b in zip(alone, donor.anchor)) > 1e-4  # the step did grow
 
 
+def _group_rule_stage() -> Stage:
+    cfg = load_config(None, [("diloco.mode", "delayed"), ("diloco.outer_lr_group_exponent", "0.5")])
+    torch.manual_seed(0)
+    return Stage(Transformer(ModelArgs(**TINY_ARGS)), stage_index=0, num_stages=1, inner_cfg=cfg.inner,
+                 diloco_cfg=cfg.diloco, total_steps=100)
+
+
+def _step_with_group(group_size: int) -> list[torch.Tensor]:
+    """The anchor after a delayed round's average, averaged (as the all-reduce claims) in a group of ``group_size``."""
+    stage = _group_rule_stage()
+    stage.round_index = 1
+    stage.inner_step = stage.diloco_cfg.inner_steps
+    average = [torch.full_like(t, 0.01) for t in stage.anchor]
+    stage.pending = PendingRound(0, [torch.zeros_like(t) for t in stage.anchor], 1.0)
+    stage.pending.outcome = RoundOutcome(average=average, averaged=True, group_size=group_size, group_tokens=1.0)
+    stage.merge_now(RoundReport(1))
+    return stage.anchor
+
+
+@pytest.mark.parametrize("crowd", [5, 255, 10 ** 9])
+def test_identities_crowding_into_a_group_cannot_raise_the_outer_step_past_the_largest_group(crowd):
+    """With the group rule on, the group size is what the leader relays: a crowd of identities joining one group (up to
+    the 255 others a relayed group may hold, or any number a forged count could claim) steps the anchor exactly as
+    a group of diloco.outer_lr_largest_group (4) does, never further."""
+    capped = _step_with_group(4)
+    crowded = _step_with_group(crowd)
+    assert all(torch.equal(a, b) for a, b in zip(crowded, capped))
+    pair = _step_with_group(2)
+    assert max((a - b).abs().max().item() for a, b in zip(pair, capped)) > 1e-4  # the rule is on: 4 steps further
+
+
 def test_reload_becomes_the_donor_and_resync_keeps_local_progress():
     donor, peer = make_stage(seed=1), make_stage(seed=2)
     donor.round_index, donor.applied_round = 7, 6
