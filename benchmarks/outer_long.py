@@ -23,17 +23,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from outer_sweep import ROWS, Run  # noqa: E402
 from quality import mean_curve, tokens_to_reach  # noqa: E402
-
-ROWS = ("none/none", "delayed/adaptive")
-
-
-class Run:
-    """One seed of one row, as quality.json keeps it."""
-
-    def __init__(self, raw: dict):
-        self.seed, self.final = int(raw["seed"]), float(raw["final"])
-        self.curve = [tuple(p) for p in raw["curve"]]
 
 
 def read_runs(folders: list[Path], parser) -> dict[str, dict[int, Run]]:

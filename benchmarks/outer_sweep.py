@@ -29,6 +29,7 @@ class Run:
 
     def __init__(self, raw: dict):
         self.curve, self.final = [tuple(p) for p in raw["curve"]], raw["final"]
+        self.seed = int(raw.get("seed", 0))
 
 
 def load(folder: Path) -> tuple[dict, dict]:
