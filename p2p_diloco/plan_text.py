@@ -57,7 +57,8 @@ def _round_rows(plan: Plan) -> list[tuple[str, str, str]]:
          f"bytes x 8 / {p.bandwidth_mbit:g} Mbit/s + {p.latency_s:g} s latency"
          + (f" + {p.latency_per_peer_s:g} s x {p.num_peers} peers" if p.latency_per_peer_s else "")),
         ("compute time per round", format_seconds(plan.compute_s), f"H = {p.inner_steps} x {p.step_time_s:g} s"),
-        ("H that hides the transfer", f"{plan.min_inner_steps_to_hide:,}", "smallest H with transfer <= H x step time"),
+        ("H that hides the transfer", f"{plan.min_inner_steps_to_hide:,}", "smallest H with transfer <= H x step time; "
+         "a smaller H learns more per token"),
         ("bits/param that hide it", "none" if hiding is None else f"{hiding:.3g}",
          f"at H = {p.inner_steps}, now {p.bits_per_param:g}" + (" (the latency alone is longer)" * (hiding is None))),
     ]
