@@ -113,7 +113,7 @@ def main() -> None:
                               "speedup": speedup, "alone": alone, "data_parallel": dp,
                               "data_parallel_speedup": dp_speedup})
                 per_seed = " ".join(f"{by_seed[s].final:.4f}" for s in seeds)
-                lines.append(f"  {label:<22} {row:<17} seeds {','.join(map(str, seeds)):<6} {per_seed:<21} "
+                lines.append(f"  {label:<24} {row:<17} seeds {','.join(map(str, seeds)):<6} {per_seed:<21} "
                              f"mean {final:.4f}  gap {gap:4.0%}  speedup "
                              f"{f'{speedup:.2f}x' if speedup else '-':<6} (alone {alone:.4f}, data parallel "
                              f"{dp:.4f}, {dp_speedup:.2f}x)")
