@@ -60,7 +60,10 @@ def test_peers_behind_nat_average_every_round_and_a_newcomer_behind_it_downloads
             assert len({ends[name][r]["anchor_sha256"] for name in averaged}) == 1, (r, averaged)
         assert r < arrival.stop or r in ends["newcomer"], r  # once in, the newcomer ends every round with them
     assert any(e["averaged"] and e["group_size"] == len(FOUNDERS) + 1 for e in ends["newcomer"].values())
-    assert len({ends[name][rounds - 1]["anchor_sha256"] for name in ends}) == 1  # the run ends on one model
+    # the run ends on one model: the summary's anchor is the final one, so a peer whose last round fell back (late
+    # for its group on a busy machine, as allowed above) and then took the swarm's final state counts as on it
+    finals = {name: swarm.events(name, "summary")[-1]["anchor_sha256"] for name in ends}
+    assert len(set(finals.values())) == 1, finals
     first = swarm.events("newcomer", "round")[0]
     assert first["anchor_sha256"] == ends["public"][first["anchor_applied_round"]]["anchor_sha256"], first
 
