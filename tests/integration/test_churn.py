@@ -84,7 +84,11 @@ def test_killed_peer_restarted_on_its_checkpoint_is_back_in_sync(tmp_path, proce
     holds the survivors' anchor again within 2 rounds, and from then on any round it misses (a group formed
     without it on a loaded machine) is mended at the very next event (after a reload into a round still in flight,
     by the resync once the swarm has published it: see in_sync_after)."""
-    rounds = 10
+    # enough rounds that the survivors are still training when the restarted peer is up (about 10 s on a busy
+    # machine): in CI run 35 they reached the run's end first, and a peer behind refuses a finished donor's state
+    # (fetch.refusal), so it trained the rest alone. That case is a known gap of the resume path, not what this
+    # test is about (see the stop notes of issue 32)
+    rounds = 14
     args = {name: peer_args(tmp_path, name, bootstrap, "churn", rounds, 25, "--checkpoint.every_rounds", "1",
                             wait_for=3) for name in ("p0", "p1", "p2")}
     for name, arg in args.items():
