@@ -10,8 +10,9 @@ is about to start; the groupmates are waiting for this peer's parts).
 ``P2P_DILOCO_HOLD=<point>:<file>`` makes the process wait at ``hold_point(<point>)`` until ``<file>`` exists (it
 writes ``<file>.held`` when it gets there): a test starts a newcomer beside the swarm, so that its imports and its
 DHT's start-up overlap the others' rounds, and lets it join at the round the test wants, whatever the machine's
-load. Points: ``start`` (a stage process, its DHT up, before it reads the swarm's records), ``leave`` (after the
-run's end was agreed, before the DHT stops: a finished peer still serves its final state).
+load. Several, comma-separated, hold at each point in turn. Points: ``start`` (a stage process, its DHT up, before it
+reads the swarm's records), ``end`` (the last round ended and published, its average in flight not yet applied),
+``leave`` (after the run's end was agreed, before the DHT stops: a finished peer still serves its final state).
 
 A hostile peer's averager lies to its groupmates (a test hook for the robust aggregation of
 :mod:`p2p_diloco.swarm.averaging.robust`; the peer's own training is unchanged). Only tests and benchmarks turn it on,
@@ -94,13 +95,14 @@ def hold_point(name: str, poll_s: float = 0.1) -> None:
     spec = os.environ.get(HOLD_ENV)
     if not spec:
         return
-    point, _, path = spec.partition(":")
-    if point != name or not path:
-        return
-    with open(path + ".held", "a"):
-        pass
-    while not os.path.exists(path):
-        time.sleep(poll_s)
+    for hold in spec.split(","):
+        point, _, path = hold.partition(":")
+        if point != name or not path:
+            continue
+        with open(path + ".held", "a"):
+            pass
+        while not os.path.exists(path):
+            time.sleep(poll_s)
 
 
 class Honest:

@@ -243,7 +243,8 @@ def run_stage(cfg: Config, *, pipeline=None, reporter: Optional[Reporter] = None
                                               wait_s=donor_wait_s(cfg.averaging))
             sync = SwarmSync(stage, swarm, executor, cfg.run.run_id, download_timeout_s=cfg.train.state_timeout_s,
                              num_rounds=cfg.train.num_rounds, allowlist=cfg.averaging.allowlist,
-                             bootstrap=bootstrap_peer_ids(cfg.dht.initial_peers))
+                             bootstrap=bootstrap_peer_ids(cfg.dht.initial_peers),
+                             end_wait_s=cfg.averaging.round_timeout_s + cfg.averaging.allreduce_timeout_s)
             held[-1].swarm, held[-1].sync = swarm, sync
         first = held[0]
         trainer = Trainer(cfg, first.stage, executor, sampler, eval_data, swarm=first.swarm, output_dir=output_dir,

@@ -145,6 +145,7 @@ class Trainer:
                 for stage in self.stages:
                     stage.settle()  # a stop: keep the average in flight for the checkpoint, resume continues
             else:
+                hold_point("end")
                 self._flush()  # the end: apply the last round's average
                 self._leave()
                 hold_point("leave")

@@ -85,9 +85,9 @@ def test_killed_peer_restarted_on_its_checkpoint_is_back_in_sync(tmp_path, proce
     without it on a loaded machine) is mended at the very next event (after a reload into a round still in flight,
     by the resync once the swarm has published it: see in_sync_after)."""
     # enough rounds that the survivors are still training when the restarted peer is up (about 10 s on a busy
-    # machine): in CI run 35 they reached the run's end first, and a peer behind refuses a finished donor's state
-    # (fetch.refusal), so it trained the rest alone. That case is a known gap of the resume path, not what this
-    # test is about (see the stop notes of issue 32)
+    # machine), which is what this test is about: in CI run 35 they reached the run's end first (the restarted peer
+    # then trained the rest alone; it now takes their final state:
+    # test_peers_that_join_a_finishing_or_finished_run_take_its_final_state_...)
     rounds = 14
     args = {name: peer_args(tmp_path, name, bootstrap, "churn", rounds, 25, "--checkpoint.every_rounds", "1",
                             wait_for=3) for name in ("p0", "p1", "p2")}
@@ -162,23 +162,41 @@ def test_newcomer_downloads_the_swarms_state(tmp_path, processes, bootstrap):
     assert summary(tmp_path, "new")["rounds_completed"] <= rounds - 2
 
 
-def test_a_peer_that_joins_a_finished_run_takes_its_final_state_and_one_after_its_peers_left_is_told(
+def test_peers_that_join_a_finishing_or_finished_run_take_its_final_state_and_one_after_its_peers_left_is_told(
         tmp_path, processes, bootstrap):
-    """Two peers finish a run of 3 rounds and stay (held after the end); a newcomer of the same run, started then,
-    trains nothing: it downloads the final state, and ends on the founders' final anchor. Once the founders have left
-    (their records still in the DHT), another newcomer stops at once with an error saying the run is over, instead of
-    training the whole run alone on a model nobody else holds."""
+    """Two peers train a run of 3 rounds and are held twice: after their last round's end, its average in flight
+    (delayed mode: their records say round 3, the last round not yet applied), and after the end was agreed.
+    - A newcomer started at the first hold is behind a swarm with no round left to reload into (a donor's state at
+      the run's end is refused to a stage behind it): it waits for the founders to apply their last round, takes
+      their final state and trains nothing. Before the fix it trained the whole run alone, as a peer restarted on
+      its checkpoint just as its groupmates finished did in CI (the same path: behind at its start).
+    - A newcomer started at the second hold (the run over) takes the final state at once and trains nothing.
+    - Once the founders have left (their records still in the DHT), a third newcomer stops at once with an error
+      saying the run is over, instead of training the whole run alone on a model nobody else holds."""
     rounds = 3
-    goes = {name: tmp_path / f"{name}.go" for name in ("p0", "p1", "new", "late")}
+    names = ("p0", "p1", "mid", "new", "late")
+    goes = {name: tmp_path / f"{name}.go" for name in names}
+    ended = {name: tmp_path / f"{name}.ended" for name in ("p0", "p1")}
     for name in ("p0", "p1"):
         processes.start(name, *peer_args(tmp_path, name, bootstrap, "over", rounds, 10, wait_for=2),
-                        env=dict(os.environ, **{HOLD_ENV: f"leave:{goes[name]}"}))
-    for name in ("new", "late"):  # started now (their imports beside the founders' run), held until their turn
+                        env=dict(os.environ, **{HOLD_ENV: f"end:{ended[name]},leave:{goes[name]}"}))
+    for name in ("mid", "new", "late"):  # started now (their imports beside the founders' run), held until their turn
         processes.start(name, *peer_args(tmp_path, name, bootstrap, "over", rounds, 10, wait_for=2),
                         env=dict(os.environ, **{HOLD_ENV: f"start:{goes[name]}"}))
+
+    def held(path: Path, name: str) -> None:
+        wait_until(lambda: Path(f"{path}.held").exists(), 240, processes.procs[name], lambda: processes.log(name))
+
     for name in ("p0", "p1"):
-        wait_until(lambda name=name: Path(f"{goes[name]}.held").exists(), 240, processes.procs[name],
-                   lambda name=name: processes.log(name))
+        held(ended[name], name)
+    goes["mid"].touch()
+    wait_until(lambda: "Behind a swarm at the run's end" in processes.log("mid"), 120, processes.procs["mid"],
+               lambda: processes.log("mid"))
+    for name in ("p0", "p1"):
+        ended[name].touch()
+    for name in ("p0", "p1"):
+        held(goes[name], name)
+    assert processes.wait("mid", timeout=240) == 0, processes.log("mid")[-3000:]
     goes["new"].touch()
     assert processes.wait("new", timeout=240) == 0, processes.log("new")[-3000:]
     for name in ("p0", "p1"):
@@ -186,11 +204,12 @@ def test_a_peer_that_joins_a_finished_run_takes_its_final_state_and_one_after_it
         assert processes.wait(name, timeout=120) == 0, processes.log(name)[-3000:]
     final = {summary(tmp_path, name)["anchor_sha256"] for name in ("p0", "p1")}
     assert len(final) == 1, final
-    new = summary(tmp_path, "new")
-    assert new["anchor_sha256"] in final and new["reloads"] == 1, new
-    syncs = events(tmp_path, "new", "sync")
-    assert [s["action"] for s in syncs] == ["reload"] and "the run ended" in syncs[0]["reason"], syncs
-    assert events(tmp_path, "new", "round") == [], "the newcomer trained a round of a finished run"
+    for name in ("mid", "new"):
+        joined = summary(tmp_path, name)
+        assert joined["anchor_sha256"] in final and joined["reloads"] == 1, (name, joined)
+        syncs = events(tmp_path, name, "sync")
+        assert [s["action"] for s in syncs] == ["reload"] and "the run ended" in syncs[0]["reason"], (name, syncs)
+        assert events(tmp_path, name, "round") == [], f"{name} trained a round of a finished run"
 
     goes["late"].touch()
     assert processes.wait("late", timeout=240) != 0, processes.log("late")[-3000:]

@@ -176,6 +176,57 @@ def test_a_finished_run_is_taken_only_when_most_believed_peers_finished_it_and_a
     assert not sync.events and peer.round_index == 5
 
 
+class Finishing(FakeSwarm):
+    """A swarm on its last round's averaging: its records name the round past the run's end, the last round not yet
+    applied; after ``polls`` reads they have applied it."""
+
+    def __init__(self, before, after, polls):
+        super().__init__(before)
+        self.after, self.polls = after, polls
+
+    def others(self):
+        self.polls -= 1
+        return self.records if self.polls >= 0 else self.after
+
+
+def test_a_peer_behind_a_swarm_finishing_the_run_waits_for_its_final_state(monkeypatch):
+    """The swarm trained its last round (records: round 20 of 20) and is still averaging it (applied 18). No round
+    is left to reload into: a donor's state there is refused (past the run's end), and the peer trained the rest of
+    the run alone on another model. It now waits for the swarm to apply the last round and takes its final state,
+    with nothing left to train; it announces the swarm's round first (a finishing peer waits for a peer on the
+    last round before it leaves). Where the final state does not come within the bound, nothing is downloaded and
+    the peer trains on (it tries again after its round)."""
+    monkeypatch.setattr("p2p_diloco.training.sync.END_POLL_S", 0.01)
+    finished, averaging = state_at(20, 19), state_at(20, 18)
+    before = [Record(20, 18, fingerprint(averaging), node=n) for n in ("a", "b")]
+    after = [Record(20, 19, fingerprint(finished), node=n) for n in ("a", "b")]
+    for resumed, (round_index, applied) in ((False, (0, -1)), (True, (4, 3)), (True, (18, 17))):
+        peer = make_stage()
+        peer.round_index, peer.applied_round = round_index, applied
+        peer.inner_step = round_index * peer.diloco_cfg.inner_steps
+        peer.averager = Donors({"a": finished, "b": finished})
+        swarm = Finishing(before, after, polls=5)
+        sync = SwarmSync(peer, swarm, OneStage(), "run", download_timeout_s=5, num_rounds=20, verify_wait_s=0.0,
+                         end_wait_s=30.0)
+        if round_index == 18:
+            sync.after_round()  # behind after its round 17 (a peer on round 19 would still join its average)
+        else:
+            sync.at_start(resumed=resumed)
+        assert [e["action"] for e in sync.events] == ["reload"] and "the run ended" in sync.events[0]["reason"]
+        assert (peer.round_index, peer.applied_round) == (20, 19)
+        assert peer.inner_step == 20 * peer.diloco_cfg.inner_steps  # the trainer's loop: nothing left
+        assert fingerprint(peer.shareable_state("run")) == fingerprint(finished)
+        assert swarm.published and swarm.published[0] == 20
+        assert peer.averager.asked in (["a"], ["b"]), peer.averager.asked  # the final state only, once
+
+    peer = make_stage()
+    peer.averager = Donors({"a": averaging, "b": averaging})
+    sync = SwarmSync(peer, FakeSwarm(before), OneStage(), "run", download_timeout_s=5, num_rounds=20,
+                     verify_wait_s=0.0, end_wait_s=0.2)
+    sync.at_start(resumed=False)
+    assert not sync.events and peer.averager.asked == [] and peer.round_index == 0
+
+
 def test_a_resync_checks_the_whole_anchor_at_any_round():
     """The resync took a donor's anchor unchecked unless it was for the diverged round itself."""
     honest = state_at(8, 7)
