@@ -17,6 +17,7 @@ R=benchmarks/results
   --point "4:lr 1.5, momentum 0.25=$R/quality-tiny-k4-lr1.5-m0.25" \
   --point "4:lr 0.4, momentum 0.8=$R/quality-tiny-k4-lr0.4-m0.8" \
   --point "4:H 10 (150 rounds)=$R/quality-tiny-k4-h10,$R/quality-tiny-k4-h10-s12" \
+  --point "4:H 20 (75 rounds)=$R/quality-tiny-k4-h20" \
   --point "4:H 25 (60 rounds)=$R/quality-tiny-k4-h25,$R/quality-tiny-k4-h25-s12" \
   --point "4:H 100 (15 rounds)=$R/quality-tiny-k4-h100" \
   --point "8:lr 0.7=$R/quality-tiny-k8-seeds" \
