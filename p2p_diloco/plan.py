@@ -35,6 +35,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any, Optional
 
 from p2p_diloco.config.errors import ConfigError
+from p2p_diloco.config.sections import DiLoCoConfig
 
 PAPER = "DiLoCoX paper (arXiv 2506.21263)"
 PAPER_NUM_PARAMS = 107e9
@@ -44,14 +45,15 @@ PAPER_SPEEDUP = 357.0
 # Our assumptions for what the paper does not state in a form we can use, as (field, value, why).
 # The paper's example infrastructure is 2 decentralized clusters, each PP=8 (its Figure 1), and its run
 # used 160 A800 GPUs, i.e. 80 per cluster. The step time is ours: 6 * 107e9 FLOPs per token, ~155k tokens
-# per inner step per cluster, 80 A800 at 312 TFLOP/s bf16 and 40% MFU -> ~10 s. H = 50 is this project's
-# default. Bits stay fp32 (no compression) so that the table shows what overlap alone buys; the paper's
-# 357x includes its adaptive low-rank + low-bit compression, see "bits/param that hide" for that budget.
+# per inner step per cluster, 80 A800 at 312 TFLOP/s bf16 and 40% MFU -> ~10 s. H = 50 (this project's
+# default before issue 32 measured H on a real link; a round of about 8 minutes here). Bits stay fp32 (no
+# compression) so that the table shows what overlap alone buys; the paper's 357x includes its adaptive low-rank
+# + low-bit compression, see "bits/param that hide" for that budget.
 PAPER_ASSUMPTIONS: tuple[tuple[str, Any, str], ...] = (
     ("num_peers", 2, "2 decentralized clusters, as in the paper's Figure 1"),
     ("num_stages", 8, "PP = 8 per cluster, as in the paper's Figure 1 (does not change the bytes)"),
     ("step_time_s", 10.0, "our guess: ~155k tokens per inner step on 80 A800s at 40% MFU; the paper gives none"),
-    ("inner_steps", 50, "this project's default H"),
+    ("inner_steps", 50, "a round of about 8 minutes of compute at that step time"),
     ("bits_per_param", 32.0, "fp32, no compression: overlap alone; the paper's 357x also compresses"),
 )
 
@@ -77,8 +79,8 @@ class PlanInputs:
     """Per-peer link rate in Mbit/s (10^6 bit/s), full duplex."""
     step_time_s: float = 1.0
     """Seconds of compute per inner step."""
-    inner_steps: int = 50
-    """Inner steps per round (H)."""
+    inner_steps: int = DiLoCoConfig.inner_steps
+    """Inner steps per round (H); default this project's."""
     bits_per_param: float = 32.0
     """Bits on the wire per parameter of the pseudo-gradient (32 = fp32, 16 = fp16)."""
     allreduce_bits: float = 32.0

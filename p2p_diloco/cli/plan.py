@@ -11,6 +11,8 @@ import argparse
 import json
 from typing import TYPE_CHECKING
 
+from p2p_diloco.config.sections import DiLoCoConfig
+
 if TYPE_CHECKING:
     from p2p_diloco.plan import PlanInputs
 
@@ -45,7 +47,8 @@ def register(subparsers) -> None:
     swarm.add_argument("--bandwidth-mbit", type=float, metavar="B",
                        help="per-peer link rate in Mbit/s, full duplex (default 1000)")
     swarm.add_argument("--step-time", type=float, metavar="S", help="seconds of compute per inner step (default 1)")
-    swarm.add_argument("--h", type=int, metavar="H", help="inner steps per round (default 50)")
+    swarm.add_argument("--h", type=int, metavar="H", help=f"inner steps per round (default {DiLoCoConfig.inner_steps}, "
+                       "this project's)")
     swarm.add_argument("--bits-per-param", type=float, metavar="b",
                        help="bits on the wire per parameter of the pseudo-gradient (default 32 = fp32; fp16 is 16)")
     swarm.add_argument("--allreduce-bits", type=float, metavar="b",

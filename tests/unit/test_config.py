@@ -96,7 +96,7 @@ def test_describe_lists_every_key_with_its_doc():
     text = describe_config()
     for section in Config.__dataclass_fields__:
         assert f"[{section}]" in text
-    assert "diloco.inner_steps = 50" in text and "H: inner steps per round" in text
+    assert "diloco.inner_steps = 20" in text and "H: inner steps per round" in text
 
 
 def test_streaming_is_on_by_default_with_fragments_and_a_round_too_short_for_them_says_what_to_set():

@@ -573,7 +573,7 @@ def fragment_stages(seed: int = 0, num_fragments: int = 2) -> list[Stage]:
     """The fragments of the tiny model, each a Stage of its own over the same module (as a P = 1 peer holds them)."""
     from p2p_diloco.model.fragments import FragmentView, fragment_parts, split_parameters
 
-    cfg = load_config(None, [("diloco.mode", "delayed")])
+    cfg = load_config(None, [("diloco.mode", "delayed"), ("diloco.inner_steps", "50")])  # the steps the tests name
     torch.manual_seed(seed)
     model = Transformer(ModelArgs(**TINY_ARGS))
     parts = fragment_parts(model.args, num_fragments)
