@@ -164,9 +164,9 @@ class DiLoCoConfig:
     inner_steps: int = 20
     """H: inner steps per round (outer step). A smaller H learns more per token at proportionally more bytes per token
     (tiny model, 4 peers, 1,500 steps: H = 10 closed 79% of the gap between one peer alone and per-step data parallel,
-    H = 50 36%), and on a 10 Mbit/s link with the 3.35M-parameter model H = 20 reached every target loss sooner in
-    time than H = 40 (BENCHMARKS.md, "How often the swarm averages"). A larger model or a slower link needs a larger
-    H: take the smallest H whose transfer the link hides (`p2p-diloco plan`, "H that hides the transfer")."""
+    H = 20 63%, H = 50 36%), and on a 10 Mbit/s link with the 3.35M-parameter model H = 20 reached every target loss
+    sooner in time than H = 40 (BENCHMARKS.md, "How often the swarm averages"). A larger model or a slower link needs
+    a larger H: take the smallest H whose transfer the link hides (`p2p-diloco plan`, "H that hides the transfer")."""
     outer_lr: float = 0.7
     """Learning rate of the outer Nesterov SGD for an average of 2 peers (and for a round that fell back)."""
     outer_lr_group_exponent: float = 0.0
