@@ -8,6 +8,7 @@ R=benchmarks/results
   --point "2:lr 0.7 = the rule=$R/quality-tiny-k2-seeds" \
   --point "2:lr 1.0=$R/quality-tiny-k2-lr1.0" \
   --point "2:H 10 (150 rounds)=$R/quality-tiny-k2-h10" \
+  --point "2:H 20 (75 rounds)=$R/quality-tiny-k2-h20" \
   --point "4:lr 0.5=$R/quality-tiny-lr0.5" \
   --point "4:lr 0.7=$R/quality-tiny-seeds" \
   --point "4:lr 1.0=$R/quality-tiny-k4-lr1.0,$R/quality-tiny-k4-lr1.0-s12" \
@@ -24,4 +25,5 @@ R=benchmarks/results
   --point "8:lr 1.0=$R/quality-tiny-k8-lr1.0" \
   --point "8:the rule (lr 0.99)=$R/quality-tiny-k8-ge" \
   --point "8:lr 1.4=$R/quality-tiny-k8-lr1.4" \
-  --point "8:H 10 (150 rounds)=$R/quality-tiny-k8-h10"
+  --point "8:H 10 (150 rounds)=$R/quality-tiny-k8-h10" \
+  --point "8:H 20 (75 rounds)=$R/quality-tiny-k8-h20"
