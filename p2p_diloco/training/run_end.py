@@ -201,17 +201,21 @@ class RunEnd:
             lambda tensors, vouched: None if vouched else "the peers this stage believes do not vouch for it",
             at_round=self.sync.num_rounds)
 
-    def take_at_start(self, state) -> None:
-        """Become the holder of the final ``state`` at the run's last inner step: nothing is left to train."""
+    def take_at_start(self, state, behind: bool = False) -> None:
+        """Become the holder of the final ``state`` at the run's last inner step: nothing is left to train.
+        ``behind``: the peer was training, rounds behind the swarm, rather than starting."""
         sync = self.sync
-        sync.take_reload(state, f"the run ended (round {self.last} applied by the swarm) before this peer joined: "
-                                "its final state", sync.num_rounds * sync.stage.diloco_cfg.inner_steps)
+        when = "while this peer was behind" if behind else "before this peer joined"
+        sync.take_reload(state, f"the run ended (round {self.last} applied by the swarm) {when}: its final state",
+                         sync.num_rounds * sync.stage.diloco_cfg.inner_steps)
 
-    def over_error(self) -> SwarmError:
-        """What stops a peer that found the run over and its final state out of reach."""
+    def over_error(self, behind: bool = False) -> SwarmError:
+        """What stops a peer that found the run over and its final state out of reach (``behind``: while training,
+        rounds behind the swarm, rather than at its start)."""
         sync = self.sync
+        done = "This peer's checkpoints are kept." if behind else "Nothing was trained."
         return SwarmError(
             f"run {sync.fetcher.run_id} is over: the peers of this stage that this one believes have applied its last "
             f"round ({sync.num_rounds} rounds), and no peer holding its final state served it (they may have left; "
-            f"their records outlive them by minutes). Nothing was trained. To train, start a new run (another "
+            f"their records outlive them by minutes). {done} To train, start a new run (another "
             f"--run-id), or go on with this one past its end with a larger --train.num_rounds on every peer")

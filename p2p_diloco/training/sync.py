@@ -279,7 +279,7 @@ class SyncGroup:
         if not self._take_the_end():
             self._reload_if_behind([sync.behind_at_start(resumed) for sync in self.syncs])
 
-    def _take_the_end(self) -> bool:
+    def _take_the_end(self, behind: bool = False) -> bool:
         """Where the run is over for every unit of the peer, take its final state and skip to the end
         (:meth:`RunEnd.take_at_start`, every unit of every stage or none); whether it was taken."""
         finals = [sync.end.final_at_start() for sync in self.syncs]
@@ -287,9 +287,9 @@ class SyncGroup:
             return False
         states = [sync.end.download_at_start(final) for sync, final in zip(self.syncs, finals)]
         if self.executor.any_stage(None in states):
-            raise self.syncs[0].end.over_error()
+            raise self.syncs[0].end.over_error(behind)
         for sync, state in zip(self.syncs, states):
-            sync.end.take_at_start(state)
+            sync.end.take_at_start(state, behind)
         return True
 
     def _wait_for_the_end(self, swarm_rounds: list[int]) -> None:
@@ -309,7 +309,7 @@ class SyncGroup:
                     f"final state")
         deadline = time.monotonic() + bound
         while True:
-            if self._take_the_end():
+            if self._take_the_end(behind=True):
                 return
             if self.executor.any_stage(time.monotonic() >= deadline):
                 break

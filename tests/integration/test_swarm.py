@@ -148,7 +148,9 @@ def test_a_last_round_split_into_groups_still_ends_on_one_model(tmp_path, proces
     the pair and applies its own pseudo-gradient. After earlier rounds the resync brings it back onto the pair's
     anchor; after the last one no round is left for that, and the run used to end on two models. Now the peers off
     the canonical final anchor take it at the end: the three final anchors are bit-identical, and the peer that
-    took it says so in a resync row after its last round."""
+    took it says so in a resync row after its last round. On a busy machine the peer left out of round 0 can fall a
+    whole round behind the pair, which then finishes the run (6-step rounds): that peer takes the pair's final state
+    by a reload instead of training the last round alone (CI), and the run ends on one model all the same."""
     rounds, h = 2, 6
     names = ["s0", "s1", "s2"]
     for name in names:
@@ -156,17 +158,24 @@ def test_a_last_round_split_into_groups_still_ends_on_one_model(tmp_path, proces
                                          "--averaging.target_group_size", "2", wait_for=3))
     for name in names:
         assert processes.wait(name, timeout=360) == 0, processes.log(name)[-3000:]
-    last = [applied(tmp_path, name)[-1] for name in names]
-    assert [e["applied_round"] for e in last] == [rounds - 1] * 3
-    assert max(e["group_size"] for e in last) <= 2, [rounds_told(tmp_path, name) for name in names]
-    # the last round left the swarm on at least two anchors...
-    assert len({e["anchor_sha256"] for e in last}) >= 2, [rounds_told(tmp_path, name) for name in names]
-    # ...and it ends on one
+    told = [rounds_told(tmp_path, name) for name in names]
+    syncs = {name: events(tmp_path, name, "sync") for name in names}
+    behind = [name for name in names
+              if any(e["action"] == "reload" and "the run ended" in e["reason"] for e in syncs[name])]
+    trained = [name for name in names if name not in behind]
+    assert len(trained) >= 2, (told, syncs)
+    last = [applied(tmp_path, name)[-1] for name in trained]
+    assert [e["applied_round"] for e in last] == [rounds - 1] * len(trained), told
+    assert max(e["group_size"] for e in last) <= 2, told
     finals = {name: summary(tmp_path, name)["anchor_sha256"] for name in names}
-    assert len(set(finals.values())) == 1, finals
-    at_end = [e for name in names for e in events(tmp_path, name, "sync")
-              if e["action"] == "resync" and e["inner_step"] == rounds * h]
-    assert at_end, [events(tmp_path, name, "sync") for name in names]
+    assert len(set(finals.values())) == 1, finals  # it ends on one model
+    if behind:  # the pair's final state, at the run's last step, with no round of its own after round 0
+        assert all(summary(tmp_path, name)["inner_steps"] == rounds * h for name in behind), syncs
+        return
+    # the last round left the swarm on at least two anchors, and the peer off the final one took it at the end
+    assert len({e["anchor_sha256"] for e in last}) >= 2, told
+    at_end = [e for name in names for e in syncs[name] if e["action"] == "resync" and e["inner_step"] == rounds * h]
+    assert at_end, syncs
 
 
 def test_two_groups_that_never_met_still_end_on_one_model(tmp_path, processes, bootstrap):
