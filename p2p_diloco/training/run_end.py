@@ -219,3 +219,47 @@ class RunEnd:
             f"round ({sync.num_rounds} rounds), and no peer holding its final state served it (they may have left; "
             f"their records outlive them by minutes). {done} To train, start a new run (another "
             f"--run-id), or go on with this one past its end with a larger --train.num_rounds on every peer")
+
+
+# ---- the peer's units together (every unit of every stage of the peer, or none: SyncGroup's collectives) ----------
+END_POLL_S = 1.0  # how often a peer behind a swarm at the run's end reads the records for its final state
+
+
+def take_the_end(syncs, executor, behind: bool = False) -> bool:
+    """Where the run is over for every unit of the peer, take its final state and skip to the end
+    (:meth:`RunEnd.take_at_start`, every unit of every stage or none); whether it was taken. ``behind``: the peer was
+    training, rounds behind the swarm, rather than starting."""
+    finals = [sync.end.final_at_start() for sync in syncs]
+    if executor.any_stage(None in finals):
+        return False
+    states = [sync.end.download_at_start(final) for sync, final in zip(syncs, finals)]
+    if executor.any_stage(None in states):
+        raise syncs[0].end.over_error(behind)
+    for sync, state in zip(syncs, states):
+        sync.end.take_at_start(state, behind)
+    return True
+
+
+def wait_for_the_end(syncs, executor, swarm_rounds: list[int]) -> None:
+    """Behind a swarm that has trained the run's last round: no round is left to reload into (a donor's state at the
+    run's end is refused to a stage behind it, :meth:`StateFetcher.refusal`), so take the run's final state once most
+    believed peers have applied the last round (:func:`take_the_end`, as a peer that starts after the end does),
+    polling until then, at most the units' ``end_wait_s``. The peer announces the swarm's round first: a finishing
+    peer waits for a peer on the last round to apply it before it leaves (:meth:`RunEnd.step`), so the holders of the
+    final state are still there to serve it. Where it does not come in time, the peer trains its round and tries
+    again after it (and stops with the run-over error once the holders have left). Before this, a peer restarted on
+    its checkpoint just as its groupmates finished the run trained the rounds left alone and ended on another model."""
+    for sync, swarm_round in zip(syncs, swarm_rounds):
+        sync.swarm.announce(sync.stage.position(), max(swarm_round, sync.stage.round_index))
+    bound = max(sync.end_wait_s for sync in syncs)
+    logger.info(f"Behind a swarm at the run's end (round {max(swarm_rounds)}): waiting up to {bound:.0f} s for its "
+                f"final state")
+    deadline = time.monotonic() + bound
+    while True:
+        if take_the_end(syncs, executor, behind=True):
+            return
+        if executor.any_stage(time.monotonic() >= deadline):
+            break
+        time.sleep(END_POLL_S)
+    logger.warning(f"The swarm is at the run's end but its final state could not be had within {bound:.0f} s; "
+                   f"trying again after the next round")

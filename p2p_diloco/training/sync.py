@@ -49,7 +49,7 @@ from p2p_diloco.medians import lower_median
 from p2p_diloco.round.stage import Stage
 from p2p_diloco.swarm.discovery.progress import moved_past
 from p2p_diloco.training.fetch import StateFetcher
-from p2p_diloco.training.run_end import RunEnd
+from p2p_diloco.training.run_end import RunEnd, take_the_end, wait_for_the_end
 from p2p_diloco.training.witnesses import Witnesses, anchor_votes, canonical_of
 
 logger = logging.getLogger(__name__)
@@ -57,7 +57,6 @@ REMEMBERED_ROUNDS = 4
 # a peer's stage processes agree on one reload point this many times at most, downloading again the states a round
 # behind the others' in between; then they train the round and try again after it
 RELOAD_ATTEMPTS = 3
-END_POLL_S = 1.0  # how often a stage behind a swarm at the run's end reads the records for its final state
 
 
 class SwarmSync:
@@ -76,7 +75,8 @@ class SwarmSync:
         verify_wait_s: how long a downloaded state may wait for the records that vouch for its anchor (a donor serves
             its anchor after an average it has not published yet; the records follow within a few steps).
         end_wait_s: how long a stage behind a swarm that trained the run's last round waits for the swarm to apply
-            it, to take the final state (:meth:`SyncGroup._wait_for_the_end`): the bound of that round's averaging.
+            it, to take the final state (:func:`~p2p_diloco.training.run_end.wait_for_the_end`): the bound of that
+            round's averaging.
     """
 
     def __init__(self, stage: Stage, swarm, executor, run_id: str, download_timeout_s: float,
@@ -276,46 +276,8 @@ class SyncGroup:
         self.syncs, self.executor = syncs, executor
 
     def at_start(self, resumed: bool) -> None:
-        if not self._take_the_end():
+        if not take_the_end(self.syncs, self.executor):
             self._reload_if_behind([sync.behind_at_start(resumed) for sync in self.syncs])
-
-    def _take_the_end(self, behind: bool = False) -> bool:
-        """Where the run is over for every unit of the peer, take its final state and skip to the end
-        (:meth:`RunEnd.take_at_start`, every unit of every stage or none); whether it was taken."""
-        finals = [sync.end.final_at_start() for sync in self.syncs]
-        if self.executor.any_stage(None in finals):
-            return False
-        states = [sync.end.download_at_start(final) for sync, final in zip(self.syncs, finals)]
-        if self.executor.any_stage(None in states):
-            raise self.syncs[0].end.over_error(behind)
-        for sync, state in zip(self.syncs, states):
-            sync.end.take_at_start(state, behind)
-        return True
-
-    def _wait_for_the_end(self, swarm_rounds: list[int]) -> None:
-        """Behind a swarm that has trained the run's last round: no round is left to reload into (a donor's state
-        at the run's end is refused to a stage behind it, :meth:`StateFetcher.refusal`), so take the run's final
-        state once most believed peers have applied the last round (:meth:`_take_the_end`, as a peer that starts
-        after the end does), polling until then, at most ``end_wait_s``. The peer announces the swarm's round
-        first: a finishing peer waits for a peer on the last round to apply it before it leaves
-        (:meth:`RunEnd.step`), so the holders of the final state are still there to serve it. Where it does not
-        come in time, the peer trains its round and tries again after it (and stops with the run-over error once
-        the final state's holders have left). Before this, a peer restarted on its checkpoint just as its
-        groupmates finished the run trained the rounds left alone and ended on another model."""
-        for sync, swarm_round in zip(self.syncs, swarm_rounds):
-            sync.swarm.announce(sync.stage.position(), max(swarm_round, sync.stage.round_index))
-        bound = max(sync.end_wait_s for sync in self.syncs)
-        logger.info(f"Behind a swarm at the run's end (round {max(swarm_rounds)}): waiting up to {bound:.0f} s for its "
-                    f"final state")
-        deadline = time.monotonic() + bound
-        while True:
-            if self._take_the_end(behind=True):
-                return
-            if self.executor.any_stage(time.monotonic() >= deadline):
-                break
-            time.sleep(END_POLL_S)
-        logger.warning(f"The swarm is at the run's end but its final state could not be had within {bound:.0f} s; "
-                       f"trying again after the next round")
 
     def after_round(self) -> None:
         if not self._reload_if_behind([sync.behind_after_round() for sync in self.syncs]):
@@ -354,7 +316,7 @@ class SyncGroup:
         swarm_rounds = [swarm_round for _, _, swarm_round in decisions]
         if self.executor.any_stage(any(sync.num_rounds is not None and swarm_round >= sync.num_rounds
                                        for sync, swarm_round in zip(self.syncs, swarm_rounds))):
-            self._wait_for_the_end(swarm_rounds)
+            wait_for_the_end(self.syncs, self.executor, swarm_rounds)
             return True
         states = self._download_all(swarm_rounds)
         for attempt in range(RELOAD_ATTEMPTS):

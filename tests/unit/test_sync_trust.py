@@ -196,7 +196,7 @@ def test_a_peer_behind_a_swarm_finishing_the_run_waits_for_its_final_state(monke
     with nothing left to train; it announces the swarm's round first (a finishing peer waits for a peer on the
     last round before it leaves). Where the final state does not come within the bound, nothing is downloaded and
     the peer trains on (it tries again after its round)."""
-    monkeypatch.setattr("p2p_diloco.training.sync.END_POLL_S", 0.01)
+    monkeypatch.setattr("p2p_diloco.training.run_end.END_POLL_S", 0.01)
     finished, averaging = state_at(20, 19), state_at(20, 18)
     before = [Record(20, 18, fingerprint(averaging), node=n) for n in ("a", "b")]
     after = [Record(20, 19, fingerprint(finished), node=n) for n in ("a", "b")]
