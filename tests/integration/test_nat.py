@@ -25,9 +25,9 @@ def test_peers_behind_nat_average_every_round_and_a_newcomer_behind_it_downloads
     group, and hold bit-identical anchors after each round. A client-mode newcomer behind the NAT joins the running
     swarm: it downloads the state, its first round ends on the others' anchor, it averages with them after, and the
     run ends on one model. (On a busy machine a peer a few seconds late may miss a round's group, NAT or not: at
-    most two, never two in a row; a peer nobody could reach would miss them all.) A peer behind the NAT
-    with none of these options is refused at start with a message naming what to set, not left to time out. Every
-    namespace is gone after."""
+    most two, never two in a row, and it may reload the swarm's state past the next; a peer nobody could reach would
+    miss them all.) A peer behind the NAT with none of these options is refused at start with a message naming what
+    to set, not left to time out. Every namespace is gone after."""
     rounds = 16  # the newcomer (started after the first round) needs several rounds of a busy machine to start
     common = TINY + ["--train.num_rounds", str(rounds), "--diloco.inner_steps", "10"]
     with NATNetwork() as net:
@@ -49,7 +49,12 @@ def test_peers_behind_nat_average_every_round_and_a_newcomer_behind_it_downloads
         told = name + ":\n" + "\n".join(str({k: e.get(k) for k in ("applied_round", "averaged", "group_size",
                                                                     "fallback_reason")}) for e in by_round.values())
         if name != "newcomer":
-            assert sorted(by_round) == list(range(rounds)), told
+            # a founder ends every round, or skips one only by reloading the swarm's state past it: late for round
+            # 0's group on a busy machine, it ends round 0 alone, finds the others a round ahead and reloads
+            reloads = [e for e in swarm.events(name, "sync") if e["action"] == "reload"]
+            skipped = sorted(set(range(rounds)) - set(by_round))
+            assert len(skipped) <= 2 and all(any(e["applied_round"] >= r for e in reloads) for r in skipped), \
+                (told, reloads)
         # on a busy machine a peer a few seconds late can miss a round's group (NAT or not); it is back at the next
         missed = [r for r, e in by_round.items() if not e["averaged"]]
         assert len(missed) <= 2 and not any(r + 1 in missed for r in missed), told
