@@ -100,11 +100,9 @@ def test_compressed_rounds_agree_and_feed_back(swarm, scheme):
     """Compressed averaging: bit-identical results on every peer, equal to the weighted mean of what each peer
     sent (its contribution minus the residual it gets back); the low-rank schemes warm-start from round 2 on."""
     dhts, averagers = swarm
-    # CenteredClip off: this test is about the codecs and the feedback, and the clip bounds a part's influence by
-    # its distance to the coordinate-wise median, which for sparse parts of random data is often zero where the
-    # senders' supports differ: it clipped an honest sparseloco part in about one run in three (CI run 38), so the
-    # average was not the plain mean. The clip has tests of its own (test_robust.py, test_byzantine.py)
-    cfg = dataclasses.replace(CFG, compression=scheme, rank=4, lowrank_min_size=1000, clip_ratio=0.0)
+    # with the robust rule's CenteredClip on: it clipped an honest sparseloco part of the 27-value tensor (1 value
+    # kept per sender) in about one run in three (CI run 38) until parts of so few values were no longer clipped
+    cfg = dataclasses.replace(CFG, compression=scheme, rank=4, lowrank_min_size=1000)
     group = make(dhts, averagers, cfg=cfg)
     weights = [1.0, 2.0, 3.0]
     for round_index in range(2):

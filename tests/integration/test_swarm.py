@@ -63,7 +63,8 @@ SETTINGS = {
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_three_peers_identical_anchors_and_runs_never_mix(tmp_path, processes, bootstrap, setting):
     """3 peers of run A train 4 rounds (next to 2 peers of run B with the defaults): A averages in groups of exactly
-    3, B of 2, every A peer holds the bit-identical anchor after every applied round, and eval loss falls. In every
+    3, B of 2, every A peer holds the bit-identical anchor after every applied round (a peer late for the last
+    round's group may fall back and take the others' final state), one final model, and eval loss falls. In every
     overlap mode, with and without compression (low rank included). (Run B once only: 5 peers on 2 busy cores make
     every setting's test twice as long.)"""
     extra = SETTINGS[setting]
@@ -76,20 +77,33 @@ def test_three_peers_identical_anchors_and_runs_never_mix(tmp_path, processes, b
     for name in run_a + run_b:
         assert processes.wait(name, timeout=360) == 0, processes.log(name)[-3000:]
 
+    last, late = rounds - 1, {}
     for run, names in (("a", run_a), ("b", run_b)) if run_b else (("a", run_a),):
         per_peer = [applied(tmp_path, name) for name in names]
+        # the last round of an overlap mode is averaged when training ends, each peer when its previous average
+        # lands: on a busy machine one peer can be seconds late (CI run 40: a0's round-2 average took 7.2 s, the
+        # others' 1.5 s), its groupmates average the last round without it, and it takes their final state at the
+        # end (a resync). Every other round is averaged by all, and the run ends on one model
+        late[run] = [name for name, seen in zip(names, per_peer) if not seen[-1]["averaged"]]
+        assert len(late[run]) <= (1 if len(names) > 2 else 0), [rounds_told(tmp_path, name) for name in late[run]]
         for name, rounds_seen in zip(names, per_peer):
             assert [e["applied_round"] for e in rounds_seen] == list(range(rounds)), rounds_told(tmp_path, name)
             told = rounds_told(tmp_path, name)
-            assert all(e["averaged"] and e["group_size"] == len(names) for e in rounds_seen), told
+            assert all(e["averaged"] and e["group_size"] == len(names) for e in rounds_seen[:last]), told
+            if name in late[run]:
+                assert summary(tmp_path, name)["resyncs"] == 1, told
+            else:
+                assert rounds_seen[last]["group_size"] == len(names) - len(late[run]), told
             # the outer step: 0.7 by default, 0.7 * (g / 2) ** 0.5 where it grows with the group (design 2.3), the
             # paper's 1.0 for SparseLoCo
             step = {"delayed-sparseloco": 1.0, "none-fp32": 0.7 * (len(names) / 2) ** 0.5}.get(setting, 0.7)
             assert all(e["outer_lr"] == pytest.approx(step) for e in rounds_seen), [e["outer_lr"] for e in rounds_seen]
             # the robust averaging does not take honest peers for hostile ones
             assert not [e["suspects"] for e in rounds_seen if any(set(r) & OFFENCES for r in e["suspects"].values())]
-        for r in range(rounds):  # bit-identical anchors after every round
-            assert len({p[r]["anchor_sha256"] for p in per_peer}) == 1, (run, r)
+        for r in range(rounds):  # bit-identical anchors after every round (the last: of the peers that averaged it)
+            assert len({p[r]["anchor_sha256"] for p, name in zip(per_peer, names)
+                        if r < last or name not in late[run]}) == 1, (run, r)
+        assert len({summary(tmp_path, name)["anchor_sha256"] for name in names}) == 1, run  # one final model
         # weights are tokens; bytes were really exchanged
         assert all(e["bytes_sent"] > 0 and e["bytes_received"] > 0 for p in per_peer for e in p)
     stats = [e["compression"] for e in applied(tmp_path, "a0")]
@@ -108,7 +122,7 @@ def test_three_peers_identical_anchors_and_runs_never_mix(tmp_path, processes, b
 
     for name in run_a:
         s = summary(tmp_path, name)
-        assert s["rounds_completed"] == rounds and s["fallback_rounds"] == 0
+        assert s["rounds_completed"] == rounds and s["fallback_rounds"] == (name in late["a"])
         # eager restarts each round from the agreed model plus a share of its own progress: slow at first
         assert s["eval_loss_final"] < s["eval_loss_start"] - (0.3 if setting == "eager-lowrank" else 0.5), s
         assert s["last_loss"] < s["first_loss"]

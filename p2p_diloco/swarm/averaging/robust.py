@@ -46,6 +46,7 @@ from p2p_diloco.medians import lower_median
 MALFORMED, NONFINITE, TOO_LARGE, CLIPPED = "malformed", "nonfinite", "norm", "clipped"
 CLIP_ITERATIONS = 5  # CenteredClip converges in a few steps from the mean (the paper uses 1-3 from a momentum)
 SPREAD_SAMPLE = 65536  # coordinates the clip radius is estimated on (a fixed stride: the same on every call)
+CLIP_VALUES = 16  # parts with fewer non-zero values (the senders' lower median) are not clipped: see centered_clip
 
 
 @dataclass(frozen=True)
@@ -180,7 +181,16 @@ def centered_clip(parts: Sequence[torch.Tensor], weights: Sequence[float], start
     the honest majority, which an outlier cannot inflate (as it would the distances to the mean); on large parts it
     is estimated on every k-th coordinate. ``start`` comes back unchanged (the same tensor) when no part is farther
     than tau from it.
+
+    Parts with fewer than :data:`CLIP_VALUES` non-zero values (the lower median of the senders' counts, which a
+    hostile minority cannot lower) are not clipped: a spread measured on so few values is noise. sparseloco keeps
+    1 or 2 values of a small tensor's chunk (a norm weight, a bias), each sender at its own largest coordinates;
+    when two senders keep the same coordinate and a third another, the two define the spread and the third, honest,
+    is clipped (3 random senders, 1 value kept of 4: 27% of calls; of 27: 5%; a dense part of 4 values: 14%). Such
+    parts keep the norm test of :func:`combine` and the senders' check of the average.
     """
+    if lower_median([int(torch.count_nonzero(part)) for part in parts]) < CLIP_VALUES:
+        return start, []
     numel = start.numel()
     stride = -(-numel // SPREAD_SAMPLE)
     sample = torch.stack([part.reshape(-1)[::stride] for part in parts])  # (num_parts, <= SPREAD_SAMPLE)
