@@ -140,6 +140,23 @@ def test_a_groupmate_that_leaves_every_all_reduce_it_joins_is_left_out_of_the_ro
     assert not results[2].averaged and not results[0].banned  # left out of the round, not banned
 
 
+def test_a_groupmate_that_leaves_as_the_all_reduce_starts_costs_no_sender_timeout(network):
+    """Seen over an emulated 10 Mbit/s link (BENCHMARKS, H in time): a groupmate's p2p daemon client failed as the
+    all-reduce began and it left the group. It answered the others' parts at once (in no group), yet they waited for
+    its own parts until hivemind's sender timeout (``next_chunk_timeout_s``, 60 s on slow links) before the round
+    could fail and re-form. A reducer that says it is in no group sends no parts either: it is refused as a sender
+    at once, and the honest pair averages the round without it in a few seconds."""
+    cfg = dataclasses.replace(CFG, next_chunk_timeout_s=40, round_timeout_s=90, allreduce_timeout_s=60)
+    honest = [network.averager(cfg=cfg) for _ in range(2)]
+    leaver = network.averager("stall:0.05", cfg=dataclasses.replace(cfg, round_timeout_s=10))  # then it gives up
+    honest_ids, group = {peer_id(h) for h in honest}, [*honest, leaver]
+    contributions, results = average_round(group, round_index=0)
+    assert_honest_agree(results[:2], contributions[:2])
+    assert all(set(result.group_peers) == honest_ids for result in results[:2])
+    # the round's retry without it: well under the 40 s sender timeout (43 s before the fix)
+    assert all(result.averaging_s < 20 for result in results[:2]), [r.averaging_s for r in results[:2]]
+
+
 def test_a_follower_that_gave_up_on_its_leader_is_met_again_in_the_same_round(network):
     """The leader counts a follower into its group of 3, but the follower ignores the group's start (as one whose wait
     for its leader timed out on a busy machine does: seen in a busy CI run) and goes on looking for the round's

@@ -23,7 +23,9 @@ before returning any average of this peer's parts lands in ``runner.silent``: th
 round's retry (a staller that joined every retry of a round failed them all). A reducer that refuses the parts as
 sent under another view of the group lands in ``runner.refused_by``: the averager leaves out the group's leader. One
 that says it is in no group at all (it gave up on the leader, who had counted it in) lands in ``runner.absent``: the
-group re-forms with it, and leaves it out after its second time in a round (``PeerGuard.absent``).
+group re-forms with it, and leaves it out after its second time in a round (``PeerGuard.absent``). Such a reducer, and
+one whose handler failed, sends this peer no parts either: unless it has begun to, it is refused as a sender at once
+(hivemind would wait for its parts until the sender timeout, ``next_chunk_timeout_s``).
 
 A reducer's stream of averages can break half-way through while the reducer and the others finish the all-reduce
 (on a busy machine the stream to one member can end a few parts short, as if closed, and only that member falls
@@ -173,6 +175,16 @@ class ExactAllReduceRunner(AllReduceRunner):
                 logger.warning(f"The averages of reducer {peer_id} did not all arrive: {e!r}")
                 logger.debug("The reducer's failure", exc_info=True)
             self.tensor_part_container.register_failed_reducer(peer_index)
+            out = peer_id in self.absent or isinstance(e, P2PHandlerError)  # in no group, or its handler failed
+            if out and peer_id in self.sender_peer_ids and peer_id not in self.active_senders:
+                # it has no all-reduce of this group (it is in no group, or it left this one and its handler said
+                # so), so its parts of this peer's slice will not come: refused as a sender now, and the all-reduce
+                # ends, and the round's retry begins, at once rather than after hivemind's sender timeout
+                # (next_chunk_timeout_s: over an emulated 10 Mbit/s link, 60 s, which a groupmate whose p2p daemon
+                # client failed cost the other)
+                await ban_sender(self, peer_id)
+                if set(self.sender_peer_ids) <= self.active_senders | self.banned_senders:
+                    self.all_senders_started.set()  # hivemind's watch for senders that never start waits for it
             raise
 
     async def _take_averages(self, peer_id: PeerID, peer_index: int, messages: AsyncIterator, start: int) -> int:
