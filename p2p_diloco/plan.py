@@ -16,7 +16,7 @@ The model, in steady state (the first round and stragglers are not modelled):
   the transfer time do not depend on P.
 - Mode ``none`` waits for the transfer at each round end: utilization ``compute / (compute + transfer)``.
 - Mode ``delayed`` averages round r while round r+1 trains and applies it ``diloco.overlap_steps`` M steps into
-  round r+1 (default H/10), waiting there for what is left: ``wait = max(0, transfer - M * step)``, utilization
+  round r+1 (default H/20), waiting there for what is left: ``wait = max(0, transfer - M * step)``, utilization
   ``compute / (compute + wait)``. Mode ``eager`` applies it at the end of round r+1: a round costs
   ``max(compute, transfer)``, utilization ``compute / max(compute, transfer)``.
 - Streaming sync of F fragments (:mod:`p2p_diloco.model.fragments`): each fragment is averaged on its own,
@@ -35,7 +35,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any, Optional
 
 from p2p_diloco.config.errors import ConfigError
-from p2p_diloco.config.sections import DiLoCoConfig
+from p2p_diloco.config.sections import DiLoCoConfig, default_overlap_steps
 
 PAPER = "DiLoCoX paper (arXiv 2506.21263)"
 PAPER_NUM_PARAMS = 107e9
@@ -93,7 +93,7 @@ class PlanInputs:
     num_stages: int = 1
     """Pipeline stages per peer (P); they share the peer's link."""
     overlap_steps: Optional[int] = None
-    """delayed mode: the inner step of round r+1 at which round r's average is applied (None: H/10, the config's
+    """delayed mode: the inner step of round r+1 at which round r's average is applied (None: H/20, the config's
     default ``diloco.overlap_steps``)."""
     num_fragments: int = 1
     """Streaming sync: fragments averaged one at a time (1: the whole model at once)."""
@@ -229,7 +229,7 @@ def make_plan(inputs: PlanInputs) -> Plan:
     transfer_s = 0.0 if alone else sent * 8 / bits_per_s + latency_s
     compute_s = inputs.inner_steps * inputs.step_time_s
     utilization_none = compute_s / (compute_s + transfer_s)
-    overlap = inputs.overlap_steps or max(1, inputs.inner_steps // 10)
+    overlap = inputs.overlap_steps or default_overlap_steps(inputs.inner_steps)
     wait_delayed = max(0.0, transfer_s - overlap * inputs.step_time_s)
     utilization_eager = compute_s / max(compute_s, transfer_s)
     F = inputs.num_fragments

@@ -60,7 +60,7 @@ def register(subparsers) -> None:
                        "(default 0; benchmarks/scale.py measured 0.7 s per peer on 2 busy cores)")
     swarm.add_argument("--overlap-steps", type=int, metavar="M",
                        help="delayed mode: the step of the next round at which a round's average is applied "
-                       "(diloco.overlap_steps; default H/10)")
+                       "(diloco.overlap_steps; default H/20)")
     swarm.add_argument("--fragments", type=int, metavar="F",
                        help="streaming sync: average the model in F fragments, one at a time, staggered over the "
                        "round (default 1: all at once); with --preset the largest fragment's share is the model's, "

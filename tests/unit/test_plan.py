@@ -33,11 +33,11 @@ def test_two_peers_send_one_contribution_per_round():
     assert plan.transfer_s == pytest.approx(32.5)
     assert plan.compute_s == pytest.approx(50.0)
     assert plan.utilization_none == pytest.approx(50 / 82.5)
-    # delayed applies the average H/10 = 5 steps into the next round: 27.5 s of the 32.5 s are waited for there
-    assert plan.overlap_steps == 5
-    assert plan.wait_per_round_s_delayed == pytest.approx(27.5)
-    assert plan.utilization_delayed == pytest.approx(50 / 77.5)
-    assert plan.mbit_to_hide_delayed == pytest.approx(32e3 / 4.5)  # 32 Gbit in the 5 s window after the latency
+    # delayed applies the average H/20 = 2 steps into the next round: 30.5 s of the 32.5 s are waited for there
+    assert plan.overlap_steps == 2
+    assert plan.wait_per_round_s_delayed == pytest.approx(30.5)
+    assert plan.utilization_delayed == pytest.approx(50 / 80.5)
+    assert plan.mbit_to_hide_delayed == pytest.approx(32e3 / 1.5)  # 32 Gbit in the 2 s window after the latency
     assert plan.utilization_eager == pytest.approx(1.0)  # eager applies it a whole round later
     assert plan.wait_per_round_s_eager == 0.0
     assert plan.min_inner_steps_to_hide == 33  # 32.5 s of transfer, 1 s steps
@@ -53,8 +53,8 @@ def test_four_peers_send_one_and_a_half_contributions():
     assert plan.transfer_s == pytest.approx(241.0)
     assert plan.compute_s == pytest.approx(200.0)
     assert plan.utilization_none == pytest.approx(200 / 441)
-    assert plan.wait_per_round_s_delayed == pytest.approx(241.0 - 10 * 2.0)  # applied H/10 = 10 steps in
-    assert plan.utilization_delayed == pytest.approx(200 / 421)
+    assert plan.wait_per_round_s_delayed == pytest.approx(241.0 - 5 * 2.0)  # applied H/20 = 5 steps in
+    assert plan.utilization_delayed == pytest.approx(200 / 431)
     assert plan.utilization_eager == pytest.approx(200 / 241)
     assert plan.wait_per_round_s_eager == pytest.approx(41.0)
     assert plan.min_inner_steps_to_hide == 121  # 120 * 2 s = 240 < 241 <= 242
@@ -68,7 +68,7 @@ def test_allreduce_baseline_speedup_and_bytes_ratio():
     assert plan.allreduce_bytes_per_step == pytest.approx(6 * GB)
     assert plan.allreduce_comm_s_per_step == pytest.approx(480.0)
     assert plan.utilization_allreduce == pytest.approx(2 / 482)
-    assert plan.speedup_delayed == pytest.approx((200 / 421) / (2 / 482))
+    assert plan.speedup_delayed == pytest.approx((200 / 431) / (2 / 482))
     assert plan.speedup_eager == pytest.approx((200 / 241) / (2 / 482))
     assert plan.speedup_none == pytest.approx((200 / 441) / (2 / 482))
     assert plan.bytes_ratio == pytest.approx(6 * GB * 100 / (3 * GB))
@@ -228,10 +228,10 @@ def test_streaming_sync_sends_a_fragment_at_a_time():
     one, four = make_plan(base), make_plan(replace(base, num_fragments=4))
     assert one.peak_bytes == one.bytes_per_round and one.wait_per_round_s_streaming == one.wait_per_round_s_delayed
     assert four.peak_bytes == pytest.approx(1 * GB)  # 1/4 of 4 GB
-    # each fragment: 8 Gbit = 8 s + 0.5 s latency, 5 steps (M = 5 < H/F = 12) to arrive: 3.5 s waited, 4 times
-    assert four.wait_per_round_s_streaming == pytest.approx(4 * 3.5)
-    assert four.utilization_streaming == pytest.approx(50 / 64)
-    assert four.mbit_to_hide_streaming == pytest.approx(8e3 / 4.5)
+    # each fragment: 8 Gbit = 8 s + 0.5 s latency, 2 steps (M = 2 < H/F = 12) to arrive: 6.5 s waited, 4 times
+    assert four.wait_per_round_s_streaming == pytest.approx(4 * 6.5)
+    assert four.utilization_streaming == pytest.approx(50 / 76)
+    assert four.mbit_to_hide_streaming == pytest.approx(8e3 / 1.5)
     uneven = make_plan(replace(base, num_fragments=4, fragment_share=0.4))
     assert uneven.peak_bytes == pytest.approx(1.6 * GB)
     wide = make_plan(replace(base, num_fragments=4, overlap_steps=40))  # the window is H/F = 12 steps at most
