@@ -85,7 +85,8 @@ class Bench:
                        "--train.num_rounds", str(self.args.rounds), "--diloco.inner_steps", str(self.args.h),
                        "--output-dir", str(folder / f"peer{i}"), *MODEL, *AVERAGING, *COMMON,
                        "--train.eval_every_rounds", str(self.args.eval_every_rounds),
-                       "--averaging.compression", self.args.compression]
+                       "--averaging.compression", self.args.compression,
+                       *[arg for key, value in self.args.set for arg in (f"--{key}", value)]]
             (folder / f"peer{i}").mkdir(parents=True, exist_ok=True)
             log = open(folder / f"peer{i}" / "console.log", "w")
             processes.append(self.wan.popen(i, command, stdout=log, stderr=subprocess.STDOUT))
@@ -253,7 +254,8 @@ def allreduce_steps(rate: float, args, num_params: int, step_s: float) -> int:
 
 def report(results: dict, args) -> str:
     lines = [f"{args.peers} peers, H = {args.h}, {args.rounds} rounds, model {results['num_params'] / 1e6:.2f}M "
-             f"parameters ({results['num_params'] * 4 / 1e6:.1f} MB fp32), compression {args.compression}", "",
+             f"parameters ({results['num_params'] * 4 / 1e6:.1f} MB fp32), compression {args.compression}"
+             + "".join(f", {key} = {value}" for key, value in args.set), "",
              "link Mbit/s (measured)  mode        tokens/s  utilization  net wait s  round end s  speedup vs AllReduce"]
     for rate in args.rates:
         r = results[str(rate)]
@@ -382,9 +384,15 @@ def main() -> None:
                         help="train the AllReduce run for as many rounds' steps (default: --rounds, equal tokens); "
                              "fewer, with more --rounds, lets the DiLoCo modes run on past AllReduce's tokens so "
                              "that their time to AllReduce's final loss (target A) can be measured")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override for every peer of every mode (e.g. diloco.overlap_steps=1)")
     parser.add_argument("--out", type=Path, default=Path("runs") / time.strftime("wan-%Y%m%d-%H%M%S"))
     args = parser.parse_args()
     args.modes = args.modes.split(",")
+    bad = [item for item in args.set if "=" not in item or not item.split("=", 1)[0]]
+    if bad:
+        parser.error(f"--set {bad[0]!r}: expected KEY=VALUE")
+    args.set = [tuple(item.split("=", 1)) for item in args.set]
     if args.allreduce_rounds is not None and not 1 <= args.allreduce_rounds <= args.rounds:
         parser.error(f"--allreduce-rounds must be between 1 and --rounds ({args.rounds}), got {args.allreduce_rounds}")
     args.out.mkdir(parents=True, exist_ok=True)

@@ -168,10 +168,11 @@ def default_overlap_steps(inner_steps: int) -> int:
 class DiLoCoConfig:
     inner_steps: int = 20
     """H: inner steps per round (outer step). A smaller H learns more per token at proportionally more bytes per token
-    (tiny model, 4 peers, 1,500 steps: H = 10 closed 79% of the gap between one peer alone and per-step data parallel,
-    H = 20 63%, H = 50 36%), and on a 10 Mbit/s link with the 3.35M-parameter model H = 20 reached every target loss
-    sooner in time than H = 40 (BENCHMARKS.md, "How often the swarm averages"). A larger model or a slower link needs
-    a larger H: take the smallest H whose transfer the link hides (`p2p-diloco plan`, "H that hides the transfer")."""
+    (tiny model, 4 peers, 1,500 steps, merged H // 20 steps in: H = 10 closed 79% of the gap between one peer alone
+    and per-step data parallel, H = 20 66%, H = 50 42%), and on a 10 Mbit/s link with the 3.35M-parameter model
+    H = 20 reached every target loss sooner in time than H = 40 (BENCHMARKS.md, "How often the swarm averages"). A
+    larger model or a slower link needs a larger H: take the smallest H whose transfer the link hides
+    (`p2p-diloco plan`, "H that hides the transfer")."""
     outer_lr: float = 0.7
     """Learning rate of the outer Nesterov SGD for an average of 2 peers (and for a round that fell back)."""
     outer_lr_group_exponent: float = 0.0
