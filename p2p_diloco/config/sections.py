@@ -202,11 +202,12 @@ class DiLoCoConfig:
     """delayed mode: the latest inner step of round r+1 at which round r's average is applied; a peer whose
     average has not arrived by then waits for it (Streaming DiLoCo's tau). None: H // 20, at least 1
     (:func:`default_overlap_steps`). Each step taken before the merge is a stale step, and each cost about 1% of
-    eval loss at H = 20 (tiny model, 4 peers: +0.9%, +1.9% and +3.4% against blocking DiLoCo at 1, 2 and 4
-    steps; 25M-parameter model on a GPU: 0.0% at 1, +3.7% at 2), while a step more hides only 1/H of a round of
-    transfer (BENCHMARKS.md, "How often the swarm averages"). H is DiLoCoX's whole-round delay: the most
-    communication hidden, but the model learns worse than blocking DiLoCo, and over long runs worse than one peer
-    alone (BENCHMARKS.md, "Learning quality")."""
+    eval loss at H = 20 (tiny model, 4 peers: +1.2%, +1.9% and +3.1% against blocking DiLoCo in the same
+    compression at 1, 2 and 4 steps; 25M-parameter model on a GPU: -0.1% at 1, +3.7% at 2): H // 20 reaches H // 10's
+    final loss with 2-5% fewer tokens on the tiny model and 15% fewer on the 25M one, and a step less of overlap
+    costs at most one step's wait a round (BENCHMARKS.md, "How often the swarm averages"). H is DiLoCoX's
+    whole-round delay: the most communication hidden, but the model learns worse than blocking DiLoCo, and over long
+    runs worse than one peer alone (BENCHMARKS.md, "Learning quality")."""
     round_end: str = "swarm"
     """When a peer ends its round: 'swarm' (after inner_steps steps, or as soon as another peer of the run has
     ended the round, whichever comes first: peers of unequal speed end each round together, the fastest after
