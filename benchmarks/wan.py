@@ -40,6 +40,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from netns import EmulatedWAN, measure_rate  # noqa: E402
 
+from p2p_diloco.config import ConfigError, load_config, split_overrides  # noqa: E402
+
 MODEL = ["--model.preset", "small", "--model.dim", "256", "--model.n_layers", "4", "--model.n_heads", "8",
          "--model.n_kv_heads", "8", "--model.ffn_dim", "704", "--data.batch_size", "8", "--data.seq_len", "128"]
 AVERAGING = ["--averaging.matchmaking_time_s", "5", "--averaging.request_timeout_s", "2",
@@ -389,10 +391,14 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("runs") / time.strftime("wan-%Y%m%d-%H%M%S"))
     args = parser.parse_args()
     args.modes = args.modes.split(",")
-    bad = [item for item in args.set if "=" not in item or not item.split("=", 1)[0]]
+    bad = [item for item in args.set if "=" not in item]
     if bad:
         parser.error(f"--set {bad[0]!r}: expected KEY=VALUE")
-    args.set = [tuple(item.split("=", 1)) for item in args.set]
+    try:  # a bad key or value is refused here, before the hosts and peers start, as the peers would refuse it
+        args.set = split_overrides([f"--{item}" for item in args.set])
+        load_config(None, [("diloco.inner_steps", str(args.h)), *args.set])
+    except ConfigError as e:
+        parser.error(f"--set: {e}")
     if args.allreduce_rounds is not None and not 1 <= args.allreduce_rounds <= args.rounds:
         parser.error(f"--allreduce-rounds must be between 1 and --rounds ({args.rounds}), got {args.allreduce_rounds}")
     args.out.mkdir(parents=True, exist_ok=True)
