@@ -278,3 +278,43 @@ def test_a_cancel_ends_the_all_reduce_even_before_the_step_reads_as_cancelled(la
         return await AveragingServer._unless_cancelled(asyncio.sleep(0.05, result="averaged"), round_index=3)
 
     assert asyncio.run(uncancelled()) == "averaged"
+
+
+def test_a_step_cancelled_as_its_all_reduce_ends_stops_quietly_and_other_errors_still_raise():
+    """The training process cancels the step between the all-reduce's end and hivemind's ``step.set_result``: that call
+    raises InvalidStateError, which hivemind does not catch, and the step's task died with a traceback above the
+    peer's one-line error (CI: a torchrun peer's stage killed as a round ended). A cancelled step now ends quietly;
+    the same error on a step not cancelled, and a step's result, pass through unchanged."""
+    from concurrent.futures import InvalidStateError
+
+    from hivemind.averaging.control import StepControl
+
+    from p2p_diloco.swarm.averaging.hivemind_api import MPFuture, cancel_step
+    from p2p_diloco.swarm.averaging.server import _unless_cancelled_meanwhile
+
+    def step_control():
+        trigger, signal = MPFuture(), MPFuture()  # (first: a StepControl cannot start hivemind's MPFuture backend)
+        control = StepControl(scheduled_time=0.0, deadline=float("inf"), allow_retries=True, weight=1.0,
+                              data_for_gather=b"")
+        control.attach(trigger, signal)
+        return control
+
+    async def hivemind_step(step):  # as hivemind's _step ends: the all-reduce's result set on the step
+        await asyncio.sleep(0)
+        step.set_result("averaged")
+        return "done"
+
+    cancelled = step_control()
+    cancel_step(cancelled)  # the training process gave the round up as its all-reduce ended
+    with pytest.raises(InvalidStateError):  # the race itself, as hivemind meets it
+        asyncio.run(hivemind_step(cancelled))
+    assert asyncio.run(_unless_cancelled_meanwhile(hivemind_step(cancelled), cancelled)) is None
+
+    finished = step_control()
+    finished.set_result("an earlier result")  # not cancelled: setting a second result is a bug, and it is raised
+    with pytest.raises(InvalidStateError):
+        asyncio.run(_unless_cancelled_meanwhile(hivemind_step(finished), finished))
+
+    live = step_control()
+    assert asyncio.run(_unless_cancelled_meanwhile(hivemind_step(live), live)) == "done"
+    assert live.result() == "averaged"

@@ -29,7 +29,7 @@ import signal
 import time
 import typing
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import InvalidStateError, ThreadPoolExecutor
 from typing import Optional
 
 import torch
@@ -91,6 +91,23 @@ class _StepCancelled(AllreduceException):
 def _was_signalled(wait: asyncio.Future) -> bool:
     """Whether a step's ``wait_for_cancel()`` ended because the step was cancelled (its signal is set only then)."""
     return wait.done() and not wait.cancelled() and wait.exception() is None
+
+
+async def _unless_cancelled_meanwhile(step_work: typing.Awaitable, step) -> typing.Any:
+    """hivemind's step (``step_work``), quiet when the training process cancelled ``step`` as its all-reduce ended.
+
+    The cancel can land between the all-reduce's end and hivemind's ``step.set_result``: that call then raises
+    ``InvalidStateError`` (a cancelled future takes no result), which hivemind does not catch, and the step's task
+    died with a traceback printed above the peer's own one-line error (a stage of a torchrun peer killed as the round
+    ended: CI). The peer cancelled the step because it no longer wants the round's average (it is stopping or gave
+    the round up), so nothing is lost; the error of a step not cancelled is raised as before."""
+    try:
+        return await step_work
+    except InvalidStateError:
+        if step is None or not step.cancelled():
+            raise
+        logger.debug("This peer cancelled its averaging step as the step's all-reduce ended: its average is dropped")
+        return None
 
 
 class AveragingServer(GuardedAverager, DecentralizedAverager):
@@ -198,7 +215,7 @@ class AveragingServer(GuardedAverager, DecentralizedAverager):
         self._memtrace.tick()
         _STEP_STARTED.set(time.monotonic())
         try:
-            return await super()._step(**kwargs)
+            return await _unless_cancelled_meanwhile(super()._step(**kwargs), kwargs.get("step"))
         finally:
             release_free_memory()
 
