@@ -289,8 +289,7 @@ def test_a_step_cancelled_as_its_all_reduce_ends_stops_quietly_and_other_errors_
 
     from hivemind.averaging.control import StepControl
 
-    from p2p_diloco.swarm.averaging.hivemind_api import MPFuture, cancel_step
-    from p2p_diloco.swarm.averaging.server import _unless_cancelled_meanwhile
+    from p2p_diloco.swarm.averaging.hivemind_api import MPFuture, cancel_step, quiet_if_cancelled
 
     def step_control():
         trigger, signal = MPFuture(), MPFuture()  # (first: a StepControl cannot start hivemind's MPFuture backend)
@@ -308,13 +307,13 @@ def test_a_step_cancelled_as_its_all_reduce_ends_stops_quietly_and_other_errors_
     cancel_step(cancelled)  # the training process gave the round up as its all-reduce ended
     with pytest.raises(InvalidStateError):  # the race itself, as hivemind meets it
         asyncio.run(hivemind_step(cancelled))
-    assert asyncio.run(_unless_cancelled_meanwhile(hivemind_step(cancelled), cancelled)) is None
+    assert asyncio.run(quiet_if_cancelled(hivemind_step(cancelled), cancelled)) is None
 
     finished = step_control()
     finished.set_result("an earlier result")  # not cancelled: setting a second result is a bug, and it is raised
     with pytest.raises(InvalidStateError):
-        asyncio.run(_unless_cancelled_meanwhile(hivemind_step(finished), finished))
+        asyncio.run(quiet_if_cancelled(hivemind_step(finished), finished))
 
     live = step_control()
-    assert asyncio.run(_unless_cancelled_meanwhile(hivemind_step(live), live)) == "done"
+    assert asyncio.run(quiet_if_cancelled(hivemind_step(live), live)) == "done"
     assert live.result() == "averaged"

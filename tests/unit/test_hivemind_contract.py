@@ -314,8 +314,9 @@ def test_set_data_for_gather_changes_what_a_step_gathers():
     from the training process): hivemind's StepControl keeps it in _data_for_gather, read by data_for_gather."""
     from hivemind.averaging.control import StepControl
 
-    from p2p_diloco.swarm.averaging.hivemind_api import set_data_for_gather
+    from p2p_diloco.swarm.averaging.hivemind_api import MPFuture, set_data_for_gather
 
+    MPFuture()  # (first: a StepControl cannot start hivemind's MPFuture backend, and a test alone has none yet)
     control = StepControl(scheduled_time=0.0, deadline=float("inf"), allow_retries=True, weight=1.0,
                           data_for_gather=b"sent")
     set_data_for_gather(control, b"replaced")

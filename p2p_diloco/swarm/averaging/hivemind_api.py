@@ -36,7 +36,9 @@ of this module (``running_groups``, ``matchmaking_of``, ...); ``tests/unit/test_
 hivemind still sets each one and that no other module of the package names any of them.
 
 Wrapped, not replaced: ``StepControl.cancel`` (:func:`cancel_step`): the step reads as cancelled before the cancel's
-signal reaches the averager process (hivemind sends the signal first).
+signal reaches the averager process (hivemind sends the signal first); ``DecentralizedAverager._step``
+(:func:`quiet_if_cancelled`): a step cancelled as its all-reduce ends stops without hivemind's uncaught
+``InvalidStateError``.
 
 Overridden so that hivemind's thread goes idle: ``DecentralizedAverager._get_current_state_from_host_process``
 (:mod:`~p2p_diloco.swarm.averaging.state_host`): the state a peer serves comes from the training process through a
@@ -49,6 +51,11 @@ priority each declares in an unsigned DHT key and buffers whatever they send).
 """
 
 from __future__ import annotations
+
+import asyncio
+import logging
+import typing
+from concurrent.futures import InvalidStateError
 
 import hivemind
 from hivemind.averaging import DecentralizedAverager
@@ -70,6 +77,8 @@ from hivemind.utils.asyncio import (
     attach_event_on_finished,
     enter_asynchronously,
 )
+
+logger = logging.getLogger(__name__)
 
 SUPPORTED_VERSION = "1.1.12"
 
@@ -132,6 +141,29 @@ def cancel_step(control: StepControl) -> None:
     hivemind's own cancel then sends the signal."""
     MPFuture.cancel(control)  # (this process made the step: the shared state, no message)
     control.cancel()
+
+
+def cancel_signalled(wait: asyncio.Future) -> bool:
+    """Whether a step's ``wait_for_cancel()`` ended because the step was cancelled (its signal is set only then)."""
+    return wait.done() and not wait.cancelled() and wait.exception() is None
+
+
+async def quiet_if_cancelled(step_work: typing.Awaitable, step: StepControl | None) -> typing.Any:
+    """hivemind's ``_step`` (``step_work``), ended quietly if the training process cancelled ``step`` meanwhile.
+
+    A cancel (:func:`cancel_step`) can land between the all-reduce's end and hivemind's ``step.set_result``: that call
+    then raises ``concurrent.futures.InvalidStateError`` (a cancelled future takes no result), which hivemind's step
+    loop does not catch (it catches asyncio's, another class), and the step's task died with a traceback printed
+    above a stopping peer's one-line error (a torchrun peer's other stage killed as a round ended: CI). The peer
+    cancelled the step because it no longer wants the round's average, so nothing is lost; the same error on a step
+    not cancelled is raised."""
+    try:
+        return await step_work
+    except InvalidStateError:
+        if step is None or not step.cancelled():
+            raise
+        logger.debug("This peer cancelled its averaging step as the step's all-reduce ended: its average is dropped")
+        return None
 
 
 def running_groups(averager: DecentralizedAverager) -> dict:
@@ -200,7 +232,8 @@ __all__ = [
     "P2PContext", "P2PDaemonError", "P2PHandlerError", "PeerID", "PerTensorCompression", "REPLACED",
     "SUPPORTED_VERSION", "StepControl",
     "TensorPartReducer", "achain", "aiter_with_timeout", "amap_in_executor", "as_aiter", "attach_event_on_finished",
-    "averaging_pb2", "cancel_step", "check_version", "enter_asynchronously", "get_logger", "load_balance_peers",
+    "averaging_pb2", "cancel_signalled", "cancel_step", "check_version", "enter_asynchronously", "get_logger",
+    "load_balance_peers",
     "TensorPartContainer", "ban_sender", "groups_registered", "input_parts", "matchmaking_of", "outer_pipe",
-    "outputs_registered", "p2p_of", "running_groups", "set_data_for_gather", "wrap_join_request",
+    "outputs_registered", "p2p_of", "quiet_if_cancelled", "running_groups", "set_data_for_gather", "wrap_join_request",
 ]

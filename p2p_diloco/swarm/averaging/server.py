@@ -29,7 +29,7 @@ import signal
 import time
 import typing
 from collections.abc import Sequence
-from concurrent.futures import InvalidStateError, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
 import torch
@@ -59,12 +59,14 @@ from p2p_diloco.swarm.averaging.hivemind_api import (
     MatchmakingException,
     MPFuture,
     PerTensorCompression,
+    cancel_signalled,
     enter_asynchronously,
     groups_registered,
     load_balance_peers,
     matchmaking_of,
     outer_pipe,
     p2p_of,
+    quiet_if_cancelled,
     running_groups,
 )
 from p2p_diloco.swarm.averaging.reduce import RoundReducer
@@ -86,28 +88,6 @@ AVERAGER_START_TIMEOUT_S = 60.0  # its process needs only the local p2p daemon: 
 
 class _StepCancelled(AllreduceException):
     """The all-reduce was left because this peer cancelled the round's step."""
-
-
-def _was_signalled(wait: asyncio.Future) -> bool:
-    """Whether a step's ``wait_for_cancel()`` ended because the step was cancelled (its signal is set only then)."""
-    return wait.done() and not wait.cancelled() and wait.exception() is None
-
-
-async def _unless_cancelled_meanwhile(step_work: typing.Awaitable, step) -> typing.Any:
-    """hivemind's step (``step_work``), quiet when the training process cancelled ``step`` as its all-reduce ended.
-
-    The cancel can land between the all-reduce's end and hivemind's ``step.set_result``: that call then raises
-    ``InvalidStateError`` (a cancelled future takes no result), which hivemind does not catch, and the step's task
-    died with a traceback printed above the peer's own one-line error (a stage of a torchrun peer killed as the round
-    ended: CI). The peer cancelled the step because it no longer wants the round's average (it is stopping or gave
-    the round up), so nothing is lost; the error of a step not cancelled is raised as before."""
-    try:
-        return await step_work
-    except InvalidStateError:
-        if step is None or not step.cancelled():
-            raise
-        logger.debug("This peer cancelled its averaging step as the step's all-reduce ended: its average is dropped")
-        return None
 
 
 class AveragingServer(GuardedAverager, DecentralizedAverager):
@@ -203,10 +183,10 @@ class AveragingServer(GuardedAverager, DecentralizedAverager):
 
     async def _step(self, **kwargs):
         """hivemind's step, its compression and reduction (the loop's default executor) on threads at a lower CPU
-        priority than training, so that background averaging does not slow the inner steps; the loop keeps
-        training's priority, as it answers matchmaking and all-reduce messages (at a lower one, on a busy machine,
-        a leader answered a join request too late for its follower, and groups formed without members that had
-        joined them). After it, the C heap's free pages go back to the system (:func:`release_free_memory`)."""
+        priority than training, so that averaging does not slow the inner steps; the loop keeps training's priority
+        to answer matchmaking and all-reduce messages in time (at a lower one, a busy machine's leader answered a join
+        too late, and groups formed without members that had joined). A step cancelled as it ends stops quietly
+        (:func:`quiet_if_cancelled`); after it, free heap pages go back to the system (:func:`release_free_memory`)."""
         if not self._workers_niced:
             self._workers_niced = True
             asyncio.get_event_loop().set_default_executor(
@@ -215,7 +195,7 @@ class AveragingServer(GuardedAverager, DecentralizedAverager):
         self._memtrace.tick()
         _STEP_STARTED.set(time.monotonic())
         try:
-            return await _unless_cancelled_meanwhile(super()._step(**kwargs), kwargs.get("step"))
+            return await quiet_if_cancelled(super()._step(**kwargs), kwargs.get("step"))
         finally:
             release_free_memory()
 
@@ -241,7 +221,7 @@ class AveragingServer(GuardedAverager, DecentralizedAverager):
         # the cancel's own signal decides, not step.cancelled(): StepControl.cancel() sends the signal before it
         # marks the step cancelled, and a training process descheduled between the two (a busy machine) would leave
         # the all-reduce running to its timeout
-        if work.done() or not _was_signalled(cancelled):
+        if work.done() or not cancel_signalled(cancelled):
             return await work
         work.cancel()
         with contextlib.suppress(Exception, asyncio.CancelledError):
