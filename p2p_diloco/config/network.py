@@ -178,6 +178,11 @@ class DHTConfig:
     startup_timeout_s: float = 30.0
     """Give up if the DHT cannot start or reach the initial peers within this many seconds (the node's whole start
     is given up JOIN_MARGIN_S = 10 s later at most, with exit code 1)."""
+    storage_limit_mb: float = 256.0
+    """The most memory (MiB) this node's DHT keeps for entries others store on it, or it caches: half for the run's
+    signed records, a quarter each for the run's averagers' keys and for any other key; an entry over its share is
+    refused, so a stranger's flood cannot exhaust the node's memory or crowd out the run's records. A swarm of a
+    thousand peers needs a few MiB."""
 
     def validate(self) -> None:
         from p2p_diloco.swarm.discovery.maddrs import (
@@ -188,3 +193,4 @@ class DHTConfig:
         check_maddrs(self.host_maddrs, "dht.host_maddrs")
         check_maddrs(self.announce_maddrs, "dht.announce_maddrs")
         positive(self.startup_timeout_s, "dht.startup_timeout_s")
+        positive(self.storage_limit_mb, "dht.storage_limit_mb")

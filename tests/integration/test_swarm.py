@@ -199,7 +199,9 @@ def test_two_groups_that_never_met_still_end_on_one_model(tmp_path, processes, b
     record (most holders; a tie to the smallest node id), and a pair off it takes it: it is one outer step from
     its own (both pairs started the round from one anchor), within the bound on a final state that only peers
     never met vouch for. The four final anchors are bit-identical."""
-    rounds, h = 1, 6
+    # a round of 24 steps (3-4 s): peers leave the wait for each other up to a poll and a DHT read apart (1-2 s on
+    # a busy machine), and with 6 steps two of them once found the round already ended and took its final state
+    rounds, h = 1, 24
     names = ["q0", "q1", "q2", "q3"]
     for name in names:
         processes.start(name, *peer_args(tmp_path, name, bootstrap, "pairs", rounds, h, "--diloco.mode", "none",

@@ -93,6 +93,10 @@ class AveragerKeys(RecordValidatorBase):
             return _is_declaration(record, _is_looking)
         return True
 
+    def holds(self, key: bytes) -> bool:
+        """Whether ``key`` (a DHT key's hash) is one of the keys this validator checks (a group key or a state key)."""
+        return key in self._state_keys or self.is_group_key(key)
+
     def is_group_key(self, key: bytes) -> bool:
         """Whether ``key`` (a DHT key's hash) is one of the group keys of this validator's prefixes."""
         if len(key) != _KEY_BYTES:

@@ -30,6 +30,7 @@ from p2p_diloco.swarm.averaging.hivemind_api import behind_nat_mode
 from p2p_diloco.swarm.discovery.identity import IdentityLock, ensure_identity, load_signing_key
 from p2p_diloco.swarm.discovery.reachability import serve_dial_back
 from p2p_diloco.swarm.discovery.records import bind_signer, with_signer
+from p2p_diloco.swarm.discovery.storage_budget import bound_storage
 from p2p_diloco.swarm.errors import SwarmError
 
 logger = logging.getLogger(__name__)
@@ -154,6 +155,11 @@ def start_dht(cfg: DHTConfig, record_validators: Iterable = (), check_identity_f
         shutil.rmtree(ephemeral_dir, ignore_errors=True)  # (a SIGKILLed peer used to leave the folder in /tmp)
     dht.identity_lock = lock
     bind_signer(dht, record_validators)
+    try:  # from now on; what the node took before is charged
+        bound_storage(dht, cfg.storage_limit_mb)
+    except Exception as e:
+        dht.shutdown()
+        raise SwarmError(f"could not bound the DHT node's storage (dht.storage_limit_mb): {e!r}") from None
     if not cfg.client_mode:  # a node that others can dial answers their dial-back checks (swarm.discovery.reachability)
         try:
             serve_dial_back(dht)

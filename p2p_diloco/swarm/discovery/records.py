@@ -185,6 +185,10 @@ class IdentityBinding(RecordValidatorBase):
         self._progress = DHTID.generate(source=f"{run_id}_progress").to_bytes()
         self._config = DHTID.generate(source=f"{run_id}_config").to_bytes()
 
+    def holds(self, key: bytes) -> bool:
+        """Whether ``key`` (a DHT key's hash) is one of the run's signed records (progress, config)."""
+        return key in (self._progress, self._config)
+
     def validate(self, record: DHTRecord) -> bool:
         if record.key not in (self._progress, self._config):
             return True
