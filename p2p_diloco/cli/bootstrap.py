@@ -69,9 +69,11 @@ def run(args: argparse.Namespace, overrides: list[tuple[str, str]]) -> int:
             _write_atomically(Path(args.maddrs_file), "\n".join(maddrs) + "\n")
         started, counts = time.monotonic(), PeerCounts(dht, max_age_s=0.0)
         while not stop.wait(timeout=args.liveness_every):
-            seen, connected = counts.get() or ("?", "?")
+            seen, connected, kept, refused = counts.get() or ("?", "?", None, None)
+            kept_text = "" if kept is None else \
+                f", keeps {kept / 2**20:.1f} MiB of others' DHT entries ({refused} refused)"
             logger.info(f"alive: {seen} peer(s) in the routing table, {connected} connected, "
-                        f"uptime {time.monotonic() - started:.0f} s")
+                        f"uptime {time.monotonic() - started:.0f} s{kept_text}")
         logger.info("Stopping the bootstrap node")
     finally:
         if server is not None:

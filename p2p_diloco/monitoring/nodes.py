@@ -20,21 +20,26 @@ from p2p_diloco.monitoring.server import MetricsServer
 logger = logging.getLogger(__name__)
 
 
-async def _peer_counts(_dht, node) -> tuple[int, int]:
+async def _peer_counts(_dht, node) -> tuple:
     """Runs inside the DHT process (a module-level function, to be pickled there)."""
-    return len(node.protocol.routing_table.uid_to_peer_id), len(await node.p2p.list_peers())
+    from p2p_diloco.swarm.discovery.storage_budget import node_totals
+
+    kept, refused = node_totals(node)
+    return len(node.protocol.routing_table.uid_to_peer_id), len(await node.p2p.list_peers()), kept, refused
 
 
 class PeerCounts:
-    """(DHT nodes in the routing table, open connections) of a running DHT, asked at most every ``max_age_s``."""
+    """(DHT nodes in the routing table, open connections, bytes of others' entries the node keeps, entries it
+    refused for its storage bound; the last two None on a node without one) of a running DHT, asked at most every
+    ``max_age_s``."""
 
     def __init__(self, dht, max_age_s: float = 2.0, timeout_s: float = 5.0):
         self.dht, self.max_age_s, self.timeout_s = dht, max_age_s, timeout_s
         self._lock = threading.Lock()
-        self._value: Optional[tuple[int, int]] = None
+        self._value: Optional[tuple] = None
         self._at = float("-inf")
 
-    def get(self) -> Optional[tuple[int, int]]:
+    def get(self) -> Optional[tuple]:
         """None when the DHT does not answer in time (shutting down, or overloaded)."""
         with self._lock:
             if time.monotonic() - self._at > self.max_age_s:
@@ -47,20 +52,24 @@ class PeerCounts:
             return self._value
 
 
+def _item(counts: PeerCounts, index: int) -> Optional[int]:
+    value = counts.get()
+    return None if value is None else value[index]
+
+
 def _first(counts: PeerCounts) -> Optional[int]:
-    value = counts.get()
-    return None if value is None else value[0]
-
-
-def _second(counts: PeerCounts) -> Optional[int]:
-    value = counts.get()
-    return None if value is None else value[1]
+    return _item(counts, 0)
 
 
 def _add_node_metrics(registry: MetricsRegistry, counts: PeerCounts, started: float) -> None:
     registry.add("p2p_diloco_peers_seen", "gauge", "DHT nodes in this node's routing table", lambda: _first(counts))
     registry.add("p2p_diloco_connected_peers", "gauge", "Open libp2p connections of this node",
-                 lambda: _second(counts))
+                 lambda: _item(counts, 1))
+    registry.add("p2p_diloco_dht_kept_bytes", "gauge", "Bytes of others' DHT entries this node keeps (storage and "
+                 "cache, as its storage bound charges them; at most dht.storage_limit_mb)", lambda: _item(counts, 2))
+    registry.add("p2p_diloco_dht_refused_entries_total", "counter", "DHT entries this node refused to keep for its "
+                 "storage bound (a class of key over its share, or a subkey its dictionary cannot order)",
+                 lambda: _item(counts, 3))
     registry.add("p2p_diloco_uptime_seconds", "gauge", "Seconds since this process started serving",
                  lambda: time.monotonic() - started)
 

@@ -14,6 +14,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -176,6 +177,18 @@ def test_peer_refuses_an_identity_readable_by_its_group_and_leaves_it_alone(tmp_
     assert identity.read_bytes() == before and (identity.stat().st_mode & 0o777) == mode
 
 
+async def _store_at(_dht, node, peer, subkey):
+    """Runs in a DHT's process: store one entry under ``subkey`` straight at ``peer`` (a stock node's own storage
+    would raise first, on the subkeys that the bounded node refuses)."""
+    from hivemind.dht.routing import DHTID
+    from hivemind.utils import get_dht_time
+
+    value = node.protocol.serializer.dumps(1)
+    answer = await node.protocol.call_store(peer, [DHTID.generate(source="ops-key")], [value], get_dht_time() + 60,
+                                            subkeys=[subkey])
+    return None if answer is None else list(answer)  # (a protobuf container does not pickle back to the caller)
+
+
 def test_bootstrap_metrics_health_and_liveness(tmp_path, processes):
     """A bootstrap node with --metrics.port: /health is 200 with JSON, /metrics counts the DHT node that joined
     it, the liveness line says the same; a second node on that port is refused with a message naming the key;
@@ -195,7 +208,18 @@ def test_bootstrap_metrics_health_and_liveness(tmp_path, processes):
         wait_until(lambda: scrape(port)["p2p_diloco_peers_seen"] >= 1, 30)
         samples = scrape(port)
         assert samples["p2p_diloco_connected_peers"] >= 1 and samples["p2p_diloco_uptime_seconds"] > 0
-        wait_until(lambda: re.search(r"alive: [1-9]\d* peer\(s\) in the routing table, [1-9]\d* connected, uptime",
+        assert samples["p2p_diloco_dht_refused_entries_total"] == 0
+        # the node's storage bound: an entry it keeps is counted, one it refuses (a text subkey beside a bytes one
+        # under the same key: hivemind's heap cannot order them) too
+        from hivemind.p2p import PeerID
+
+        boot_id = PeerID.from_base58(maddrs[0].rsplit("/p2p/", 1)[1])
+        assert other.run_coroutine(partial(_store_at, peer=boot_id, subkey=b"a")) == [True]
+        assert other.run_coroutine(partial(_store_at, peer=boot_id, subkey="a")) == [False]
+        wait_until(lambda: scrape(port)["p2p_diloco_dht_refused_entries_total"] >= 1, 30)
+        assert scrape(port)["p2p_diloco_dht_kept_bytes"] > 0
+        wait_until(lambda: re.search(r"alive: [1-9]\d* peer\(s\) in the routing table, [1-9]\d* connected, uptime "
+                                     r"\d+ s, keeps \d+\.\d MiB of others' DHT entries \([1-9]\d* refused\)",
                                      processes.log("boot")), 30)
     finally:
         other.shutdown()

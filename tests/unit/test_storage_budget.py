@@ -104,7 +104,7 @@ def test_a_cached_dictionary_costs_all_of_its_entries():
 def test_a_subkey_no_dictionary_can_hold_is_refused_not_raised(subkey):
     store = bounded(10**6)
     assert store.store_subkey(OTHER, subkey, b"v", get_dht_time() + 60) is False
-    assert store.ledger.held["other"] == 0
+    assert store.ledger.held["other"] == 0 and store.ledger.refused["other"] == 1
 
 
 def test_the_classes_come_from_the_nodes_own_validators():

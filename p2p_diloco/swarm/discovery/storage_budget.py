@@ -81,7 +81,7 @@ class Ledger:
         """Whether an entry of ``cost`` bytes under (``key``, ``subkey``; None for a plain value) fits its class's
         share, counting the one it would replace. A refusal is counted in :attr:`refused`."""
         self._expire()
-        kind = self._kind(key)
+        kind = self.kind(key)
         old = self._entries.get((key, subkey))
         if self.held[kind] - (old[0] if old else 0) + cost <= self.share(kind):
             return True
@@ -90,7 +90,7 @@ class Ledger:
 
     def add(self, key, subkey, cost: int, expiration: float) -> None:
         """Charge an entry the store has taken (it replaces the one under the same key and subkey)."""
-        kind = self._kind(key)
+        kind = self.kind(key)
         old = self._entries.pop((key, subkey), None)
         if old is not None:
             self.held[old[2]] -= old[0]
@@ -98,7 +98,8 @@ class Ledger:
         self.held[kind] += cost
         heapq.heappush(self._heap, (expiration, next(self._sequence), key, subkey))
 
-    def _kind(self, key) -> str:
+    def kind(self, key) -> str:
+        """The class of ``key`` (a DHTID or its bytes); ``other`` where the classifier cannot read it."""
         try:
             return self.classify(key.to_bytes() if isinstance(key, DHTID) else key)
         except Exception:  # noqa: BLE001 (a key the classifier cannot read is nobody's record)
@@ -141,6 +142,7 @@ class BoundedStorage(DHTLocalStorage):
 
     def store_subkey(self, key, subkey, value, expiration_time) -> bool:
         if not self._fits_dictionary(key, subkey):
+            self.ledger.refused[self.ledger.kind(key)] += 1
             return False
         cost = entry_cost(value, subkey)
         if not self.ledger.admits(key, subkey, cost, expiration_time):
@@ -214,6 +216,15 @@ async def _install(_dht, node, limit_bytes: float) -> None:
     classify = key_classifier(node.protocol.record_validator)
     _bound(node.protocol.storage, limit_bytes * (1 - CACHE_SHARE), classify, get_dht_time)
     _bound(node.protocol.cache, limit_bytes * CACHE_SHARE, classify, get_dht_time)
+
+
+def node_totals(node) -> tuple:
+    """(bytes kept, entries refused) over the bounded stores of a DHT node (in its process); (None, None) unbounded."""
+    stores = (node.protocol.storage, node.protocol.cache)
+    if not all(isinstance(s, BoundedStorage) for s in stores):
+        return None, None
+    totals = [s.ledger.totals() for s in stores]
+    return sum(sum(t["held"].values()) for t in totals), sum(sum(t["refused"].values()) for t in totals)
 
 
 async def _totals(_dht, node) -> Optional[dict]:
