@@ -7,7 +7,8 @@ caps each entry at 16 KiB and 600 s, but not their number: a stranger could stor
 keys or subkeys, request after request, on every node, bootstrap nodes included, and each node's memory grew at the
 stranger's upload rate for as long as it sent. Now each of the two stores of a node has a :class:`Ledger`, and an
 entry that would take its class of key over its share of ``dht.storage_limit_mb`` is refused (hivemind answers the
-writer ``store_ok = False``; the writer's other replicas are unaffected). The classes:
+writer ``store_ok = False``; the writer's other replicas are unaffected). The storage has three quarters of the
+limit and the cache one (:data:`CACHE_SHARE`); within each, the classes:
 
 - ``records``: the run's signed records (progress and config, of the run and of its fragments: the keys of
   :class:`~p2p_diloco.swarm.discovery.records.IdentityBinding`). Each entry of a writer needs an RSA identity of
@@ -19,8 +20,9 @@ writer ``store_ok = False``; the writer's other replicas are unaffected). The cl
 An entry costs its value's and subkey's bytes plus :data:`ENTRY_OVERHEAD` (the Python objects that hold it) and
 leaves the ledger at its expiration time (at most 600 s ahead: ``RecordBounds``) or when its writer replaces it. An
 entry hivemind drops early (a plain value replacing a dictionary) stays charged until it expires: the ledger
-overcounts, never undercounts. Installed by :func:`bound_storage` in the node's own process; pure logic but for
-that.
+overcounts, never undercounts. A subkey must also be of a sort Python can order beside the subkeys its key's
+dictionary holds (:meth:`BoundedStorage._fits_dictionary`). Installed by :func:`bound_storage` in the node's own
+process; pure logic but for that.
 """
 
 from __future__ import annotations
