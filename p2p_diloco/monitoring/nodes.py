@@ -57,12 +57,8 @@ def _item(counts: PeerCounts, index: int) -> Optional[int]:
     return None if value is None else value[index]
 
 
-def _first(counts: PeerCounts) -> Optional[int]:
-    return _item(counts, 0)
-
-
 def _add_node_metrics(registry: MetricsRegistry, counts: PeerCounts, started: float) -> None:
-    registry.add("p2p_diloco_peers_seen", "gauge", "DHT nodes in this node's routing table", lambda: _first(counts))
+    registry.add("p2p_diloco_peers_seen", "gauge", "DHT nodes in this node's routing table", lambda: _item(counts, 0))
     registry.add("p2p_diloco_connected_peers", "gauge", "Open libp2p connections of this node",
                  lambda: _item(counts, 1))
     registry.add("p2p_diloco_dht_kept_bytes", "gauge", "Bytes of others' DHT entries this node keeps (storage and "
@@ -145,7 +141,7 @@ def serve_bootstrap_metrics(cfg: MetricsConfig, dht) -> Optional[MetricsServer]:
 
     def health() -> dict:
         return {"status": "ok" if dht.is_alive() else "down", "role": "bootstrap", "node": peer_id,
-                "peers_seen": _first(counts), "uptime_s": round(time.monotonic() - started, 1)}
+                "peers_seen": _item(counts, 0), "uptime_s": round(time.monotonic() - started, 1)}
 
     server = MetricsServer(cfg, registry, health)
     logger.info(f"Metrics at {server.url}/metrics, health at {server.url}/health")

@@ -100,7 +100,7 @@ def test_a_flood_stays_within_the_limit_and_the_runs_entries_still_land(swarm):
     assert _eventually(lambda: victim.run_coroutine(partial(_holds_progress, key=progress_key(RUN))))
     assert [r.round for r in fetch_progress(victim, RUN)] == [4]
     # made-up averagers fill their own class only, and never past it
-    count = int(limit * SHARES["averagers"]) // entry_cost(True, b"\x12\x20" + bytes(32)) * 2
+    count = int(limit * SHARES["averagers"]) // entry_cost(b"\xc3", b"\x12\x20" + bytes(32)) * 2
     taken = flooder.run_coroutine(partial(flood, count=count, in_cache=False, kind="averagers"))
     assert 0 < taken < count
     totals = storage_totals(victim)

@@ -18,7 +18,6 @@ from p2p_diloco.swarm.discovery.storage_budget import (
     ENTRY_OVERHEAD,
     SHARES,
     BoundedStorage,
-    Ledger,
     entry_cost,
     key_classifier,
 )
@@ -77,7 +76,7 @@ def test_expired_entries_free_their_bytes_and_a_replaced_one_is_charged_once():
     assert store.store(first, b"z" * 100, base + 20)  # a newer value under the same key replaces the old one
     assert store.ledger.held["other"] == 100 + ENTRY_OVERHEAD
     clock.now = base + 21  # both the entry and its replaced version have expired
-    assert store.ledger.admits(second, None, 100 + ENTRY_OVERHEAD, base + 30)
+    assert store.ledger.admits("other", second, None, 100 + ENTRY_OVERHEAD)
     assert store.ledger.totals()["entries"] == 0 and store.ledger.held["other"] == 0
 
 
@@ -127,10 +126,11 @@ def test_a_key_the_classifier_cannot_read_is_charged_as_other():
     def broken(key):
         raise ValueError("unreadable")
 
-    ledger = Ledger(1000.0, broken, get_dht_time)
-    assert ledger.admits(OTHER, None, 100, get_dht_time() + 1)
-    ledger.add(OTHER, None, 100, get_dht_time() + 1)
-    assert ledger.held["other"] == 100
+    store = DHTLocalStorage()
+    storage_budget._bound(store, 10_000.0, broken, get_dht_time)
+    assert store.ledger.kind(OTHER) == "other"
+    assert store.store(OTHER, b"x" * 100, get_dht_time() + 60)
+    assert store.ledger.held["other"] == 100 + ENTRY_OVERHEAD
 
 
 SUBKEYS = st.one_of(st.none(), st.binary(max_size=2), st.text(max_size=1), st.integers(-2, 2), st.floats(),

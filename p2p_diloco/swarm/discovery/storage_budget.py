@@ -79,20 +79,19 @@ class Ledger:
     def share(self, kind: str) -> float:
         return self.limit_bytes * SHARES[kind]
 
-    def admits(self, key, subkey, cost: int, expiration: float) -> bool:
-        """Whether an entry of ``cost`` bytes under (``key``, ``subkey``; None for a plain value) fits its class's
-        share, counting the one it would replace. A refusal is counted in :attr:`refused`."""
+    def admits(self, kind: str, key, subkey, cost: int) -> bool:
+        """Whether an entry of ``cost`` bytes under (``key``, ``subkey``; None for a plain value), of class ``kind``,
+        fits that class's share, counting the one it would replace. A refusal is counted in :attr:`refused`."""
         self._expire()
-        kind = self.kind(key)
         old = self._entries.get((key, subkey))
         if self.held[kind] - (old[0] if old else 0) + cost <= self.share(kind):
             return True
         self.refused[kind] += 1
         return False
 
-    def add(self, key, subkey, cost: int, expiration: float) -> None:
-        """Charge an entry the store has taken (it replaces the one under the same key and subkey)."""
-        kind = self.kind(key)
+    def add(self, kind: str, key, subkey, cost: int, expiration: float) -> None:
+        """Charge an entry of class ``kind`` the store has taken (it replaces the one under the same key and
+        subkey)."""
         old = self._entries.pop((key, subkey), None)
         if old is not None:
             self.held[old[2]] -= old[0]
@@ -134,26 +133,25 @@ class BoundedStorage(DHTLocalStorage):
     def store(self, key, value, expiration_time, subkey=None) -> bool:
         if subkey is not None:
             return self.store_subkey(key, subkey, value, expiration_time)
-        cost = entry_cost(value)
-        if not self.ledger.admits(key, None, cost, expiration_time):
-            return False
-        stored = super().store(key, value, expiration_time)
-        if stored:
-            self.ledger.add(key, None, cost, expiration_time)
-        return stored
+        return self._charged(key, None, entry_cost(value), expiration_time,
+                             lambda: super(BoundedStorage, self).store(key, value, expiration_time))
 
     def store_subkey(self, key, subkey, value, expiration_time) -> bool:
         if not self._fits_dictionary(key, subkey):
             self.ledger.refused[self.ledger.kind(key)] += 1
             return False
-        cost = entry_cost(value, subkey)
-        if not self.ledger.admits(key, subkey, cost, expiration_time):
-            return False
-        stored = super().store_subkey(key, subkey, value, expiration_time)
-        if stored:
-            self.ledger.add(key, subkey, cost, expiration_time)
-        return stored
+        return self._charged(key, subkey, entry_cost(value, subkey), expiration_time,
+                             lambda: super(BoundedStorage, self).store_subkey(key, subkey, value, expiration_time))
 
+    def _charged(self, key, subkey, cost: int, expiration_time, store: Callable[[], bool]) -> bool:
+        """``store()`` if the entry fits its class's share, and charge it if hivemind took it."""
+        kind = self.ledger.kind(key)
+        if not self.ledger.admits(kind, key, subkey, cost):
+            return False
+        stored = store()
+        if stored:
+            self.ledger.add(kind, key, subkey, cost, expiration_time)
+        return stored
 
     def _fits_dictionary(self, key, subkey) -> bool:
         """Whether ``subkey`` can join the dictionary under ``key``: hivemind keeps a dictionary's subkeys in a heap
@@ -202,11 +200,12 @@ def _bound(store: DHTLocalStorage, limit_bytes: float, classify, clock) -> Ledge
     """Turns ``store`` into a :class:`BoundedStorage` in place, charging what it already holds."""
     ledger = Ledger(limit_bytes, classify, clock)
     for key, item in list(store.items()):
+        kind = ledger.kind(key)
         if isinstance(item.value, DictionaryDHTValue):
             for subkey, sub in list(item.value.items()):
-                ledger.add(key, subkey, entry_cost(sub.value, subkey), sub.expiration_time)
+                ledger.add(kind, key, subkey, entry_cost(sub.value, subkey), sub.expiration_time)
         else:
-            ledger.add(key, None, entry_cost(item.value), item.expiration_time)
+            ledger.add(kind, key, None, entry_cost(item.value), item.expiration_time)
     store.__class__ = BoundedStorage
     store.ledger = ledger
     return ledger
