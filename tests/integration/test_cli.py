@@ -1,5 +1,5 @@
-"""The command line as a user meets it: --help, one-line errors with non-zero exit codes, the bootstrap node's
-identity and clean exit, prepare-data."""
+"""The command line as a user meets it: --help, one-line errors with non-zero exit codes, plan's JSON for scripts,
+the bootstrap node's identity and clean exit, prepare-data."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run(cli(*args), capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.parametrize("command", [[], ["peer"], ["bootstrap"], ["swarm"], ["prepare-data"], ["status"]])
+@pytest.mark.parametrize("command", [[], ["peer"], ["bootstrap"], ["swarm"], ["prepare-data"], ["status"], ["plan"]])
 def test_help(command):
     result = run(*command, "--help")
     assert result.returncode == 0, result.stderr
@@ -44,6 +44,7 @@ def test_help_config_lists_keys():
         (["bootstrap", "--host-maddrs", "/ip4/127.0.0.1/tcp/notaport"], "dht.host_maddrs: malformed multiaddr"),
         (["peer", "--config", "/nonexistent/peer.toml"], "does not exist"),
         (["swarm", "--peers", "0"], "--peers: must be at least 1"),
+        (["plan", "--preset", "tiny", "--fragments", "9"], "--fragments: must lie in [1, 6]"),
         (["peer", "--data.path", "/nonexistent/shards", "--host-maddrs", LOOPBACK],
          "data.path: /nonexistent/shards does not exist"),
     ],
@@ -53,6 +54,15 @@ def test_bad_input_is_one_line_error(args, expected):
     assert result.returncode != 0
     assert_one_line_error(result.stderr, expected)
     assert "Traceback" not in result.stdout
+
+
+def test_plan_json_of_a_preset_is_the_whole_of_stdout():
+    """``plan --json`` is for scripts: in a process of its own, which imports torch for the preset's model, stdout
+    is the one JSON object and nothing else (tests/unit/test_plan.py checks its numbers in-process)."""
+    result = run("plan", "--preset", "tiny", "--vocab-size", "4096", "--fragments", "4", "--json")
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)
+    assert plan["inputs"]["fragment_share"] == pytest.approx(524416 / (524288 + 4 * 213248 + 524416))
 
 
 def assert_one_line_error(stderr: str, expected: str) -> None:

@@ -1,14 +1,15 @@
-"""``p2p_diloco.plan`` and ``p2p-diloco plan``: the formulas on hand-computed cases, validation, the CLI."""
+"""``p2p_diloco.plan`` and ``p2p-diloco plan``: the formulas on hand-computed cases, validation, the CLI (in this
+process; tests/integration/test_cli.py runs it as its own process)."""
 
 import json
 import math
 import re
-import subprocess
-import sys
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 
+from p2p_diloco.cli.main import main
 from p2p_diloco.config import ConfigError
 from p2p_diloco.plan import (
     PAPER_NUM_PARAMS,
@@ -177,32 +178,41 @@ def test_json_dict_has_every_output():
     assert out["bytes_per_round"] == plan.bytes_per_round and out["inputs"]["num_params"] == 1e9
 
 
-def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "p2p_diloco", "plan", *args], capture_output=True, text=True,
-                          timeout=120)
+@pytest.fixture
+def plan_cli(capsys):
+    """``p2p-diloco plan ARGS`` through the CLI's ``main``, in this process (a new one costs seconds of imports):
+    its exit code, stdout and stderr."""
+    def run(*args: str) -> SimpleNamespace:
+        try:
+            code = main(["plan", *args])
+        except SystemExit as e:  # argparse's own exits: --help
+            code = e.code
+        out = capsys.readouterr()
+        return SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err)
+    return run
 
 
-def test_cli_help():
-    result = _cli("--help")
+def test_cli_help(plan_cli):
+    result = plan_cli("--help")
     assert result.returncode == 0 and "--bandwidth-mbit" in result.stdout and "--paper" in result.stdout
 
 
-def test_cli_prints_a_table():
-    result = _cli("--params", "1.1e9", "--peers", "4", "--bandwidth-mbit", "100", "--step-time", "2")
+def test_cli_prints_a_table(plan_cli):
+    result = plan_cli("--params", "1.1e9", "--peers", "4", "--bandwidth-mbit", "100", "--step-time", "2")
     assert result.returncode == 0, result.stderr
     for text in ("sent per peer per round", "GB", " s ", "%", "delayed over AllReduce"):
         assert text in result.stdout
 
 
-def test_cli_paper_shows_the_comparison():
-    result = _cli("--paper")
+def test_cli_paper_shows_the_comparison(plan_cli):
+    result = plan_cli("--paper")
     assert result.returncode == 0, result.stderr
     assert "DiLoCoX paper (arXiv 2506.21263): 357x over vanilla AllReduce" in result.stdout
     assert "assumed --step-time" in result.stdout
 
 
-def test_cli_json():
-    result = _cli("--preset", "tiny", "--json")
+def test_cli_json(plan_cli):
+    result = plan_cli("--preset", "tiny", "--json")
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
     for key in ("bytes_per_round", "transfer_s", "compute_s", "min_inner_steps_to_hide", "utilization_none",
@@ -214,8 +224,8 @@ def test_cli_json():
 
 @pytest.mark.parametrize("args, option", [(("--params", "1e9", "--bandwidth-mbit", "-3"), "--bandwidth-mbit"),
                                           ((), "--params"), (("--paper", "--params", "1e9"), "--paper")])
-def test_cli_bad_value_is_one_line_error(args, option):
-    result = _cli(*args)
+def test_cli_bad_value_is_one_line_error(args, option, plan_cli):
+    result = plan_cli(*args)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: {option}:")
@@ -246,16 +256,14 @@ def test_streaming_sync_sends_a_fragment_at_a_time():
             make_plan(replace(base, **bad))
 
 
-def test_plan_with_a_preset_takes_the_largest_fragment_of_its_model():
+def test_plan_with_a_preset_takes_the_largest_fragment_of_its_model(plan_cli):
     """The tiny preset with a 4096-token vocabulary: embedding and head are the largest parts, 4 fragments cut
     [embedding | blocks 0-1 | blocks 2-3 | head]; the share matches the quality benchmark's measured peak payload
     (benchmarks/results/quality-streaming: 0.933 MB at once, 0.250 MB per fragment, a 3.7x cut)."""
-    out = subprocess.run([sys.executable, "-m", "p2p_diloco", "plan", "--preset", "tiny", "--vocab-size", "4096",
-                          "--fragments", "4", "--json"], capture_output=True, text=True, timeout=120)
+    out = plan_cli("--preset", "tiny", "--vocab-size", "4096", "--fragments", "4", "--json")
     assert out.returncode == 0, out.stderr
     plan = json.loads(out.stdout)
     assert plan["inputs"]["fragment_share"] == pytest.approx(524416 / (524288 + 4 * 213248 + 524416))
     assert plan["peak_bytes"] == pytest.approx(plan["bytes_per_round"] * plan["inputs"]["fragment_share"])
-    bad = subprocess.run([sys.executable, "-m", "p2p_diloco", "plan", "--preset", "tiny", "--fragments", "9"],
-                         capture_output=True, text=True, timeout=120)
+    bad = plan_cli("--preset", "tiny", "--fragments", "9")
     assert bad.returncode == 2 and "--fragments: must lie in [1, 6]" in bad.stderr, bad.stderr

@@ -16,6 +16,7 @@ import tempfile
 import typing
 from pathlib import Path
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -196,13 +197,26 @@ def json_equal(a, b) -> bool:
     return repr(a) == repr(b)
 
 
+PREVIOUS = {k: v + 1 if v.is_floating_point() else v for k, v in TENSORS.items()}
+
+
+@pytest.fixture(scope="module")
+def two_checkpoints(tmp_path_factory) -> dict[str, bytes]:
+    """The files of a folder holding checkpoints 1 (PREVIOUS) and 2 (TENSORS), saved once: every example damages a
+    copy of the same bytes (saving them anew each time was 3 fsyncs a checkpoint, most of the test's time)."""
+    folder = tmp_path_factory.mktemp("checkpoints")
+    save_checkpoint(folder, 1, PREVIOUS, dict(META, inner_step=1), keep=3)
+    save_checkpoint(folder, 2, TENSORS, META, keep=3)
+    return {path.name: path.read_bytes() for path in folder.iterdir()}
+
+
 @settings(max_examples=150, deadline=None)
 @given(st.sampled_from(["json", "safetensors"]), st.sampled_from(["flip", "truncate", "append", "splice"]), st.data())
-def test_a_damaged_checkpoint_loads_identically_or_is_refused(suffix, kind, data):
-    previous = {k: v + 1 if v.is_floating_point() else v for k, v in TENSORS.items()}
+def test_a_damaged_checkpoint_loads_identically_or_is_refused(two_checkpoints, suffix, kind, data):
     with tempfile.TemporaryDirectory() as folder:
-        save_checkpoint(folder, 1, previous, dict(META, inner_step=1), keep=3)
-        manifest = save_checkpoint(folder, 2, TENSORS, META, keep=3)
+        for name, raw in two_checkpoints.items():
+            (Path(folder) / name).write_bytes(raw)
+        manifest = Path(folder) / "step-00000002.json"
         damaged = manifest.with_suffix(f".{suffix}")
         damaged.write_bytes(corrupt(damaged.read_bytes(), kind, data))
         try:
@@ -212,4 +226,4 @@ def test_a_damaged_checkpoint_loads_identically_or_is_refused(suffix, kind, data
         else:
             assert same_state(checkpoint, 2, TENSORS, META), "a damaged checkpoint loaded as a different state"
         latest = load_latest_checkpoint(folder)
-        assert same_state(latest, 2, TENSORS, META) or same_state(latest, 1, previous, dict(META, inner_step=1))
+        assert same_state(latest, 2, TENSORS, META) or same_state(latest, 1, PREVIOUS, dict(META, inner_step=1))
