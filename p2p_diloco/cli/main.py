@@ -53,7 +53,8 @@ class PrintVersion(argparse.Action):
 # the errors that mean a user's mistake, by the module that defines each: told in one line, never a traceback
 USER_ERRORS = (("p2p_diloco.config.errors", "ConfigError"), ("p2p_diloco.data.errors", "DataError"),
                ("p2p_diloco.swarm.errors", "SwarmError"), ("p2p_diloco.training.state.checkpoint", "CheckpointError"),
-               ("p2p_diloco.pipeline.context", "PipelineError"), ("p2p_diloco.model.export", "ExportError"))
+               ("p2p_diloco.pipeline.context", "PipelineError"), ("p2p_diloco.model.export", "ExportError"),
+               ("p2p_diloco.cli.status", "StatusError"))
 
 
 def user_errors() -> tuple[type[BaseException], ...]:

@@ -1,8 +1,9 @@
 """``p2p-diloco status``: who is training in a run, on which stage and round, how fast, read from the DHT.
 
-Starts a client-mode DHT node (it makes only outgoing connections and stores nothing), reads the run's
-progress records (:func:`p2p_diloco.swarm.fetch_progress`), prints a table or one JSON document, and shuts
-the node down. Exit code 1 when no peer of the run is found.
+A forked reader process starts a client-mode DHT node (it makes only outgoing connections and stores nothing) and
+reads the run's progress records (:func:`p2p_diloco.swarm.fetch_progress`); the command, which imports neither torch
+nor hivemind, prints a table or one JSON document and kills the reader with its node. So ``--timeout T`` holds on a
+loaded machine, however long the reader's imports take. Exit code 1 when no peer of the run is found.
 """
 
 from __future__ import annotations
@@ -12,10 +13,12 @@ import json
 import logging
 import math
 import os
+import select
 import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from p2p_diloco.cli.logs import configure_logging
@@ -56,30 +59,40 @@ def register(subparsers) -> None:
     parser.set_defaults(run=run)
 
 
-WATCHDOG_GRACE_S = 8.0
-"""How long past its deadline ``status`` may still be busy (a read answering late, the node's shutdown) before its
-watchdog reports what it has and ends the process: ``--timeout T`` exits within T + 10 s of the process start."""
-
+ANSWER_GRACE_S = 5.0
+"""How long past its deadline ``status`` waits for its reader's answer before it gives up, says what the reader had
+reached and ends it: ``--timeout T`` exits within T + 10 s of the process start, the rest of the 10 s left for the
+command's own start and exit on a loaded machine."""
 
 _KILL_RESERVE_S = 3.0  # a node not ready in time is killed and reaped: leave it that long before the deadline
+_ORPHAN_LIMIT_S = 10.0  # a reader whose command is gone ends itself this long past the command's deadline
+
+
+class StatusError(RuntimeError):
+    """The run could not be read: no records within the timeout, or the swarm not reached (exit code 1)."""
 
 
 class _Progress:
-    """What ``status`` has so far, for the message of a run that ends at its deadline."""
+    """What ``status``'s reader has reached so far, for the message of a run that ends at its deadline."""
 
     def __init__(self, run_id: str, timeout_s: float):
         self.run_id, self.timeout_s = run_id, timeout_s
-        self.phase = "joining the swarm"
+        self.phase = "starting (importing its libraries)"
         self.reachable: int | None = None
         self.joining_since_s: float | None = None  # seconds from the process start to the DHT node's start
-        self.dht = None
-        self.answered = False  # the answer (records, or the document of none) is printed
-        self.exit_code = 1  # the exit code of the answer, once given
+        self.joined = False
+        self.initial_peers: list[str] = []
+
+    def update(self, event: dict) -> None:
+        """Take one progress event of the reader (only the fields this class has)."""
+        for name in ("run_id", "initial_peers", "phase", "reachable", "joining_since_s", "joined"):
+            if name in event:
+                setattr(self, name, event[name])
 
     def give_up_message(self, with_phase: bool = False) -> str:
         if self.reachable is not None:
             reachable = f"{self.reachable} peer(s) reachable"
-        elif self.dht is None:  # when it began to join tells a slow start (imports on a busy machine) from the network
+        elif not self.joined:  # when it began to join tells a slow start (imports on a busy machine) from the network
             reachable = "no peer reached yet" if self.joining_since_s is None else \
                 f"no peer reached yet (it began joining {self.joining_since_s:.0f} s after its start)"
         else:
@@ -89,51 +102,148 @@ class _Progress:
 
 
 def run(args: argparse.Namespace, overrides: list[tuple[str, str]]) -> int:
+    from p2p_diloco.config.errors import ConfigError
+
     if not args.timeout > 0 or not math.isfinite(args.timeout):
-        from p2p_diloco.config import ConfigError
-
         raise ConfigError(f"--timeout: a positive number of seconds, not {args.timeout!r}")
-    deadline = time.monotonic() - seconds_since_process_start() + args.timeout
-    cfg = status_config(args)
-    if not cfg.dht.initial_peers:
-        from p2p_diloco.config import ConfigError
-
-        raise ConfigError("dht.initial_peers: status needs the multiaddr of a running bootstrap node or peer "
-                          "(--initial-peers)")
+    if not args.run_id and not args.config:
+        raise ConfigError("run.run_id: which run? give --run-id (or --config with the run's config file)")
+    started = time.monotonic() - seconds_since_process_start()
+    deadline = started + args.timeout
     if args.serve is not None:
         from p2p_diloco.cli.status_serve import serve
 
-        return serve(cfg, args)
-    configure_logging("WARNING")
-    progress = _Progress(cfg.run.run_id, args.timeout)
-    watchdog = threading.Timer(max(0.0, deadline + WATCHDOG_GRACE_S - time.monotonic()), _give_up,
-                               args=(progress, args.json))
-    watchdog.daemon = True
-    # never cancelled: once the answer is out it only ends an exit that overruns (the interpreter's teardown, hivemind's
-    # atexit work and threads still in a DHT call took status of a missing run 2.5 s past T + 10 beside a loaded swarm)
-    watchdog.start()
-    try:
-        records, fragments, now = _read_status(cfg, progress, deadline)
-    except BaseException:
-        progress.answered = True  # the error is the answer (exit code 1): the watchdog only ends an exit that overruns
-        raise
-    report = build_report(cfg.run.run_id, records, now, num_fragments=fragments)
-    if records or args.json:  # scripts get a document either way, and the exit code
-        if not records:
+        return serve(status_config(args), args)
+    # the config is checked in the reader: its addresses' check imports hivemind (and torch), which took 15-20 s
+    # beside ten busy loops on 2 cores, and the bound must not wait for them
+    progress = _Progress(args.run_id or f"of {args.config}", args.timeout)
+    progress.initial_peers = list(args.initial_peers or [])
+    answer = supervise(lambda send: _read_status(args, send, started, deadline), progress.update,
+                       until=deadline + ANSWER_GRACE_S)
+    through = f"through {', '.join(progress.initial_peers) or 'the initial peers of ' + str(args.config)}"
+    if answer is None:  # the reader overran its deadline, or died: what it had reached is the answer
+        if args.json:
+            print(json.dumps({"run_id": progress.run_id, "num_peers": 0, "num_processes": 0, "peers": [],
+                              "error": progress.give_up_message(with_phase=True)}, indent=2), flush=True)
+        raise StatusError(f"{progress.give_up_message(with_phase=True)} {through}: status gave up "
+                          f"{ANSWER_GRACE_S:g} s past its --timeout")
+    if "usage" in answer:  # a bad option or config file
+        raise ConfigError(answer["usage"])
+    if "error" in answer:  # the network's answer, with time left (no initial peer reachable, ...)
+        raise StatusError(answer["error"])
+    report = answer["report"]
+    if report["peers"] or args.json:  # scripts get a document either way, and the exit code
+        if not report["peers"]:
             report["error"] = progress.give_up_message()
         print(json.dumps(report, indent=2) if args.json else format_report(report), flush=True)
-    progress.answered = True
-    if not records:
-        from p2p_diloco.swarm import SwarmError
-
-        raise SwarmError(f"{progress.give_up_message()} through {', '.join(cfg.dht.initial_peers)}: check --run-id "
-                         "and that peers are running")
-    progress.exit_code = 0
+    if not report["peers"]:
+        raise StatusError(f"{progress.give_up_message()} {through}: check --run-id and that peers are running")
     return 0
 
 
-def _read_status(cfg, progress: _Progress, deadline: float) -> tuple[list, int, float]:
-    """(records, number of fragments or 0, DHT time) of the run, read before ``deadline`` (monotonic)."""
+def supervise(read: Callable[[Callable[[dict], None]], dict], on_event: Callable[[dict], None],
+              until: float) -> dict | None:
+    """Runs ``read(send)`` in a forked reader process and returns the dict it returns, or None when the reader has
+    not returned by ``until`` (monotonic) or died. ``read`` may call ``send(event)`` with JSON-able progress dicts,
+    passed to ``on_event`` as they come. The reader and everything it started (hivemind's DHT process, its p2pd
+    daemon) form one process group, killed (SIGKILL) and the reader reaped before this returns: nothing a reader
+    holds is worth a graceful exit, and the bound does not depend on how long torch's and hivemind's imports, or
+    their shutdown, take on a loaded machine (this process imports neither)."""
+    readable, writable = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the reader
+        os.close(readable)
+        _reader_main(read, writable, until)
+    os.close(writable)
+    answer, buffer, ended = None, b"", False
+    try:
+        while answer is None and not ended and time.monotonic() < until + 0.5:
+            # past ``until``, what the pipe already holds is still read (the last events say what was reached)
+            if not select.select([readable], [], [], max(0.0, until - time.monotonic()))[0]:
+                break
+            chunk = os.read(readable, 1 << 16)
+            ended = not chunk  # the reader exited, or died without an answer
+            buffer += chunk
+            *lines, buffer = buffer.split(b"\n")
+            for line in lines:
+                message = json.loads(line)
+                if "answer" in message:
+                    answer = message["answer"]
+                    break
+                on_event(message["event"])
+    finally:
+        os.close(readable)
+        _end_group(pid)
+    return answer
+
+
+def _reader_main(read: Callable, writable: int, until: float) -> None:
+    """The reader process: its own process group (so its command can kill all it starts at once), a backstop that
+    ends the group should its command be gone, then ``read`` and its answer on the pipe. Never returns."""
+    code = 0
+    try:
+        os.setpgid(0, 0)
+        backstop = threading.Timer(max(0.0, until - time.monotonic()) + _ORPHAN_LIMIT_S, os.killpg,
+                                   args=(0, signal.SIGKILL))
+        backstop.daemon = True
+        backstop.start()
+        with os.fdopen(writable, "wb", buffering=0) as channel:
+            def send(event: dict) -> None:
+                channel.write(json.dumps({"event": event}).encode() + b"\n")
+
+            answer = read(send)
+            channel.write(json.dumps({"answer": answer}).encode() + b"\n")
+    except BaseException:  # a bug: its traceback on stderr, and no answer (the command says what was reached)
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
+
+
+def _end_group(pid: int, reap_s: float = 1.0) -> None:
+    """Kills the reader's process group and reaps the reader if it is gone within ``reap_s``. A killed process
+    still unmaps its memory before it can be reaped, which took 6 s for a reader in the middle of torch's imports
+    beside ten busy loops on 2 cores: past ``reap_s`` the command exits without it and init reaps it, as it does the
+    reader's DHT process and daemon."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except OSError:  # the reader had not yet made its group: it alone
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    until = time.monotonic() + reap_s
+    while True:
+        try:
+            if os.waitpid(pid, os.WNOHANG)[0] or time.monotonic() >= until:
+                return
+        except ChildProcessError:
+            return
+        time.sleep(0.02)
+
+
+def _read_status(args: argparse.Namespace, send: Callable[[dict], None], started: float, deadline: float) -> dict:
+    """In the reader: {"report": the run's report} read before ``deadline`` (monotonic), its progress sent as it
+    goes (times counted from ``started``, the command's process start); {"usage": why} for a bad option or config
+    file, {"error": why} when the swarm answers that it cannot be joined."""
+    configure_logging("WARNING")
+    from p2p_diloco.config import ConfigError
+
+    try:
+        cfg = status_config(args)
+        if not cfg.dht.initial_peers:
+            raise ConfigError("dht.initial_peers: status needs the multiaddr of a running bootstrap node or peer "
+                              "(--initial-peers)")
+    except ConfigError as e:
+        return {"usage": str(e)}
+    send({"run_id": cfg.run.run_id, "initial_peers": cfg.dht.initial_peers})
     from hivemind.utils import get_dht_time
 
     from p2p_diloco.monitoring.nodes import PeerCounts
@@ -143,23 +253,19 @@ def _read_status(cfg, progress: _Progress, deadline: float) -> tuple[list, int, 
     def left() -> float:
         return max(1.0, deadline - time.monotonic())
 
-    progress.joining_since_s = seconds_since_process_start()
+    send({"phase": "joining the swarm", "joining_since_s": time.monotonic() - started})
     try:
         dht = start_dht(cfg.dht, record_validators=run_record_validators(cfg.run.run_id), check_identity_free=False,
                         ready_timeout_s=max(1.0, left() - _KILL_RESERVE_S))
-    except SwarmError:
+    except SwarmError as e:
         if time.monotonic() < deadline - _KILL_RESERVE_S - 1.0:  # it failed with time left: the network's answer
-            raise
-        return [], 0, get_dht_time()  # out of time while joining: told as "no records within T s"
-    progress.dht = dht
-    try:
-        progress.phase = "reading the run's records"
-        progress.reachable = (PeerCounts(dht, timeout_s=min(2.0, left())).get() or (None,))[0]
-        records, fragments = read_run(dht, cfg.run.run_id, deadline)
-        return records, fragments, get_dht_time()
-    finally:
-        progress.phase = "leaving the swarm"
-        dht.shutdown()
+            return {"error": str(e)}
+        return {"report": build_report(cfg.run.run_id, [], get_dht_time())}  # out of time: "no records within T s"
+    send({"joined": True, "phase": "reading the run's records"})
+    send({"reachable": (PeerCounts(dht, timeout_s=min(2.0, left())).get() or (None,))[0]})
+    records, fragments = read_run(dht, cfg.run.run_id, deadline)
+    # (the node is not shut down: the command kills the reader's process group once it has the answer)
+    return {"report": build_report(cfg.run.run_id, records, get_dht_time(), num_fragments=fragments)}
 
 
 def read_run(dht, run_id: str, deadline: float, max_attempts: int = 3) -> tuple[list[ProgressRecord], int]:
@@ -177,36 +283,6 @@ def read_run(dht, run_id: str, deadline: float, max_attempts: int = 3) -> tuple[
             break
         records += _read_records(dht, run, fetch_progress, deadline=deadline, max_attempts=max_attempts)
     return records, fragments
-
-
-def _give_up(progress: _Progress, as_json: bool) -> None:
-    """The watchdog: past the deadline and its grace, say what there is and end the process (exit code 1), with
-    the DHT node's process (its daemon ends with it). Once the answer is printed it ends the process silently with
-    the answer's exit code (what overran was the exit)."""
-    if progress.answered:
-        _kill_node(progress)
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
-        os._exit(progress.exit_code)
-    message = progress.give_up_message(with_phase=True)
-    if as_json:
-        print(json.dumps({"run_id": progress.run_id, "num_peers": 0, "num_processes": 0, "peers": [],
-                          "error": message}, indent=2), flush=True)
-    print(f"error: {message}: status gave up {WATCHDOG_GRACE_S:g} s past its --timeout", file=sys.stderr, flush=True)
-    _kill_node(progress)
-    os._exit(1)
-
-
-def _kill_node(progress: _Progress) -> None:
-    dht = progress.dht
-    if dht is not None and dht.pid is not None:
-        try:
-            os.kill(dht.pid, signal.SIGKILL)
-        except OSError:
-            pass
 
 
 def seconds_since_process_start() -> float:

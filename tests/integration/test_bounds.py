@@ -34,14 +34,25 @@ BOUND_S = STATUS_TIMEOUT_S + 10  # the bound `status --timeout T` promises, from
 IMPORTS_ALLOWANCE_S = {"bootstrap": 20.0, "peer": 45.0}
 
 
-@pytest.fixture
-def busy_loops():
-    """Two CPU-bound processes at normal priority: the machine of a user who also does other things."""
-    loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+def _loops(count: int):
+    loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
     yield
     for loop in loops:
         loop.kill()
         loop.wait()
+
+
+@pytest.fixture
+def busy_loops():
+    """Two CPU-bound processes at normal priority: the machine of a user who also does other things."""
+    yield from _loops(2)
+
+
+@pytest.fixture
+def heavy_load():
+    """Eight CPU-bound processes: beside a training peer (and CI's own two loops and the suite's other worker) a
+    load average of 10 or more on 2 cores, where torch's and hivemind's imports alone take 15-20 s."""
+    yield from _loops(8)
 
 
 @pytest.fixture
@@ -100,12 +111,12 @@ def timed(*commands: list[str], timeout: float = 120) -> list[tuple[subprocess.C
     return results
 
 
-def test_status_keeps_its_bound_beside_a_loaded_swarm(tmp_path, processes, bootstrap, stopped_node, busy_loops):
-    """A peer trains, a node of the swarm is stopped, two busy loops run: `status` of the run answers, `status` of
-    a run nobody trains and `status` through the stopped node each end within T + 10 s with exit code 1 and a
-    message that says what was reached."""
+def test_status_keeps_its_bound_beside_a_loaded_swarm(tmp_path, processes, bootstrap, stopped_node, heavy_load):
+    """A peer trains, a node of the swarm is stopped, eight busy loops run (a load of 10 or more on 2 cores):
+    `status` of the run answers, `status` of a run nobody trains and `status` through the stopped node each end
+    within T + 10 s with exit code 1 and a message that says what was reached."""
     processes.start("a", *peer_args(tmp_path, "a", bootstrap, "bounds", 400, 5, "--averaging.round_timeout_s", "5"))
-    wait_until(lambda: len(events(tmp_path, "a", "round")) >= 1, 150, proc=processes.procs["a"],
+    wait_until(lambda: len(events(tmp_path, "a", "round")) >= 1, 300, proc=processes.procs["a"],
                log=lambda: processes.log("a"))
     timeout = ["--timeout", str(STATUS_TIMEOUT_S)]
     (found, found_s), (missing, missing_s), (stopped, stopped_s) = timed(
@@ -120,9 +131,10 @@ def test_status_keeps_its_bound_beside_a_loaded_swarm(tmp_path, processes, boots
     assert missing.returncode == 1 and missing.stdout == "", missing
     assert missing_s <= BOUND_S, f"status --timeout {STATUS_TIMEOUT_S:g} took {missing_s:.1f} s"
     assert_one_line_error(missing.stderr, f"no records of run no-such-run within {STATUS_TIMEOUT_S:g} s;")
-    # what it reached: a count once joined; on a machine too loaded to join within T, that it reached no peer
-    assert re.search(r"; ([1-9]\d* peer\(s\) reachable|no peer reached yet \(it began joining \d+ s after its start\)) "
-                     r"through ", missing.stderr), \
+    # what it reached: a count once joined; on a machine too loaded to join within T, that it reached no peer (and
+    # when it began joining, if it had)
+    assert re.search(r"; ([1-9]\d* peer\(s\) reachable|no peer reached yet( \(it began joining \d+ s after its "
+                     r"start\))?) through ", missing.stderr), \
         (missing_s, missing.stderr)
 
     assert stopped.returncode == 1, stopped

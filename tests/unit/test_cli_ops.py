@@ -111,69 +111,86 @@ def assert_killed(pid: str) -> None:
     raise AssertionError(f"the node's process {pid} is still running")
 
 
-WATCHDOG = """
-import subprocess, sys, time
-from p2p_diloco.cli import status
+def _reader_with_a_child(then):
+    """A reader for ``supervise`` that starts a process of its own (as hivemind's DHT does), tells its pid, then
+    does ``then(send)``."""
+    def read(send):
+        import subprocess
 
-child = subprocess.Popen(["sleep", "600"])
-print(child.pid, flush=True)
-progress = status._Progress("r1", 3.0)
-progress.phase, progress.reachable = "reading the run's records", 2
-progress.dht = child  # what the watchdog kills: anything with a pid
-status._give_up(progress, as_json=True)
-time.sleep(60)  # never reached: the watchdog ends the process
-"""
+        send({"child": subprocess.Popen(["sleep", "600"]).pid})
+        return then(send)
+
+    return read
 
 
-def test_the_watchdog_says_what_it_has_kills_the_node_and_exits_1():
-    """`status`'s backstop past its deadline: a JSON document and a one-line error with the phase and the peers
-    reached, the DHT node's process killed, exit code 1 at once (not the 60 s the process would otherwise sleep)."""
+def test_supervise_returns_the_readers_answer_with_its_events_and_kills_what_it_started():
+    import time
+
+    from p2p_diloco.cli.status import supervise
+
+    events = []
+    answer = supervise(_reader_with_a_child(lambda send: send({"phase": "reading"}) or {"report": [1, 2]}),
+                       events.append, until=time.monotonic() + 60)
+    assert answer == {"report": [1, 2]} and events[1:] == [{"phase": "reading"}], (answer, events)
+    assert_killed(events[0]["child"])
+
+
+def test_supervise_gives_up_at_its_bound_on_a_reader_that_overruns_and_kills_its_group():
+    """A reader stuck past ``until`` (imports or a DHT call on a loaded machine): no answer at ``until``, with every
+    event it sent before, and its process group killed."""
+    import time
+
+    from p2p_diloco.cli.status import supervise
+
+    def stuck(send):
+        send({"phase": "reading the run's records"})
+        time.sleep(600)
+
+    events, started = [], time.monotonic()
+    assert supervise(_reader_with_a_child(stuck), events.append, until=started + 1.5) is None
+    assert time.monotonic() - started < 1.5 + 2.5
+    assert events[1:] == [{"phase": "reading the run's records"}]
+    assert_killed(events[0]["child"])
+
+
+def test_supervise_does_not_wait_for_a_reader_that_died():
+    import time
+
+    from p2p_diloco.cli.status import supervise
+
+    def broken(send):
+        raise RuntimeError("a bug in the reader")
+
+    events, started = [], time.monotonic()
+    assert supervise(_reader_with_a_child(broken), events.append, until=started + 60) is None
+    assert time.monotonic() - started < 10
+    assert_killed(events[0]["child"])
+
+
+def test_status_that_gives_up_says_what_its_reader_reached(monkeypatch, capsys):
+    """Past its deadline and the grace, `status` prints a JSON document and a one-line error naming the phase and
+    the peers reached, from the reader's events, and exits 1."""
     import json
-    import subprocess
-    import sys
     import time
 
+    from p2p_diloco.cli import status
+
+    def stuck(args, send, started, deadline):
+        send({"run_id": "r1", "initial_peers": [BOOT]})
+        send({"joined": True, "phase": "reading the run's records"})
+        send({"reachable": 2})
+        time.sleep(600)
+
+    monkeypatch.setattr(status, "_read_status", stuck)
+    monkeypatch.setattr(status, "seconds_since_process_start", lambda: 0.0)
+    monkeypatch.setattr(status, "ANSWER_GRACE_S", 0.5)
     started = time.monotonic()
-    result = subprocess.run([sys.executable, "-c", WATCHDOG], capture_output=True, text=True, timeout=50)
-    assert result.returncode == 1 and time.monotonic() - started < 50
-    pid, document = result.stdout.split("\n", 1)
-    assert json.loads(document) == {"run_id": "r1", "num_peers": 0, "num_processes": 0, "peers": [],
-                                    "error": "no records of run r1 within 3 s (still reading the run's records); "
-                                             "2 peer(s) reachable"}
-    assert result.stderr.strip().splitlines()[-1] == (
-        "error: no records of run r1 within 3 s (still reading the run's records); 2 peer(s) reachable: "
-        "status gave up 8 s past its --timeout")
-    assert_killed(pid)
-
-
-ANSWERED = """
-import atexit, subprocess, sys, threading, time
-from p2p_diloco.cli import status
-
-child = subprocess.Popen(["sleep", "600"])
-print(child.pid, flush=True)
-progress = status._Progress("r1", 3.0)
-progress.dht, progress.answered, progress.exit_code = child, True, 0
-atexit.register(time.sleep, 60)  # an exit that overruns (hivemind's atexit work, threads in a DHT call)
-watchdog = threading.Timer(1.0, status._give_up, args=(progress, True))
-watchdog.daemon = True
-watchdog.start()  # as status arms it; the script then ends, and its exit overruns
-"""
-
-
-def test_once_status_has_answered_the_watchdog_only_ends_an_exit_that_overruns():
-    """Beside a loaded swarm, status of a missing run printed its answer and then took 2.5 s past T + 10 to exit (the
-    interpreter's teardown): the watchdog stays armed after the answer and then ends the process silently, with the
-    answer's exit code, the DHT node's process killed."""
-    import subprocess
-    import sys
-    import time
-
-    started = time.monotonic()
-    result = subprocess.run([sys.executable, "-c", ANSWERED], capture_output=True, text=True, timeout=50)
-    assert result.returncode == 0 and result.stderr == "" and time.monotonic() - started < 50, result
-    pid = result.stdout.strip()
-    assert_killed(pid)
+    assert main(["status", "--run-id", "r1", "--initial-peers", BOOT, "--timeout", "1", "--json"]) == 1
+    assert time.monotonic() - started < 1.5 + 2.5
+    out, err = capsys.readouterr()
+    message = "no records of run r1 within 1 s (still reading the run's records); 2 peer(s) reachable"
+    assert json.loads(out) == {"run_id": "r1", "num_peers": 0, "num_processes": 0, "peers": [], "error": message}
+    assert err.strip().splitlines()[-1] == f"error: {message} through {BOOT}: status gave up 0.5 s past its --timeout"
 
 
 def test_a_deadline_counts_from_the_process_start():
