@@ -77,7 +77,7 @@ class _Progress:
 
     def __init__(self, run_id: str, timeout_s: float):
         self.run_id, self.timeout_s = run_id, timeout_s
-        self.phase = "starting (importing its libraries)"
+        self.phase = "importing its libraries"
         self.reachable: int | None = None
         self.joining_since_s: float | None = None  # seconds from the process start to the DHT node's start
         self.joined = False

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -87,6 +88,8 @@ def run(args: argparse.Namespace, overrides: list[tuple[str, str]]) -> int:
         print(f"{args.peers * args.stages} peer processes on {os.cpu_count()} cores: the timeouts of a crowded "
               f"machine unless given ({raised})", flush=True)
     processes: dict[str, subprocess.Popen] = {}
+    stopped_by = None
+    _stop_on_signals()
     try:
         processes["bootstrap"] = _start_bootstrap(root, cfg.run.run_id)
         maddrs = _wait_for_maddrs(root / "bootstrap.maddrs", processes["bootstrap"])
@@ -96,15 +99,36 @@ def run(args: argparse.Namespace, overrides: list[tuple[str, str]]) -> int:
             seed = None if cfg.data.seed is None else cfg.data.seed + i
             processes[f"peer{i}"] = _start_peer(root, i, config_path, maddrs, threads, seed)
         exit_codes = _follow(root, processes, cfg, args.peer_timeout)
-    except KeyboardInterrupt:
-        print("\nInterrupted: stopping the peers (they checkpoint first)...", flush=True)
+    except KeyboardInterrupt as e:
+        stopped_by = e.args[0] if isinstance(e, Stopped) else signal.SIGINT
+        print(f"\n{'Interrupted' if stopped_by == signal.SIGINT else f'Stopped ({stopped_by.name})'}: stopping the "
+              "peers (they checkpoint first)...", flush=True)
         exit_codes = {}
     finally:
         _stop_all(processes)
     summary = summarize_swarm(root, args.peers, cfg, exit_codes)
     if exit_codes and args.sample_tokens:
         print_sample(root / "peer0", max_new_tokens=args.sample_tokens)
+    if stopped_by is not None:
+        return 128 + stopped_by  # as a shell reports a command its signal ended
     return 0 if summary["ok"] else 1
+
+
+class Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGHUP (a service manager's stop, a closed terminal): the swarm stops its peers as on Ctrl-C."""
+
+
+def _stop_on_signals() -> None:
+    """SIGTERM and SIGHUP raise :class:`Stopped` in the main thread, once: a second one while the peers stop is
+    ignored, so their stop (a checkpoint each, then SIGKILL past its grace) is never cut short, and no peer is left
+    running without its swarm."""
+    def stop(signum: int, frame) -> None:
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)
+        raise Stopped(signal.Signals(signum))
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, stop)
 
 
 def print_sample(peer_dir: Path, prompt: str = SAMPLE_PROMPT, max_new_tokens: int = 160) -> None:
