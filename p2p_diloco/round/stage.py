@@ -169,8 +169,16 @@ class Stage(StageCheckpoint, StateSharing):
                 for start, p in zip(self.round_start, self.params)]
 
     def restart_from_params(self) -> None:
-        """The next round starts from the working params as they are (overlap modes)."""
-        self.round_start = [p.detach().to(device="cpu", dtype=torch.float32, copy=True) for p in self.params]
+        """The next round starts from the working params as they are (overlap modes), copied into phi0's own
+        buffers: a round end allocates no new copy of the weights."""
+        self._own_round_start()
+        for start, p in zip(self.round_start, self.params):
+            start.copy_(p.detach())
+
+    def _own_round_start(self) -> None:
+        """phi0 in buffers of its own (in blocking mode it is the anchor itself), before it is written in place."""
+        if self.round_start is self.anchor:
+            self.round_start = [t.clone() for t in self.anchor]
 
     @property
     def merge_due(self) -> bool:
@@ -211,20 +219,30 @@ class Stage(StageCheckpoint, StateSharing):
         applied = self.collect(report)
         if applied is None:
             return
+        self._own_round_start()
         self.outer_optimizer.step(applied, self.applied_group_size)
-        progress = self.pseudo_gradient()
-        self.set_params([theta - d for theta, d in zip(self.anchor, progress)])
-        self.round_start = [t.clone() for t in self.anchor]
+        self._rebase(restart_from=self.anchor)
+
+    def _rebase(self, restart_from: list[torch.Tensor] | None) -> None:
+        """phi = theta - (phi0 - phi), the progress since the round started carried onto the new anchor, then phi0
+        = ``restart_from`` (None: the rebased params). One tensor at a time, in place: one tensor's temporary,
+        not three copies of the weights (the progress, the new params, the new phi0)."""
+        for i, (p, start, theta) in enumerate(zip(self.params, self.round_start, self.anchor)):
+            progress = start - p.detach().to(device="cpu", dtype=torch.float32)
+            p.copy_(theta - progress)
+            del progress
+            start.copy_(p.detach() if restart_from is None else restart_from[i])
 
     def with_feedback(self, delta: list[torch.Tensor]) -> list[torch.Tensor]:
-        """delta + beta e: what the compressor left out of earlier rounds goes out with this one (beta: the
-        averager's ``feedback_decay``, below 1 for SparseLoCo, whose decaying feedback plays the outer momentum)."""
+        """delta + beta e, written into ``delta`` (the round end's own tensors, used for nothing else after): what
+        the compressor left out of earlier rounds goes out with this one (beta: the averager's ``feedback_decay``,
+        below 1 for SparseLoCo, whose decaying feedback plays the outer momentum)."""
         if self.feedback is None:
             return delta
         decay = self.averager.feedback_decay
-        if decay == 1.0:
-            return [d + e for d, e in zip(delta, self.feedback)]
-        return [d + decay * e for d, e in zip(delta, self.feedback)]
+        for d, e in zip(delta, self.feedback):
+            d.add_(e if decay == 1.0 else decay * e)
+        return delta
 
     @torch.no_grad()
     def flush(self) -> RoundReport | None:
@@ -236,15 +254,14 @@ class Stage(StageCheckpoint, StateSharing):
         if self.pending is None:
             return None
         report = RoundReport(self.round_index - 1)
-        progress = self.pseudo_gradient()  # of a round stopped half-way
+        self._own_round_start()  # (phi0 - phi is the progress of a round stopped half-way: the outer step keeps it)
         self.outer_optimizer.step(self.collect(report), self.applied_group_size)
         if self.eager_anchor is not None:  # the shared anchor now holds every contribution, exactly once
             outer = self.outer_optimizer
             self.eager_optimizer.load_state_tensors(outer.momentum_buffers, outer.num_steps)
             for theta_e, theta in zip(self.eager_anchor, self.anchor):
                 theta_e.copy_(theta)
-        self.set_params([theta - d for theta, d in zip(self.anchor, progress)])
-        self.restart_from_params()
+        self._rebase(restart_from=None)
         return report
 
     def settle(self) -> None:
@@ -363,16 +380,25 @@ class Stage(StageCheckpoint, StateSharing):
 
     @contextmanager
     def anchor_weights(self) -> Iterator[None]:
-        """Temporarily load the anchor into the working parameters (to evaluate the agreed model)."""
+        """Temporarily make the anchor the working parameters (to evaluate the agreed model). A parameter of the
+        anchor's device and dtype (fp32 on CPU) is pointed at the anchor's storage, its own kept aside: no copy;
+        any other (on a GPU, in bf16) is saved, overwritten and restored."""
+        swapped, saved = [], []
         with torch.no_grad():
-            saved = [p.detach().clone() for p in self.params]
             for p, theta in zip(self.params, self.anchor):
-                p.copy_(theta)
+                if p.device == theta.device and p.dtype == theta.dtype and p.shape == theta.shape:
+                    swapped.append((p, p.data))
+                    p.data = theta
+                else:
+                    saved.append((p, p.detach().clone()))
+                    p.copy_(theta)
         try:
             yield
         finally:
             with torch.no_grad():
-                for p, value in zip(self.params, saved):
+                for p, own in swapped:
+                    p.data = own
+                for p, value in saved:
                     p.copy_(value)
 
     def num_state_bytes(self) -> dict[str, int]:
