@@ -194,18 +194,19 @@ def run_stage(cfg: Config, *, pipeline=None, reporter: Optional[Reporter] = None
     split = resolve_split(cfg, model_args, parts)
     if folder is not None:
         check_tokenizer(folder, data.train.path, data.train.tokenizer_name)
-    model = build_model(model_args, split, stage_index, folder).to(device)
+    # the names and shapes of this stage's parameters, with no memory: the DHT node's and the averagers' processes
+    # are forked from this one before the weights exist, so none of them holds a stale copy of them (docs/design.md,
+    # "What a peer holds")
+    skeleton = build_stage_model(model_args, split, stage_index, initialize=False, device="meta")
     digest = init_digest(folder, output_dir) if folder is not None else None
     fingerprint = config_fingerprint(model_args, split, data.train.meta, cfg.diloco.fragments, init_digest=digest)
     output_dir.mkdir(parents=True, exist_ok=True)
-    if stage_index == 0:  # only once config, data and model passed their checks: a bad start leaves the old one
-        (output_dir / "config.toml").write_text(dump_config(cfg))
 
     own_dht = dht is None
     dht_cfg = stage_dht_config(cfg.dht, stage_index, len(split))
     if own_dht:
         dht = start_dht(dht_cfg, record_validators=swarm_validators(cfg.run.run_id, len(split), cfg.diloco.fragments))
-    held, trainer, metrics_server = [], None, None
+    held, trainer, metrics_server, averagers = [], None, None, []
     try:
         logger.info(f"Stage {stage_index}: DHT node up; others can join through: {' '.join(visible_maddrs(dht))}")
         if own_dht:  # a peer nobody can dial is told what to set now, not by rounds that time out
@@ -213,32 +214,32 @@ def run_stage(cfg: Config, *, pipeline=None, reporter: Optional[Reporter] = None
         check_fingerprint(dht, cfg.run.run_id, fingerprint, allowlist=frozenset(cfg.averaging.allowlist))
         own_name = dht.peer_id.to_base58()
         peer_name = pipeline.broadcast_object(own_name) if pipeline is not None else own_name
-        named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-        # what this stage process averages: its stage, or each fragment it holds (each with its own group key,
-        # records, state sharing and sync: peers of any split meet per fragment)
-        units = [(None, model, named)] if parts is None else \
-            [((f, len(parts)), _fragment_view(model, params), params)
-             for f, params in split_parameters(named, parts).items()]
+        for fragment, _, params in _units(skeleton, parts):  # (their processes fork here: before the weights)
+            averagers.append(PseudoGradientAverager(
+                [p for _, p in params], dht, run_id=cfg.run.run_id, stage_index=stage_index, num_stages=len(split),
+                cfg=cfg.averaging, behaviour=behaviour or HONEST, fragment=fragment))
+        model = build_model(model_args, split, stage_index, folder).to(device)
+        if stage_index == 0:  # only once config, data and model passed their checks: a bad start leaves the old one
+            (output_dir / "config.toml").write_text(dump_config(cfg))
+        units = _units(model, parts)
         total_steps = cfg.inner.total_steps or cfg.train.num_rounds * cfg.diloco.inner_steps
         seed = cfg.data.seed if cfg.data.seed is not None else seed_from_peer_id(peer_name)
         sampler = WindowSampler(data.train, data.seq_len, cfg.data.batch_size, seed)
         eval_data = eval_batches(data.eval, data.seq_len, cfg.data.batch_size, cfg.data.eval_batches) \
             if data.eval is not None else []
         executor = _make_executor(cfg, pipeline, model, device)
-        for fragment, module, params in units:
+        for (fragment, module, _), averager in zip(units, list(averagers)):
             swarm = SwarmLink(dht, cfg.run.run_id, peer_name, stage_index=stage_index, num_stages=len(split),
                               inner_steps=cfg.diloco.inner_steps, fingerprint=fingerprint,
                               joined_swarm=bool(cfg.dht.initial_peers), num_rounds=cfg.train.num_rounds,
                               behaviour=behaviour or HONEST, fragment=fragment, allowlist=cfg.averaging.allowlist,
                               stranger_wait_s=cfg.averaging.matchmaking_time_s + cfg.averaging.request_timeout_s)
-            averager = PseudoGradientAverager(
-                [p for _, p in params], dht, run_id=cfg.run.run_id, stage_index=stage_index, num_stages=len(split),
-                cfg=cfg.averaging, behaviour=behaviour or HONEST, fragment=fragment)
             # a round nobody can join any more (the records say so) fails at once, not after its timeout
             stage = Stage(module, stage_index=stage_index, num_stages=len(split), inner_cfg=cfg.inner,
                           diloco_cfg=cfg.diloco, total_steps=total_steps, averager=averager, fragment=fragment,
                           records=swarm)
             held.append(Held(stage))
+            averagers.remove(averager)  # the stage shuts it down
             averager.state_provider = partial(_serve_state, stage, averager, cfg.run.run_id,
                                               wait_s=donor_wait_s(cfg.averaging))
             sync = SwarmSync(stage, swarm, executor, cfg.run.run_id, download_timeout_s=cfg.train.state_timeout_s,
@@ -260,8 +261,21 @@ def run_stage(cfg: Config, *, pipeline=None, reporter: Optional[Reporter] = None
             trainer.metrics.close()
         for unit in held:
             unit.stage.shutdown()
+        for averager in averagers:  # started, but the start failed before a stage took it
+            averager.shutdown()
         if own_dht:
             dht.shutdown()
+
+
+def _units(model, parts) -> list[tuple]:
+    """What this stage process averages, as (fragment or None, module, named parameters): its stage, or each fragment
+    it holds (each with its own group key, records, state sharing and sync: peers of any split meet per
+    fragment)."""
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    if parts is None:
+        return [(None, model, named)]
+    return [((f, len(parts)), _fragment_view(model, params), params)
+            for f, params in split_parameters(named, parts).items()]
 
 
 def _fragment_view(model, params) -> FragmentView:

@@ -176,6 +176,8 @@ class Transformer(nn.Module):
         last: build the final norm and the output head; forward then returns logits instead of hidden states.
         initialize: set every parameter by :meth:`init_weights`; False leaves them uninitialized, for a caller
             that loads all of them (``model.init_from``).
+        device: where the parameters live; "meta" gives their names and shapes only, with no memory (a peer
+            starts its DHT and averager processes from it, before the weights exist: forked, they share none).
 
     Raises:
         ValueError: layer_ids out of range or not increasing.
@@ -184,7 +186,7 @@ class Transformer(nn.Module):
 
     def __init__(
         self, args: ModelArgs, layer_ids: Sequence[int] | None = None, first: bool = True, last: bool = True,
-        initialize: bool = True,
+        initialize: bool = True, device: str = "cpu",
     ) -> None:
         super().__init__()
         layer_ids = list(range(args.n_layers)) if layer_ids is None else [int(i) for i in layer_ids]
@@ -200,13 +202,14 @@ class Transformer(nn.Module):
             self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in layer_ids})
             self.norm = RMSNorm(args.dim, args.norm_eps) if last else None
             self.output = nn.Linear(args.dim, args.vocab_size, bias=False) if last else None
-        self.to_empty(device="cpu")
+        if device != "meta":
+            self.to_empty(device=device)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         cos, sin = rotary_tables(args.head_dim, args.max_seq_len, args.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)  # (max_seq_len, D/2)
         self.register_buffer("rope_sin", sin, persistent=False)  # (max_seq_len, D/2)
-        if initialize:
+        if initialize and device != "meta":
             self.init_weights()
 
     @torch.no_grad()

@@ -75,9 +75,9 @@ def stage_num_params(args: ModelArgs, stage_layers: list[int], stage_index: int)
 
 
 def build_stage_model(args: ModelArgs, stage_layers: list[int], stage_index: int,
-                      initialize: bool = True) -> Transformer:
+                      initialize: bool = True, device: str = "cpu") -> Transformer:
     """Builds the model of one stage, its parameters named and initialized as in the full model (uninitialized
-    with ``initialize`` False, for a caller that loads them all).
+    with ``initialize`` False, for a caller that loads them all; names and shapes only on the "meta" ``device``).
 
     Raises:
         ConfigError: an invalid split, or tied embeddings with more than one stage.
@@ -87,7 +87,7 @@ def build_stage_model(args: ModelArgs, stage_layers: list[int], stage_index: int
     layer_ids = stage_layer_ids(stage_layers, stage_index)
     return Transformer(
         args, layer_ids=layer_ids, first=stage_index == 0, last=stage_index == len(stage_layers) - 1,
-        initialize=initialize,
+        initialize=initialize, device=device,
     )
 
 
