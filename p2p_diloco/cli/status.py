@@ -68,6 +68,9 @@ _KILL_RESERVE_S = 3.0  # a node not ready in time is killed and reaped: leave it
 _ORPHAN_LIMIT_S = 10.0  # a reader whose command is gone ends itself this long past the command's deadline
 
 
+NO_INITIAL_PEERS = "dht.initial_peers: status needs the multiaddr of a running bootstrap node or peer (--initial-peers)"
+
+
 class StatusError(RuntimeError):
     """The run could not be read: no records within the timeout, or the swarm not reached (exit code 1)."""
 
@@ -108,6 +111,8 @@ def run(args: argparse.Namespace, overrides: list[tuple[str, str]]) -> int:
         raise ConfigError(f"--timeout: a positive number of seconds, not {args.timeout!r}")
     if not args.run_id and not args.config:
         raise ConfigError("run.run_id: which run? give --run-id (or --config with the run's config file)")
+    if not args.initial_peers and not args.config:
+        raise ConfigError(NO_INITIAL_PEERS)
     started = time.monotonic() - seconds_since_process_start()
     deadline = started + args.timeout
     if args.serve is not None:
@@ -239,8 +244,7 @@ def _read_status(args: argparse.Namespace, send: Callable[[dict], None], started
     try:
         cfg = status_config(args)
         if not cfg.dht.initial_peers:
-            raise ConfigError("dht.initial_peers: status needs the multiaddr of a running bootstrap node or peer "
-                              "(--initial-peers)")
+            raise ConfigError(NO_INITIAL_PEERS)
     except ConfigError as e:
         return {"usage": str(e)}
     send({"run_id": cfg.run.run_id, "initial_peers": cfg.dht.initial_peers})

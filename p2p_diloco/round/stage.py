@@ -9,6 +9,7 @@ calls :meth:`Stage.end_round` every H steps. Called by :class:`p2p_diloco.traini
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -322,7 +323,11 @@ class Stage(StageCheckpoint, StateSharing):
         report.waited_s = self._settle(pending)
         self.pending = None
         report.applied_round = self.applied_round = pending.round_index
-        report.outcome = outcome = pending.outcome
+        outcome = pending.outcome
+        # the report keeps the facts, not the tensors: the average is the caller's until its outer step, the
+        # residual becomes e (held past the step, the report's copy of the average was a whole copy of the weights
+        # kept until the next round end)
+        report.outcome = dataclasses.replace(outcome, average=None, residual=None)
         if outcome.averaged:  # the outer step of an average grows with its group (round/outer.py, group_lr)
             self.applied_group_size = outcome.group_size
         report.outer_lr = self.outer_optimizer.lr_for(self.applied_group_size)

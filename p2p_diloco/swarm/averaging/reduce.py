@@ -27,10 +27,24 @@ AllReduce = Callable[[list[torch.Tensor], list[str], bytes], Awaitable[list[torc
 
 @dataclass
 class ReduceOutcome:
-    averaged: list[torch.Tensor]
+    parts: list
+    """Per tensor, the group's average, or for a low-rank one its factors (P, averaged Q, shape): the averager
+    writes each into its buffer in turn (:meth:`average_of`), so a whole average is never held besides them."""
     residuals: list[torch.Tensor]
     q_avgs: dict[int, torch.Tensor]
     stats: dict = field(default_factory=dict)
+
+    def average_of(self, index: int) -> torch.Tensor:
+        part = self.parts[index]
+        if isinstance(part, tuple):
+            p, q_avg, shape = part
+            return reconstruct(p, q_avg).reshape(shape)
+        return part
+
+    @property
+    def averaged(self) -> list[torch.Tensor]:
+        """Every tensor's average, made at once."""
+        return [self.average_of(i) for i in range(len(self.parts))]
 
 
 class RoundReducer:
@@ -46,14 +60,29 @@ class RoundReducer:
         self.warm_qs: dict[int, dict[int, torch.Tensor]] = {}
 
     async def reduce(self, contributions: list[torch.Tensor], plan: RoundPlan, round_index: int,
-                     allreduce: AllReduce) -> ReduceOutcome:
+                     allreduce: AllReduce, residuals_out: list[torch.Tensor] | None = None) -> ReduceOutcome:
+        """Average ``contributions`` (read, never written: the averager passes its shared buffers) under ``plan``.
+        The residuals are written into ``residuals_out`` when given (the averager's shared residual buffers:
+        read by the training process only after a round that succeeded), else into new tensors."""
         started = time.monotonic()
         whole = [i for i in range(len(contributions)) if i not in plan.lowrank]
-        sent = {i: roundtrip(plan.codecs[i], contributions[i]) for i in whole}  # what the wire carries
-        averaged: list[torch.Tensor | None] = [None] * len(contributions)
-        residuals = [torch.zeros_like(c) for c in contributions]
+        sent = {}
+        for i in whole:  # what the wire carries; never the contribution itself, which the all-reduce must not touch
+            sent[i] = roundtrip(plan.codecs[i], contributions[i])
+            if sent[i].data_ptr() == contributions[i].data_ptr():
+                sent[i] = sent[i].clone()
+        averaged: list = [None] * len(contributions)
+        residuals: list = [None] * len(contributions)
+
+        def residual(i: int, value: torch.Tensor) -> None:
+            if residuals_out is None:
+                residuals[i] = value
+            else:
+                residuals[i] = residuals_out[i]
+                residuals[i].copy_(value)
+
         for i in whole:
-            residuals[i] = contributions[i] - sent[i]
+            residual(i, contributions[i] - sent[i])
         q_avgs: dict[int, torch.Tensor] = {}
         if plan.lowrank:
             matrices = {i: contributions[i].reshape(contributions[i].shape[0], -1) for i in plan.lowrank}
@@ -70,8 +99,8 @@ class RoundReducer:
                                         b".Q")
             for i, q_avg in zip(plan.lowrank, phase_two):
                 q_avgs[i] = q_avg
-                averaged[i] = reconstruct(ps_avg[i], q_avg).reshape(contributions[i].shape)
-                residuals[i] = contributions[i] - reconstruct(ps_avg[i], sent_qs[i]).reshape(contributions[i].shape)
+                averaged[i] = (ps_avg[i], q_avg, contributions[i].shape)  # made when written (average_of)
+                residual(i, contributions[i] - reconstruct(ps_avg[i], sent_qs[i]).reshape(contributions[i].shape))
         else:
             for i, avg in zip(whole, await allreduce([sent[i] for i in whole], [plan.codecs[i] for i in whole], b"")):
                 averaged[i] = avg

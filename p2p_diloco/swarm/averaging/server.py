@@ -286,14 +286,14 @@ class AveragingServer(GuardedAverager, DecentralizedAverager):
                     raise AllreduceException(f"round {my_round} was abandoned by this peer")
                 # bounded here rather than by hivemind's timeout, whose expiry is not retried: a group whose
                 # all-reduce stalls (a member stopped sending) re-forms and averages again within the round's budget
+                # the buffers are read in place (the reduce writes none of them) and the residuals written straight
+                # into their shared buffers; each average then replaces its contribution, one tensor at a time
                 outcome = await self._unless_cancelled(asyncio.wait_for(
-                    self._reducer.reduce([b.clone() for b in buffers], plan, my_round, allreduce),
+                    self._reducer.reduce(buffers, plan, my_round, allreduce, residuals_out=self.residuals),
                     timeout=self.cfg.allreduce_timeout_s), my_round)
                 await self._compare_digests(group_info.group_id, view, digests)
-                for buffer, residual, average, error in zip(buffers, self.residuals, outcome.averaged,
-                                                            outcome.residuals):
-                    buffer.copy_(average)
-                    residual.copy_(error)
+                for i, buffer in enumerate(buffers):
+                    buffer.copy_(outcome.average_of(i))
             received = int(self.traffic[BYTES_RECEIVED]) - received_before
             # a throughput sample only when the payload amortizes the latency and the waits of the group
             measured = received * 8 / 1e6 / max(time.monotonic() - started, 1e-3) if received >= 2**20 else None
