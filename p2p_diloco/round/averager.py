@@ -42,8 +42,12 @@ class RoundAverager(Protocol):
         finished."""
 
     def finish_round(self, timeout: Optional[float] = None,
-                     hopeless: Optional[Callable[[int], bool]] = None) -> RoundOutcome:
-        """Wait for the round in flight (bounded) and return what it gave; a failure is an outcome, never raised."""
+                     hopeless: Optional[Callable[[int], bool]] = None,
+                     feedback: Optional[list[torch.Tensor]] = None) -> RoundOutcome:
+        """Wait for the round in flight (bounded) and return what it gave; a failure is an outcome, never raised.
+        An implementation may write an averaged round's residual into ``feedback`` (the stage's error feedback) and
+        return that list as the outcome's residual, and may return its own buffers as the average, valid until the
+        next :meth:`start_round`: the round end uses both before then, and neither is copied."""
 
     def abandon_round(self) -> None:
         """Stop caring about the round in flight: it finishes with its group, its result is never read."""

@@ -302,7 +302,8 @@ class Stage(StageCheckpoint, StateSharing):
         if not pending.in_flight:
             return 0.0
         started = time.monotonic()
-        outcome = self.averager.finish_round(hopeless=None if self.records is None else self.records.moved_past)
+        outcome = self.averager.finish_round(hopeless=None if self.records is None else self.records.moved_past,
+                                             feedback=self.feedback)
         waited = time.monotonic() - started
         pending.in_flight, pending.outcome = False, outcome
         if outcome.suspects:

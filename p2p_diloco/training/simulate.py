@@ -166,7 +166,7 @@ class ExactAverager:
                 or self.round_in_flight in self.group._results
         return started and self.polls >= self.group.arrival_steps
 
-    def finish_round(self, timeout: float | None = None, hopeless=None) -> RoundOutcome:
+    def finish_round(self, timeout: float | None = None, hopeless=None, feedback=None) -> RoundOutcome:
         assert self.round_in_flight is not None, "no round in flight"
         round_index, self.round_in_flight = self.round_in_flight, None
         return self.group._finish(self.index, round_index)

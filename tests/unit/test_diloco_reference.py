@@ -167,7 +167,7 @@ class _View:
         self.shared.slots[self.index] = ([t.clone() for t in contribution], weight)
         self.pending = round_index
 
-    def finish_round(self, timeout=None, hopeless=None) -> RoundOutcome:
+    def finish_round(self, timeout=None, hopeless=None, feedback=None) -> RoundOutcome:
         self.shared.barrier.wait()
         slots = [self.shared.slots[i] for i in sorted(self.shared.slots)]
         total = sum(w for _, w in slots)

@@ -62,7 +62,7 @@ class FailingAverager:
     def start_round(self, contribution, round_index, weight, compute_s=0.0, budget_s=0.0):
         self.round = round_index
 
-    def finish_round(self, timeout=None, hopeless=None):
+    def finish_round(self, timeout=None, hopeless=None, feedback=None):
         return RoundOutcome(fallback_reason="simulated failure")
 
 

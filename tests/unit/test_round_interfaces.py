@@ -61,7 +61,7 @@ class _Matching:
     def start_round(self, contribution, round_index, weight, compute_s=0.0, budget_s=0.0):
         self.round_index = round_index
 
-    def finish_round(self, timeout=None, hopeless=None):
+    def finish_round(self, timeout=None, hopeless=None, feedback=None):
         if hopeless is not None and hopeless(self.round_index):
             self.asked.append(self.round_index)
             return RoundOutcome(fallback_reason="the other peers have all moved past this round")

@@ -189,7 +189,7 @@ class FakeAverager:
         self.state, self.downloads, self.state_sharing_priority, self.client_mode = state, 0, 0.0, False
         self.result, self.finished = result, 0
 
-    def finish_round(self, timeout=None, hopeless=None):
+    def finish_round(self, timeout=None, hopeless=None, feedback=None):
         self.finished += 1
         return self.result or RoundOutcome(fallback_reason="it failed")
 

@@ -193,9 +193,15 @@ class PseudoGradientAverager:
         return None if self._pending is None else self._pending.round_index
 
     def finish_round(self, timeout: Optional[float] = None,
-                     hopeless: Optional[Callable[[int], bool]] = None) -> RoundOutcome:
+                     hopeless: Optional[Callable[[int], bool]] = None,
+                     feedback: Optional[list[torch.Tensor]] = None) -> RoundOutcome:
         """Wait for the round in flight and return it: at most ``timeout`` s, by default what is left of the
         round's own bounds (matchmaking + all-reduce timeouts, counted from its start).
+
+        The average returned is the shared buffers themselves, valid until the next :meth:`start_round` (the round
+        end applies it before then); an averaged round's residual is copied into ``feedback`` when given (the
+        stage's error feedback, returned as the residual), else into new tensors: the training process makes no
+        copy of either.
 
         ``hopeless(round)``, asked every second while the round is still matching: True when no group can form
         any more (every other peer has applied that round already); the round then fails at once instead of
@@ -224,8 +230,13 @@ class PseudoGradientAverager:
             if rounds != {pending.round_index}:
                 raise AllreduceException(f"groupmates reported rounds {sorted(rounds)}")
             with self.server.get_tensors() as buffers:
-                found["average"], found["averaged"] = [buffer.clone() for buffer in buffers], True
-                found["residual"] = [residual.clone() for residual in self.server.residuals]
+                found["average"], found["averaged"] = list(buffers), True
+                if feedback is None:
+                    found["residual"] = [residual.clone() for residual in self.server.residuals]
+                else:
+                    for e, residual in zip(feedback, self.server.residuals):
+                        e.copy_(residual)
+                    found["residual"] = feedback
             found["compression"] = outcome["stats"]
             self.proposal = outcome["next"]
             self.last_error = outcome["stats"].get("compression_error")
