@@ -24,6 +24,7 @@ LONGEST_FIRST = [
     # root only (network namespaces): 75 s on a machine where test_killing_one_stage took 86 (against its 77 here)
     "test_torchrun_cluster.py::test_a_peer_across_two_nodes_averages_with_the_swarm_and_stops_whole",
     "test_byzantine.py::test_repeat_offender_is_banned_and_the_others_go_on",  # 57
+    "test_swarm.py::test_swarm_stopped_with_sigterm_stops_its_peers",  # 68 (alone, idle)
     "test_churn.py::test_killed_peer_restarted_on_its_checkpoint_is_back_in_sync",  # 50
     "test_quality_bench.py::test_a_second_seed_is_added_to_an_earlier_table_without_running_the_first_again",  # 50
     "test_churn.py::test_newcomer_downloads_the_swarms_state",  # 46
