@@ -175,11 +175,10 @@ def swarm(args: argparse.Namespace, preset: str, workdir: Path) -> dict:
 
 
 def num_params(preset: str) -> int:
+
     from p2p_diloco.config import load_config
     from p2p_diloco.data import ShardDataset, resolve_data_path
     from p2p_diloco.model import Transformer, model_args_from_config
-
-    import torch
 
     cfg = load_config(None, [("model.preset", preset)])
     vocab = ShardDataset(resolve_data_path(cfg.data), "train").vocab_size
