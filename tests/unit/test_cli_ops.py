@@ -77,27 +77,6 @@ def test_every_user_error_class_is_where_the_cli_looks_for_it():
     assert set(user_errors()) == set(classes)  # all imported now: all caught
 
 
-@pytest.mark.parametrize("argv, code", [(["peer", "--inner.no_such_key", "1"], 2), (["peer", "--help-config"], 0),
-                                        (["swarm", "--peers", "0"], 2), (["plan", "--help"], 0),
-                                        (["peer", "--data.path", "/nonexistent", "--no-resume", "--host-maddrs",
-                                          "/ip4/127.0.0.1/tcp/0", "--run.num_threads", "1"], None)])
-def test_a_mistake_or_a_help_is_told_before_torch_is_imported(argv, code):
-    """The early exits (help, a config mistake) do not pay torch's import: seconds on a busy machine."""
-    import subprocess
-    import sys
-
-    script = ("import sys\nfrom p2p_diloco.cli.main import main\ntry:\n    code = main(sys.argv[1:])\n"
-              "except SystemExit as e:\n    code = e.code\n"
-              "print('exit', code, 'torch' in sys.modules, file=sys.stderr)")
-    result = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, timeout=120)
-    last = result.stderr.strip().splitlines()[-1]
-    if code is None:  # a mistake found by reading the data: torch is there by then, and the error is one line
-        assert last.startswith("exit 1 "), result.stderr
-        assert "error: data.path: /nonexistent does not exist" in result.stderr
-    else:
-        assert last == f"exit {code} False", result.stderr
-
-
 def assert_killed(pid: str) -> None:
     """The node's process ``pid`` is gone or a zombie within 5 s (the killed child is reaped by init once its
     parent is gone)."""
