@@ -231,7 +231,6 @@ class Stage(StageCheckpoint, StateSharing):
         for i, (p, start, theta) in enumerate(zip(self.params, self.round_start, self.anchor)):
             progress = start - p.detach().to(device="cpu", dtype=torch.float32)
             p.copy_(theta - progress)
-            del progress
             start.copy_(p.detach() if restart_from is None else restart_from[i])
 
     def with_feedback(self, delta: list[torch.Tensor]) -> list[torch.Tensor]:
