@@ -122,3 +122,25 @@ def test_every_groupmate_sees_the_arrival_also_after_another_took_the_average():
                 merged_at = offset
                 break
         assert merged_at == 3
+
+
+def test_round_end_merge_and_evaluation_make_no_new_copy_of_the_weights():
+    """What a peer holds (design.md 1.4): phi0 is rewritten in its own buffers at the round end and the merge, the
+    applied round's report keeps no tensor, and evaluating the anchor points the parameters at the anchor's storage
+    and gives them back unchanged."""
+    stages = run_round_zero_and_return(arrival_steps=1)
+    stage = stages[0]
+    phi0 = [t.data_ptr() for t in stage.round_start]
+    step(stage, 0.01)
+    assert stage.merge_due
+    stage.merge()
+    assert [t.data_ptr() for t in stage.round_start] == phi0
+    own = stage.params[0].detach().clone()
+    with stage.anchor_weights():
+        assert stage.params[0].data_ptr() == stage.anchor[0].data_ptr()
+    assert torch.equal(stage.params[0].detach(), own) and stage.params[0].data_ptr() != stage.anchor[0].data_ptr()
+    for _ in range(H - 1):
+        step(stage, 0.01)
+    report = stage.end_round(tokens=100, expected_group_size=2)
+    assert report.outcome.averaged and report.outcome.average is None and report.outcome.residual is None
+    assert [t.data_ptr() for t in stage.round_start] == phi0
