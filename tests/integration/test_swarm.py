@@ -129,15 +129,24 @@ def test_three_peers_identical_anchors_and_runs_never_mix(tmp_path, processes, b
         assert s["allreduce_bytes_equivalent"] > 5 * s["bytes_sent"]
 
 
-def test_a_peer_at_half_speed_ends_every_round_with_the_others(tmp_path, processes, bootstrap):
-    """3 peers (default mode and round end), one slowed to half speed: every round is averaged in a group of all
-    3, with no reload or resync; the slow peer ends each round when the others do, with about half their steps,
-    and its weight in the average is the tokens it trained; the anchors are bit-identical after every round."""
-    rounds, h = 4, 30
+def test_a_peer_at_a_third_of_the_speed_ends_every_round_with_the_others(tmp_path, processes, bootstrap):
+    """3 peers (default mode and round end), one slowed to a third of the speed: every round is averaged in a group of all
+    3, with no reload or resync; the slow peer ends each round when the others do, with fewer steps than theirs,
+    and its weight in the average is the tokens it trained; the anchors are bit-identical after every round.
+
+    How many fewer depends on the machine's load, not only on the slowdown: the slow peer learns of the round end
+    at its next read of the records, and finishes the round when its remaining steps take under a quarter of the
+    matchmaking time (``Trainer._nearly_done``). At half speed, 30-step rounds and a 4 s window, CI's busy cores saw
+    it train 78% of the fast peers' tokens, and once learn of round 0's end 4.3 s after them, past their window.
+    Here the window is 8 s (the default is 5 s, for machines less loaded than CI's), and the slow peer runs at a
+    third of the speed with 60-step rounds, so that its remaining steps (about 40) still take more than a quarter
+    of the window (2 s) on an idle core."""
+    rounds, h = 4, 60
     names = ["fast0", "fast1", "slow"]
     for name in names:
-        extra = ["--train.slowdown", "2"] if name == "slow" else []
-        processes.start(name, *peer_args(tmp_path, name, bootstrap, "hetero", rounds, h, *extra, wait_for=3))
+        extra = ["--train.slowdown", "3"] if name == "slow" else []
+        processes.start(name, *peer_args(tmp_path, name, bootstrap, "hetero", rounds, h, *extra,
+                                         "--averaging.matchmaking_time_s", "8", wait_for=3))
     for name in names:
         assert processes.wait(name, timeout=360) == 0, processes.log(name)[-3000:]
 
@@ -152,9 +161,12 @@ def test_a_peer_at_half_speed_ends_every_round_with_the_others(tmp_path, process
         assert len({p[r]["group_tokens"] for p in per_peer}) == 1, r  # one group, one total
     tokens = {name: summary(tmp_path, name)["tokens"] for name in names}
     fast = (tokens["fast0"] + tokens["fast1"]) / 2
-    assert 0.25 * fast < tokens["slow"] < 0.75 * fast, tokens
+    assert 0.15 * fast < tokens["slow"] < 0.9 * fast, tokens
     round_tokens = {name: [e["tokens"] for e in events(tmp_path, name, "round") if not e["flush"]] for name in names}
     assert all(len(t) == rounds and min(t) > 0 for t in round_tokens.values()), round_tokens
+    # the swarm, not its own H steps, ended most of the slow peer's rounds
+    full = h * 8 * 32  # TINY_TRAINING: batches of 8 sequences of 32 tokens
+    assert sum(t < full for t in round_tokens["slow"]) >= rounds // 2, round_tokens
 
 
 def test_a_last_round_split_into_groups_still_ends_on_one_model(tmp_path, processes, bootstrap):
