@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -159,6 +160,21 @@ def swarm(args: argparse.Namespace, preset: str, workdir: Path) -> dict:
         if proc.poll() is None:
             proc.kill()
     summary = json.loads((out / "swarm-summary.json").read_text())
+    round_end_s, compute_s, checkpoints = [], [], []
+    for i in range(args.peers):
+        for stage in range(args.stages):
+            events = [json.loads(line) for line in open(out / f"peer{i}" / f"metrics-stage{stage}.jsonl")]
+            steps = [e for e in events if e["kind"] == "step"]
+            for e in events:
+                if e["kind"] == "round" and not e.get("flush"):
+                    round_end_s.append(e["round_end_s"])
+            rates = [e["tokens_per_s"] for e in steps[1:] if e.get("tokens_per_s")]
+            if rates:
+                compute_s.append(args.inner_steps * args.batch_size * args.seq_len / max(rates))
+        for line in (out / f"peer{i}" / "console.log").read_text().splitlines():
+            m = re.search(r"Saved checkpoint .*\(([\d.]+) MB in ([\d.]+) s\)", line)
+            if m:
+                checkpoints.append((float(m.group(1)), float(m.group(2))))
     tokens_per_s = []
     for i in range(args.peers):
         events = [json.loads(line) for line in open(out / f"peer{i}" / "metrics-stage0.jsonl")]
@@ -170,6 +186,10 @@ def swarm(args: argparse.Namespace, preset: str, workdir: Path) -> dict:
     return {"peak_pss_per_peer": {name: sampler.peak_total[name] for name in peers},
             "peak_pss_by_role": {name: sampler.peak_by_role.get(name, {}) for name in peers},
             "tokens_per_s": sum(tokens_per_s) / len(tokens_per_s) if tokens_per_s else None,
+            "round_end_s": sorted(round_end_s)[len(round_end_s) // 2] if round_end_s else None,
+            "round_compute_s": sorted(compute_s)[len(compute_s) // 2] if compute_s else None,
+            "checkpoint_mb": max((c[0] for c in checkpoints), default=None),
+            "checkpoint_s": sorted(c[1] for c in checkpoints)[len(checkpoints) // 2] if checkpoints else None,
             "anchors_identical": summary["anchors_identical"], "ok": summary["ok"],
             "averaged_rounds": [r.get("averaged_rounds") for r in summary["peers"]]}
 
@@ -184,6 +204,27 @@ def num_params(preset: str) -> int:
     vocab = ShardDataset(resolve_data_path(cfg.data), "train").vocab_size
     model = Transformer(model_args_from_config(cfg.model, vocab), device="meta")
     return sum(p.numel() for p in model.parameters())
+
+
+def planned(args: argparse.Namespace, preset: str) -> dict:
+    """What ``p2p-diloco plan`` (p2p_diloco.memory) says the peer and the bare loop need, in bytes."""
+    from p2p_diloco.config import load_config
+    from p2p_diloco.data import ShardDataset, resolve_data_path
+    from p2p_diloco.memory import peer_memory
+    from p2p_diloco.model import balanced_split, model_args_from_config
+    from p2p_diloco.model.split import stage_shapes
+    from p2p_diloco.stage_process import run_shape
+
+    cfg = load_config(None, [("model.preset", preset), ("data.batch_size", str(args.batch_size)),
+                             ("data.seq_len", str(args.seq_len))])
+    model_args = model_args_from_config(cfg.model, ShardDataset(resolve_data_path(cfg.data), "train").vocab_size)
+    memory = peer_memory(stage_shapes(model_args, balanced_split(model_args, args.stages)),
+                         run_shape(cfg, args.seq_len, "cpu"))
+    roles = {}
+    for stage in memory.stages:
+        for process in stage:
+            roles[process.role] = max(roles.get(process.role, 0), process.host)
+    return {"peer": memory.host, "bare": memory.bare_host, **roles}
 
 
 def main() -> None:
@@ -209,7 +250,7 @@ def main() -> None:
         b = bare(args, preset)
         print(f"{preset}: swarm of {args.peers} peer(s) x {args.stages} stage(s)...", flush=True)
         s = swarm(args, preset, workdir)
-        results[preset] = {"num_params": n, "bare": b, "swarm": s}
+        results[preset] = {"num_params": n, "bare": b, "swarm": s, "plan": planned(args, preset)}
         (workdir / "sizes.json").write_text(json.dumps(results, indent=2))
     gb = 1e9
     print(f"\nbatch {args.batch_size} x seq {args.seq_len}, H = {args.inner_steps}, {args.rounds} rounds, "
@@ -227,6 +268,22 @@ def main() -> None:
               f"{roles['averager'] / gb:>9.2f} {roles['dht'] / gb:>6.2f} {roles['p2pd'] / gb:>6.2f} "
               f"{b['tokens_per_s']:>10.0f} {tok:>7} {str(s['averaged_rounds']):>10} "
               f"{'same' if s['anchors_identical'] else 'DIFFER':>8}")
+
+    print(f"\nthe planner's figures (p2p-diloco plan, p2p_diloco/memory.py) against the measured peaks, and the "
+          f"round end and checkpoint (medians over every round end and write of every peer)")
+    print(f"{'preset':<8} {'plan peer':>9} {'measured':>9} {'plan/meas':>9} {'plan bare':>9} {'measured':>9} "
+          f"{'plan/meas':>9} {'round end s':>11} {'compute s':>9} {'ckpt MB':>8} {'ckpt s':>7}")
+    for preset, r in results.items():
+        p, b, s = r["plan"], r["bare"], r["swarm"]
+        peer = max(s["peak_pss_per_peer"].values(), default=0)
+
+        def num(value, fmt):
+            return "-" if value is None else format(value, fmt)
+
+        print(f"{preset:<8} {p['peer'] / gb:>9.2f} {peer / gb:>9.2f} {p['peer'] / peer:>8.2f}x "
+              f"{p['bare'] / gb:>9.2f} {b['peak_pss'] / gb:>9.2f} {p['bare'] / b['peak_pss']:>8.2f}x "
+              f"{num(s['round_end_s'], '11.2f')} {num(s['round_compute_s'], '9.2f')} "
+              f"{num(s['checkpoint_mb'], '8.1f')} {num(s['checkpoint_s'], '7.2f')}")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from p2p_diloco.memory import PeerMemory
 from p2p_diloco.plan import PAPER, Plan
 
 
@@ -123,4 +124,34 @@ def format_plan(plan: Plan) -> str:
     for title, rows in sections:
         lines += ["", title]
         lines += [f"  {label:<{width}}{value:<{value_width}}{note}".rstrip() for label, value, note in rows]
+    return "\n".join(lines)
+
+
+def memory_as_dict(memory: PeerMemory) -> dict:
+    """The memory plan as JSON: bytes per process of each stage, the peer's totals and the bare loop's."""
+    return {"stages": [[{"role": p.role, "host_bytes": p.host, "device_bytes": p.device, "parts": p.parts}
+                        for p in stage] for stage in memory.stages],
+            "host_bytes": memory.host, "device_bytes": memory.device,
+            "bare_host_bytes": memory.bare_host, "bare_device_bytes": memory.bare_device}
+
+
+def format_memory(memory: PeerMemory) -> str:
+    """The memory plan as a table: each process of each stage, host and device, and the peer against a bare loop."""
+    on_device = memory.device > 0
+    lines = ["Memory per process (peak; the peer checks the same figures against this machine at its start)"]
+    for j, stage in enumerate(memory.stages):
+        for p in stage:
+            where = f"stage {j} " if len(memory.stages) > 1 else ""
+            device = f"  device {format_bytes(p.device)}" if p.device else ""
+            lines.append(f"  {where}{p.role:<10}host {format_bytes(p.host):>10}{device}")
+    bare = memory.bare_device if on_device else memory.bare_host
+    whole = memory.device if on_device else memory.host
+    lines.append(f"  {'the peer':<10}host {format_bytes(memory.host):>10}"
+                 + (f"  device {format_bytes(memory.device)}" if on_device else ""))
+    lines.append(f"  {'bare loop':<10}{'device' if on_device else 'host'} {format_bytes(bare):>10}  "
+                 f"(the same model in one plain PyTorch process; the peer {'on the device ' if on_device else ''}"
+                 f"is {whole / bare:.2f}x)")
+    training = memory.stages[0][0]
+    lines.append("  stage 0's training process: " + ", ".join(f"{name} {format_bytes(b)}"
+                                                            for name, b in training.parts.items()))
     return "\n".join(lines)

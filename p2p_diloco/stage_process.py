@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import re
 import time
 from collections.abc import Callable
@@ -22,6 +23,16 @@ import torch
 
 from p2p_diloco.config import AveragingConfig, Config, ConfigError, DHTConfig, dump_config
 from p2p_diloco.data import ShardDataset, WindowSampler, eval_batches, resolve_data_path, seed_from_peer_id
+from p2p_diloco.memory import (
+    RunShape,
+    available_host_memory,
+    describe,
+    env_local_processes,
+    fit_advice,
+    format_gb,
+    peer_memory,
+    shortfall,
+)
 from p2p_diloco.model import ModelArgs, balanced_split, build_stage_model, check_split, model_args_from_config
 from p2p_diloco.model.fragments import (
     FragmentView,
@@ -31,6 +42,7 @@ from p2p_diloco.model.fragments import (
     split_parameters,
 )
 from p2p_diloco.model.hf_folder import HFFolder, load_stage
+from p2p_diloco.model.split import stage_shapes
 from p2p_diloco.model.init_from import check_tokenizer, init_digest, open_init
 from p2p_diloco.round.stage import Stage
 from p2p_diloco.training.executor import LocalExecutor
@@ -139,6 +151,46 @@ def check_init_from(cfg: Config) -> None:
     init_digest(folder, Path(cfg.run.output_dir))
 
 
+def run_shape(cfg: Config, seq_len: int, device_type: str) -> RunShape:
+    """The run's settings that the memory estimate needs."""
+    return RunShape(cfg.data.batch_size, seq_len, cfg.pipeline.microbatches, cfg.pipeline.schedule, cfg.diloco.mode,
+                    cfg.averaging.compression != "none", "cuda" if device_type == "cuda" else "cpu")
+
+
+def check_memory(cfg: Config, model_args: ModelArgs, split: list[int], stage_index: int, device: torch.device,
+                 seq_len: int) -> None:
+    """Stop with one line naming what to change if the processes of this peer on this machine need more memory than
+    it has available (or this stage more than its device has free); :mod:`p2p_diloco.memory` makes the estimate.
+    Our launcher runs every stage here; under torchrun, LOCAL_WORLD_SIZE stages share the machine.
+
+    Raises:
+        ConfigError: naming ``run.check_memory`` and what to change.
+    """
+    from p2p_diloco.pipeline.launch import LAUNCHED_BY_US
+
+    memory = peer_memory(stage_shapes(model_args, split), run_shape(cfg, seq_len, device.type))
+    if len(split) == 1 or os.environ.get(LAUNCHED_BY_US) == "1":
+        local = list(range(len(split)))
+    else:  # torchrun: this node's share of the stages, as many of the largest as it runs
+        largest = sorted(range(len(split)), key=memory.stage_host, reverse=True)
+        local = largest[:min(len(split), env_local_processes())]
+    need = sum(memory.stage_host(j) for j in local)
+    available = available_host_memory()
+    where = "this peer" if len(local) == len(split) else f"{len(local)} stage(s) of this peer on this machine"
+    if shortfall(need, available):
+        raise ConfigError(f"run.check_memory: {where} needs about {format_gb(need)} of memory "
+                          f"({describe(memory, local)} GB) and this machine has {format_gb(available)} available; "
+                          f"{fit_advice(len(split), device.type)}")
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+        need_device = memory.stage_device(stage_index)
+        if need_device > free:
+            raise ConfigError(f"run.check_memory: stage {stage_index} needs about {format_gb(need_device)} on "
+                              f"{device} and it has {format_gb(free)} free; {fit_advice(len(split), 'cuda')}")
+    logger.info(f"Memory: {where} needs about {format_gb(need)} ({describe(memory, local)} GB); "
+                f"{format_gb(available) if available is not None else 'unknown'} available")
+
+
 def build_model(model_args: ModelArgs, split: list[int], stage_index: int, folder: Optional[HFFolder]):
     """This stage's model: initialized from ``model.init_seed``, or loaded from the ``model.init_from`` folder (only
     this stage's tensors are read)."""
@@ -194,6 +246,8 @@ def run_stage(cfg: Config, *, pipeline=None, reporter: Optional[Reporter] = None
     split = resolve_split(cfg, model_args, parts)
     if folder is not None:
         check_tokenizer(folder, data.train.path, data.train.tokenizer_name)
+    if cfg.run.check_memory:  # before anything is built: a peer that cannot fit says so, not the kernel mid-round
+        check_memory(cfg, model_args, split, stage_index, device, data.seq_len)
     # the names and shapes of this stage's parameters, with no memory: the DHT node's and the averagers' processes
     # are forked from this one before the weights exist, so none of them holds a stale copy of them (docs/design.md,
     # "What a peer holds")

@@ -36,6 +36,8 @@ def register(subparsers) -> None:
     size.add_argument("--preset", choices=("tiny", "small", "medium", "1b"), help="a model preset's parameter count")
     size.add_argument("--vocab-size", type=int, default=257, metavar="V",
                       help="vocabulary size for --preset (default 257, the byte tokenizer)")
+    size.add_argument("--init-from", metavar="FOLDER",
+                      help="a Hugging Face Llama folder's model (model.init_from): its config.json gives the shape")
     size.add_argument("--paper", action="store_true",
                       help="the DiLoCoX paper's setting (107e9 parameters, 1000 Mbit/s); the options below that "
                       "you give win, the others are stated assumptions: --peers 2 --stages 8 --step-time 10 --h 50 "
@@ -65,6 +67,18 @@ def register(subparsers) -> None:
                        help="streaming sync: average the model in F fragments, one at a time, staggered over the "
                        "round (default 1: all at once); with --preset the largest fragment's share is the model's, "
                        "else 1/F")
+    memory = parser.add_argument_group(
+        "memory per process (with --preset or --init-from; the figures the peer checks at its start)")
+    memory.add_argument("--batch-size", type=int, default=16, metavar="B", help="data.batch_size (default 16)")
+    memory.add_argument("--seq-len", type=int, metavar="T", help="data.seq_len (default: the model's max_seq_len)")
+    memory.add_argument("--microbatches", type=int, default=1, metavar="M", help="pipeline.microbatches (default 1)")
+    memory.add_argument("--schedule", choices=("gpipe", "1f1b"), default="gpipe", help="pipeline.schedule")
+    memory.add_argument("--mode", choices=("none", "delayed", "eager"), default="delayed", help="diloco.mode")
+    memory.add_argument("--compression", default="adaptive",
+                        help="averaging.compression ('none' keeps no error feedback; default adaptive)")
+    memory.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where the inner loop runs: cuda puts weights, gradients, AdamW and activations in "
+                        "device memory and keeps the outer state in host memory (default cpu)")
     parser.add_argument("--json", action="store_true", help="print one JSON object with every number")
     parser.set_defaults(run=run, accepts_overrides=False)
 
@@ -81,15 +95,21 @@ def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
     from p2p_diloco.plan import PlanInputs, paper_inputs, preset_num_params
 
     given = {field: getattr(args, dest) for dest, field in _GIVEN.items() if getattr(args, dest) is not None}
+    sizes = [name for name, value in (("--params", args.params), ("--preset", args.preset),
+                                      ("--init-from", args.init_from)) if value is not None]
     if args.paper:
-        if args.params is not None or args.preset is not None:
-            raise ConfigError("--paper: sets the parameter count itself (107e9); drop --params/--preset")
+        if sizes:
+            raise ConfigError(f"--paper: sets the parameter count itself (107e9); drop {sizes[0]}")
         return paper_inputs(given)
-    if args.params is not None and args.preset is not None:
-        raise ConfigError("--params: give either --params or --preset, not both")
-    if args.params is None and args.preset is None:
-        raise ConfigError("--params: give the model size with --params N, --preset NAME or --paper")
-    num_params = args.params if args.params is not None else preset_num_params(args.preset, args.vocab_size)
+    if len(sizes) > 1:
+        raise ConfigError(f"{sizes[0]}: give one of --params, --preset and --init-from, not {' and '.join(sizes)}")
+    if not sizes:
+        raise ConfigError("--params: give the model size with --params N, --preset NAME, --init-from FOLDER or "
+                          "--paper")
+    if args.init_from is not None:
+        num_params = _num_params(_model_args(args))
+    else:
+        num_params = args.params if args.params is not None else preset_num_params(args.preset, args.vocab_size)
     if args.preset is not None and given.get("num_fragments", 1) > 1:
         from p2p_diloco.plan import preset_fragment_share
 
@@ -97,10 +117,67 @@ def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
     return replace(PlanInputs(num_params=num_params), **given)
 
 
+def _model_args(args: argparse.Namespace):
+    """The model's shape from --preset or --init-from (None for --params and --paper)."""
+    from p2p_diloco.config import ModelConfig
+
+    if args.init_from is not None:
+        from p2p_diloco.model.init_from import open_init
+
+        return open_init(ModelConfig(init_from=args.init_from))[1]
+    if args.preset is not None:
+        from p2p_diloco.model import ModelArgs
+        from p2p_diloco.model.presets import PRESETS
+
+        return ModelArgs(**PRESETS[args.preset], vocab_size=args.vocab_size)
+    return None
+
+
+def _num_params(model_args) -> int:
+    from p2p_diloco.model.presets import estimate_num_params
+
+    return estimate_num_params(model_args)
+
+
+def memory_plan(args: argparse.Namespace):
+    """The memory of every process of a peer of ``--stages`` stages, or None without a model shape.
+
+    Raises:
+        ConfigError: a bad batch, sequence length, microbatch count or split.
+    """
+    from p2p_diloco.config import ConfigError
+
+    model_args = _model_args(args)
+    if model_args is None:
+        return None
+    from p2p_diloco.memory import RunShape, peer_memory
+    from p2p_diloco.model import balanced_split
+    from p2p_diloco.model.split import stage_shapes
+
+    seq_len = args.seq_len if args.seq_len is not None else model_args.max_seq_len
+    for option, value in (("--batch-size", args.batch_size), ("--seq-len", seq_len),
+                          ("--microbatches", args.microbatches)):
+        if value < 1:
+            raise ConfigError(f"{option}: must be a positive integer, got {value}")
+    if args.batch_size % args.microbatches:
+        raise ConfigError(f"--microbatches: must divide --batch-size ({args.batch_size}), got {args.microbatches}")
+    split = balanced_split(model_args, args.stages or 1)
+    run_shape = RunShape(args.batch_size, seq_len, args.microbatches, args.schedule, args.mode,
+                         args.compression != "none", args.device)
+    return peer_memory(stage_shapes(model_args, split), run_shape)
+
+
 def run(args: argparse.Namespace, overrides: list) -> int:
     from p2p_diloco.plan import make_plan, plan_as_dict
-    from p2p_diloco.plan_text import format_plan
+    from p2p_diloco.plan_text import format_memory, format_plan, memory_as_dict
 
     plan = make_plan(inputs_from_args(args))
-    print(json.dumps(plan_as_dict(plan)) if args.json else format_plan(plan))
+    memory = memory_plan(args)
+    if args.json:
+        out = plan_as_dict(plan)
+        if memory is not None:
+            out["memory"] = memory_as_dict(memory)
+        print(json.dumps(out))
+    else:
+        print(format_plan(plan) + ("\n\n" + format_memory(memory) if memory is not None else ""))
     return 0

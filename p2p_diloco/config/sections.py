@@ -37,6 +37,10 @@ class RunConfig:
     """Python logging level for the library."""
     num_threads: Optional[int] = None
     """CPU threads for torch in this process; default: torch's choice."""
+    check_memory: bool = True
+    """Before it builds its model, the peer estimates the memory its processes need (``p2p-diloco plan`` prints the
+    same figures) and stops with what to change if this machine's available memory (or the device's) is short;
+    false starts anyway."""
 
     def validate(self) -> None:
         require(

@@ -9,6 +9,7 @@ Who calls this: the peer, when it builds its stage processes.
 from __future__ import annotations
 
 from p2p_diloco.config.errors import ConfigError
+from p2p_diloco.memory import StageShape
 from p2p_diloco.model.llama import ModelArgs, Transformer
 from p2p_diloco.model.presets import block_num_params, embedding_num_params, head_num_params
 
@@ -98,3 +99,9 @@ def _stage_size(args: ModelArgs, stage_layers: list[int], stage_index: int) -> i
     if stage_index == len(stage_layers) - 1:
         size += head_num_params(args)
     return size
+
+
+def stage_shapes(args: ModelArgs, stage_layers: list[int]) -> list[StageShape]:
+    """The shape of each stage of a split, for the memory estimate (:mod:`p2p_diloco.memory`)."""
+    return [StageShape(stage_num_params(args, stage_layers, j), stage_layers[j], args.dim, args.ffn_dim,
+                       args.n_heads, args.vocab_size, j == len(stage_layers) - 1) for j in range(len(stage_layers))]

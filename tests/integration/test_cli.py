@@ -47,6 +47,9 @@ def test_help_config_lists_keys():
         (["plan", "--preset", "tiny", "--fragments", "9"], "--fragments: must lie in [1, 6]"),
         (["peer", "--data.path", "/nonexistent/shards", "--host-maddrs", LOOPBACK],
          "data.path: /nonexistent/shards does not exist"),
+        # a model no machine holds (8.9B parameters, batch 16 x 2048): stopped before anything is built
+        (["peer", "--model.preset", "1b", "--model.n_layers", "400", "--host-maddrs", LOOPBACK],
+         "run.check_memory: this peer needs about"),
     ],
 )
 def test_bad_input_is_one_line_error(args, expected):

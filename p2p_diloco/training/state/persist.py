@@ -8,6 +8,7 @@ every stage has a checkpoint. Called by :class:`p2p_diloco.training.trainer.Trai
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -42,8 +43,10 @@ def save_stage(folder: Path, stage: Stage, sampler, summary: TrainSummary, run_i
     if model_args is not None:
         meta["model"] = asdict(model_args)
     tensors = dict(stage_tensors, **{"rng/torch": torch.get_rng_state()})
+    started = time.monotonic()
     path = save_checkpoint(folder, stage.inner_step, tensors, meta, keep)
-    logger.info(f"Saved checkpoint {path}")
+    size = sum(t.numel() * t.element_size() for t in tensors.values())
+    logger.info(f"Saved checkpoint {path} ({size / 1e6:.1f} MB in {time.monotonic() - started:.2f} s)")
     return path
 
 
