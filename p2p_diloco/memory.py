@@ -29,10 +29,12 @@ from typing import Optional
 GB = 1e9
 
 # fitted on CPU (benchmarks/sizes.py; BENCHMARKS.md, "Memory and speed by size")
-TRAINING_BASE = 0.25 * GB  # python, torch and hivemind imported, the data's memory maps, the metrics
-AVERAGER_BASE = 0.10 * GB
-DHT_NODE = 0.12 * GB
+# (a peer's processes share their libraries' pages, so each one's share of them is smaller than a lone process's)
+TRAINING_BASE = 0.22 * GB  # python, torch and hivemind imported, the data's memory maps, the metrics
+AVERAGER_BASE = 0.08 * GB
+DHT_NODE = 0.10 * GB
 P2P_DAEMON = 0.07 * GB
+BARE_BASE = 0.36 * GB  # a lone process with torch imported (the bare loop)
 CUDA_CONTEXT = 0.6 * GB  # device memory of a CUDA context and its kernels (not measured here)
 INNER_BYTES = 18.0  # weights, gradients, AdamW's two moments (16) and its step's temporaries (about 2)
 SHARED_BYTES = 8.0  # the averager's shared buffers: the contribution in flight, then its average; the residual
@@ -158,6 +160,17 @@ def stage_processes(stage: StageShape, run: RunShape, stage_index: int = 0,
     return [training, averager, ProcessMemory("dht", DHT_NODE), ProcessMemory("p2pd", P2P_DAEMON)]
 
 
+def follower_process(stage: StageShape, run: RunShape, stage_index: int = 0, num_stages: int = 1) -> ProcessMemory:
+    """A replica d > 0 of a stage (p2p_diloco.pipeline.replicas): the inner loop only, no outer state, no swarm."""
+    n = stage.num_params
+    acts = activation_bytes(stage, run, stage_index, num_stages)
+    inner = INNER_BYTES * n
+    parts = {"runtime": TRAINING_BASE, "weights, gradients, AdamW": inner, "activations": acts}
+    if run.device == "cuda":
+        return ProcessMemory("replica", TRAINING_BASE, inner + acts + CUDA_CONTEXT, parts)
+    return ProcessMemory("replica", TRAINING_BASE + inner + acts, 0.0, parts)
+
+
 def bare_loop(stages: list[StageShape], run: RunShape) -> tuple[float, float]:
     """(host, device) of a bare PyTorch loop of the whole model (one process, the same batch): the baseline."""
     n = sum(s.num_params for s in stages)
@@ -165,15 +178,17 @@ def bare_loop(stages: list[StageShape], run: RunShape) -> tuple[float, float]:
                        stages[0].vocab_size, True)
     acts = activation_bytes(whole, run, 0, 1)
     if run.device == "cuda":
-        return TRAINING_BASE, INNER_BYTES * n + acts + CUDA_CONTEXT
-    return TRAINING_BASE + INNER_BYTES * n + acts, 0.0
+        return BARE_BASE, INNER_BYTES * n + acts + CUDA_CONTEXT
+    return BARE_BASE + INNER_BYTES * n + acts, 0.0
 
 
-def peer_memory(stages: list[StageShape], run: RunShape) -> PeerMemory:
-    """Every process of a peer of ``len(stages)`` stages."""
+def peer_memory(stages: list[StageShape], run: RunShape, replicas: int = 1) -> PeerMemory:
+    """Every process of a peer of ``len(stages)`` stages and ``replicas`` data-parallel replicas of them (the bare
+    loop: one replica)."""
     bare_host, bare_device = bare_loop(stages, run)
-    return PeerMemory([stage_processes(s, run, j, len(stages)) for j, s in enumerate(stages)], bare_host,
-                      bare_device)
+    return PeerMemory([stage_processes(s, run, j, len(stages))
+                       + [follower_process(s, run, j, len(stages))] * (replicas - 1) for j, s in enumerate(stages)],
+                      bare_host, bare_device)
 
 
 def available_host_memory() -> Optional[float]:

@@ -168,7 +168,8 @@ def check_memory(cfg: Config, model_args: ModelArgs, split: list[int], stage_ind
     """
     from p2p_diloco.pipeline.launch import LAUNCHED_BY_US
 
-    memory = peer_memory(stage_shapes(model_args, split), run_shape(cfg, seq_len, device.type))
+    memory = peer_memory(stage_shapes(model_args, split), run_shape(cfg, seq_len, device.type),
+                         replicas=cfg.pipeline.replicas)
     if len(split) == 1 or os.environ.get(LAUNCHED_BY_US) == "1":
         local = list(range(len(split)))
     else:  # torchrun: this node's share of the stages, as many of the largest as it runs
@@ -278,7 +279,11 @@ def run_stage(cfg: Config, *, pipeline=None, reporter: Optional[Reporter] = None
         units = _units(model, parts)
         total_steps = cfg.inner.total_steps or cfg.train.num_rounds * cfg.diloco.inner_steps
         seed = cfg.data.seed if cfg.data.seed is not None else seed_from_peer_id(peer_name)
-        sampler = WindowSampler(data.train, data.seq_len, cfg.data.batch_size, seed)
+        sampler = WindowSampler(data.train, data.seq_len, cfg.data.batch_size * cfg.pipeline.replicas, seed)
+        if cfg.pipeline.replicas > 1:  # replica 0's share of the batches the peer's D replicas draw together
+            from p2p_diloco.pipeline.replicas import ReplicaBatches
+
+            sampler = ReplicaBatches(sampler, cfg.pipeline.replicas, 0)
         eval_data = eval_batches(data.eval, data.seq_len, cfg.data.batch_size, cfg.data.eval_batches) \
             if data.eval is not None else []
         executor = _make_executor(cfg, pipeline, model, device)
@@ -301,6 +306,11 @@ def run_stage(cfg: Config, *, pipeline=None, reporter: Optional[Reporter] = None
                              bootstrap=bootstrap_peer_ids(cfg.dht.initial_peers),
                              end_wait_s=cfg.averaging.round_timeout_s + cfg.averaging.allreduce_timeout_s)
             held[-1].swarm, held[-1].sync = swarm, sync
+        if pipeline is not None and pipeline.num_replicas > 1:  # replica 0 leads this stage's other replicas
+            from p2p_diloco.pipeline.replicas import ReplicaLeader
+
+            executor.replicas = ReplicaLeader(pipeline, [(u.stage.params, u.stage.inner_optimizer) for u in held],
+                                              sampler)
         first = held[0]
         trainer = Trainer(cfg, first.stage, executor, sampler, eval_data, swarm=first.swarm, output_dir=output_dir,
                           peer_name=peer_name, reporter=reporter, sync=first.sync, held=held)
@@ -341,8 +351,9 @@ def _fragment_view(model, params) -> FragmentView:
 
 
 def _make_executor(cfg: Config, pipeline, model, device):
-    if pipeline is None:
-        return LocalExecutor(model, device, cfg.pipeline.microbatches)
+    if pipeline is None or pipeline.num_stages == 1:
+        return LocalExecutor(model, device, cfg.pipeline.microbatches,
+                             replica_group=pipeline.replica_group if pipeline is not None else None)
     from p2p_diloco.pipeline.executor import PipelineExecutor
 
     return PipelineExecutor(pipeline, model, cfg.pipeline)

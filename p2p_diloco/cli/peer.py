@@ -27,6 +27,8 @@ def register(subparsers) -> None:
     add_config_arguments(parser)
     pipe = parser.add_argument_group("pipeline (shortcuts for [pipeline] keys)")
     pipe.add_argument("--stages", type=int, metavar="P", help="pipeline stages inside this peer")
+    pipe.add_argument("--replicas", type=int, metavar="D",
+                      help="data-parallel replicas of the pipeline inside this peer (D x P processes; default 1)")
     pipe.add_argument("--stage-layers", metavar="N,N,...", help="blocks per stage, e.g. 3,3,2 (default: balanced)")
     pipe.add_argument("--schedule", choices=("gpipe", "1f1b"), help="pipeline schedule")
     pipe.add_argument("--microbatches", type=int, metavar="M", help="microbatches per inner step")
@@ -42,7 +44,8 @@ def register(subparsers) -> None:
 
 
 def pipeline_overrides(args: argparse.Namespace) -> list[tuple[str, str]]:
-    pairs = [("stages", "pipeline.stages"), ("stage_layers", "pipeline.stage_layers"),
+    pairs = [("stages", "pipeline.stages"), ("replicas", "pipeline.replicas"),
+             ("stage_layers", "pipeline.stage_layers"),
              ("schedule", "pipeline.schedule"), ("microbatches", "pipeline.microbatches"),
              ("output_dir", "run.output_dir")]
     overrides = [(key, str(getattr(args, attr))) for attr, key in pairs if getattr(args, attr, None) is not None]
@@ -67,7 +70,7 @@ def run(args: argparse.Namespace, overrides: list[tuple[str, str]]) -> int:
         import torch
 
         torch.set_num_threads(cfg.run.num_threads)
-    if cfg.pipeline.stages > 1 and not launched_as_stage():
+    if cfg.pipeline.stages * cfg.pipeline.replicas > 1 and not launched_as_stage():
         from p2p_diloco.pipeline.launch import run_local_stages
 
         if cfg.model.init_from is not None:  # a folder that does not fit: one error here, before any stage starts
@@ -88,9 +91,9 @@ def _hostility(spec, cfg):
 
     if spec is None:
         return None
-    if cfg.pipeline.stages > 1:
-        raise ConfigError(f"{HOSTILITY_OPTION}: a test hook for one-stage peers; this peer has "
-                          f"{cfg.pipeline.stages} stages")
+    if cfg.pipeline.stages * cfg.pipeline.replicas > 1:
+        raise ConfigError(f"{HOSTILITY_OPTION}: a test hook for one-process peers; this peer has "
+                          f"{cfg.pipeline.stages} stage(s) x {cfg.pipeline.replicas} replica(s)")
     try:
         return parse_hostility(spec)
     except ValueError as e:
@@ -105,8 +108,17 @@ def _run_this_stage(cfg, behaviour=None) -> int:
     from p2p_diloco.stage_process import run_stage
 
     context = None
-    if cfg.pipeline.stages > 1:
-        context = PipelineContext.from_environment(cfg.pipeline.stages, cfg.run.device, cfg.pipeline.timeout_s)
+    if cfg.pipeline.stages * cfg.pipeline.replicas > 1:
+        context = PipelineContext.from_environment(cfg.pipeline.stages, cfg.run.device, cfg.pipeline.timeout_s,
+                                                   replicas=cfg.pipeline.replicas)
+    if context is not None and context.replica_index > 0:  # a follower: inner steps only, replica 0 leads
+        from p2p_diloco.pipeline.replicas import run_follower
+
+        try:
+            run_follower(cfg, context)
+        finally:
+            context.close()
+        return 0
     is_last = context is None or context.is_last
     label = f"stage {context.stage_index}" if context is not None else f"peer {cfg.run.run_id}"
     reporter = ConsoleReporter(enabled=cfg.train.progress and is_last, label=label)

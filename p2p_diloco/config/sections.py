@@ -315,6 +315,10 @@ class CheckpointConfig:
 class PipelineConfig:
     stages: int = 1
     """P: pipeline stages inside this peer (one process each)."""
+    replicas: int = 1
+    """D: data-parallel replicas of the pipeline inside this peer (a cluster's devices: D x P processes). Each
+    stage's replicas average their gradients at every inner step (torch DDP); replica 0 of each stage alone takes part
+    in the swarm and gives the others its weights when they change outside the inner step."""
     stage_layers: Optional[list[int]] = None
     """Blocks per stage, e.g. [3, 3, 2]; default: balanced by parameter count."""
     schedule: str = "gpipe"
@@ -326,6 +330,7 @@ class PipelineConfig:
 
     def validate(self) -> None:
         require(self.stages >= 1, "pipeline.stages", f"must be a positive integer, got {self.stages!r}")
+        require(self.replicas >= 1, "pipeline.replicas", f"must be a positive integer, got {self.replicas!r}")
         require(self.schedule in SCHEDULES, "pipeline.schedule",
                  f"must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         require(self.microbatches >= 1, "pipeline.microbatches", f"must be >= 1, got {self.microbatches!r}")

@@ -50,16 +50,25 @@ class PipelineContext:
     num_stages: int
     local_rank: int
     device: torch.device
+    replica_index: int = 0
+    num_replicas: int = 1
+    pipeline_group: Any = None
+    """This replica's P stages (None: the whole world, when the peer has one replica)."""
+    replica_group: Any = None
+    """This stage's D replicas (None when D = 1): DDP's gradient all-reduce and replica 0's weights."""
 
     @classmethod
-    def from_environment(cls, num_stages: int, device_spec: str, timeout_s: float) -> PipelineContext:
-        """Join the peer's process group (blocks until all P stages are up, at most ``timeout_s``)."""
+    def from_environment(cls, num_stages: int, device_spec: str, timeout_s: float,
+                         replicas: int = 1) -> PipelineContext:
+        """Join the peer's process group (blocks until all D x P processes are up, at most ``timeout_s``). Rank r is
+        stage r mod P of replica r div P."""
         from p2p_diloco.config import ConfigError
 
         rank, world, local_rank = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
-        if world != num_stages:
-            raise ConfigError(f"pipeline.stages: is {num_stages} but {world} stage processes were launched "
-                              "(torchrun --nproc-per-node x --nnodes must equal the number of stages)")
+        if world != num_stages * replicas:
+            raise ConfigError(f"pipeline.stages: is {num_stages} (x pipeline.replicas {replicas}) but {world} "
+                              "processes were launched (torchrun --nproc-per-node x --nnodes must equal the number "
+                              "of stages times the replicas)")
         device = _stage_device(device_spec, local_rank)
         check_one_gpu_per_stage(device, device_spec, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
         backend = "nccl" if device.type == "cuda" else "gloo"
@@ -71,9 +80,20 @@ class PipelineContext:
             _bind_gloo_towards(os.environ["MASTER_ADDR"])
         try:
             dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, store=store)
+            pipeline_group = replica_group = None
+            if replicas > 1:  # every process creates every group, in the same order
+                for d in range(replicas):
+                    group = dist.new_group([d * num_stages + j for j in range(num_stages)])
+                    if d == rank // num_stages:
+                        pipeline_group = group
+                for j in range(num_stages):
+                    group = dist.new_group([d * num_stages + j for d in range(replicas)])
+                    if j == rank % num_stages:
+                        replica_group = group
         except Exception as e:
-            raise PipelineError(f"stage {rank} could not join its peer's other stages: {e}") from None
-        return cls(rank, world, local_rank, device)
+            raise PipelineError(f"process {rank} could not join its peer's other processes: {e}") from None
+        return cls(rank % num_stages, num_stages, local_rank, device, rank // num_stages, replicas, pipeline_group,
+                   replica_group)
 
     @property
     def is_first(self) -> bool:
@@ -84,15 +104,31 @@ class PipelineContext:
         return self.stage_index == self.num_stages - 1
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        """``obj`` of stage ``src`` on every stage."""
+        """``obj`` of stage ``src`` on every stage (of this replica)."""
         box = [obj]
-        self._guard(dist.broadcast_object_list, box, src=src)
+        self._guard(dist.broadcast_object_list, box, src=self._global(src), group=self.pipeline_group)
         return box[0]
 
     def all_gather_objects(self, obj: Any) -> list[Any]:
         out = [None] * self.num_stages
-        self._guard(dist.all_gather_object, out, obj)
+        self._guard(dist.all_gather_object, out, obj, group=self.pipeline_group)
         return out
+
+    def _global(self, stage: int) -> int:
+        """The global rank of stage ``stage`` of this replica."""
+        return self.replica_index * self.num_stages + stage
+
+    # ---- between the replicas of this stage (replica 0 leads: p2p_diloco.pipeline.replicas) ------------------
+    def to_replicas(self, obj: Any) -> Any:
+        """Replica 0's ``obj`` on every replica of this stage."""
+        box = [obj]
+        self._guard(dist.broadcast_object_list, box, src=self.stage_index, group=self.replica_group)
+        return box[0]
+
+    def tensors_to_replicas(self, tensors: list[torch.Tensor]) -> None:
+        """Replica 0's values of ``tensors`` written into every replica's, in place."""
+        for tensor in tensors:
+            self._guard(dist.broadcast, tensor.data, src=self.stage_index, group=self.replica_group)
 
     def gather_1d(self, values: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         """Concatenate each stage's 1-D ``values`` (stage j has ``sizes[j]`` entries) in stage order."""
@@ -100,7 +136,7 @@ class PipelineContext:
         padded = torch.zeros(width, dtype=values.dtype, device=self.device)
         padded[: values.numel()] = values
         parts = [torch.empty_like(padded) for _ in range(self.num_stages)]
-        self._guard(dist.all_gather, parts, padded)
+        self._guard(dist.all_gather, parts, padded, group=self.pipeline_group)
         return torch.cat([part[:n] for part, n in zip(parts, sizes)])
 
     def any_flag(self, flag: bool) -> bool:
@@ -109,11 +145,11 @@ class PipelineContext:
     def any_flags(self, flags: tuple[bool, ...]) -> tuple[bool, ...]:
         """For each flag, whether any stage raised it (one collective for all of them)."""
         value = torch.tensor([1.0 if flag else 0.0 for flag in flags], device=self.device)
-        self._guard(dist.all_reduce, value, op=dist.ReduceOp.MAX)
+        self._guard(dist.all_reduce, value, op=dist.ReduceOp.MAX, group=self.pipeline_group)
         return tuple(bool(v > 0) for v in value.tolist())
 
     def barrier(self) -> None:
-        self._guard(dist.barrier)
+        self._guard(dist.barrier, group=self.pipeline_group)
 
     def _guard(self, fn, *args, **kwargs):
         try:

@@ -18,7 +18,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from p2p_diloco.config import PipelineConfig
 from p2p_diloco.model import loss_fn
 from p2p_diloco.pipeline.context import PipelineContext, PipelineError
-from p2p_diloco.training.executor import autocast_for
+from p2p_diloco.training.executor import autocast_for, data_parallel
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
@@ -36,6 +36,19 @@ class _Autocast(nn.Module):
         return out.float() if out.is_floating_point() else out
 
 
+def _first_backward(ddp: nn.Module, module: nn.Module, is_first: bool, device: torch.device) -> None:
+    """One forward and backward of a dummy microbatch through ``ddp`` (every replica of the stage at once), its
+    gradients dropped. DDP learns the order in which the gradients become ready from its first backward and rebuilds
+    its buckets in that order at the next forward; a pipeline schedule's first step runs several microbatches'
+    forwards before their backwards, which torch's reducer refuses ("rebuilt parameter indices size is not same as
+    original model parameters size"). After this step there is nothing left to rebuild."""
+    inputs = torch.zeros(1, 2, dtype=torch.long, device=device) if is_first else \
+        torch.zeros(1, 2, module.args.dim, device=device)
+    ddp(inputs).float().sum().backward()
+    for p in module.parameters():
+        p.grad = None
+
+
 class PipelineExecutor:
     """Runs this stage of the peer's pipeline.
 
@@ -45,13 +58,24 @@ class PipelineExecutor:
         cfg: the ``[pipeline]`` section (schedule, microbatches).
     """
 
+    replicas = None  # p2p_diloco.pipeline.replicas.ReplicaLeader of a peer of several replicas (replica 0)
+
     def __init__(self, context: PipelineContext, module: nn.Module, cfg: PipelineConfig):
         self.context, self.device = context, context.device
         self.is_first_stage, self.is_last_stage = context.is_first, context.is_last
-        self.pipeline_stage = PipelineStage(_Autocast(module, self.device), context.stage_index,
-                                            context.num_stages, self.device)
+        wrapped = _Autocast(module, self.device)
+        if context.num_replicas > 1:  # DDP over this stage's replicas; the schedule syncs at the last microbatch
+            wrapped = data_parallel(wrapped, self.device, context.replica_group)
+            _first_backward(wrapped, module, context.is_first, self.device)
+        self.pipeline_stage = PipelineStage(wrapped, context.stage_index, context.num_stages, self.device,
+                                            group=context.pipeline_group)
         self.schedule = SCHEDULES[cfg.schedule](self.pipeline_stage, n_microbatches=cfg.microbatches,
                                                 loss_fn=loss_fn)
+        # replica 0 evaluates alone: through the bare module (an evaluation through DDP left its next training step
+        # waiting forever on the gradients' all-reduce: seen with 2 replicas x 2 stages)
+        self.eval_schedule = self.schedule if context.num_replicas == 1 else SCHEDULES[cfg.schedule](
+            PipelineStage(_Autocast(module, self.device), context.stage_index, context.num_stages, self.device,
+                          group=context.pipeline_group), n_microbatches=cfg.microbatches, loss_fn=loss_fn)
         num_tensors = sum(1 for p in module.parameters() if p.requires_grad)
         self.norm_sizes = [int(n) for n in context.all_gather_objects(num_tensors)]
 
@@ -94,7 +118,7 @@ class PipelineExecutor:
         for x, y in batches:
             batch_losses: list[torch.Tensor] = []
             try:
-                self._run(self.schedule.eval, x, y, batch_losses)
+                self._run(self.eval_schedule.eval, x, y, batch_losses)
             except PipelineError:
                 raise
             except Exception as e:

@@ -37,20 +37,21 @@ GRACE_S = 30.0
 
 def run_local_stages(cfg: Config) -> int:
     """Run the P stages of this peer as local processes until they all finish; returns the exit code."""
-    num_stages = cfg.pipeline.stages
+    num_stages, world = cfg.pipeline.stages, cfg.pipeline.stages * cfg.pipeline.replicas
     output_dir = Path(cfg.run.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     config_path = output_dir / "stages.toml"
     config_path.write_text(dump_config(cfg))
-    threads = cfg.run.num_threads or max(1, (os.cpu_count() or 1) // num_stages)
+    threads = cfg.run.num_threads or max(1, (os.cpu_count() or 1) // world)
     with tempfile.TemporaryDirectory(prefix="p2p-diloco-stages-") as store_dir:  # mode 0700, removed at the end
-        processes = [_start_stage(stage_environment(j, num_stages, Path(store_dir) / "store"), config_path, threads)
-                     for j in range(num_stages)]
+        processes = [_start_stage(stage_environment(rank, world, Path(store_dir) / "store"), config_path, threads)
+                     for rank in range(world)]
         failed = _run_stages(processes)
     if failed is not None:
-        index, code = failed
+        rank, code = failed
         how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-        print(f"error: stage {index} of this peer {how}; stopped its other stages (no process is left running)",
+        which = f"stage {rank % num_stages}" + (f" of replica {rank // num_stages}" if world > num_stages else "")
+        print(f"error: {which} of this peer {how}; stopped its other processes (no process is left running)",
               file=sys.stderr, flush=True)
         return 1
     _print_peer_summary(output_dir, num_stages)
@@ -58,10 +59,11 @@ def run_local_stages(cfg: Config) -> int:
 
 
 def stage_environment(index: int, num_stages: int, store_path: Path) -> dict[str, str]:
-    """The environment of stage ``index`` of a local peer: torchrun's ranks, the peer's private store (in place of
-    MASTER_ADDR and MASTER_PORT), and gloo's and NCCL's sockets on the loopback interface."""
+    """The environment of process ``index`` of a local peer's ``num_stages`` (stages x replicas): torchrun's ranks,
+    the peer's private store (in place of MASTER_ADDR and MASTER_PORT), and gloo's and NCCL's sockets on the loopback
+    interface."""
     env = {key: value for key, value in os.environ.items() if key not in ("MASTER_ADDR", "MASTER_PORT")}
-    env.update(RANK=str(index), WORLD_SIZE=str(num_stages), LOCAL_RANK=str(index),
+    env.update(RANK=str(index), WORLD_SIZE=str(num_stages), LOCAL_RANK=str(index), LOCAL_WORLD_SIZE=str(num_stages),
                **{STORE_FILE: str(store_path), LAUNCHED_BY_US: "1"})
     loopback = loopback_interface()
     if loopback is not None:

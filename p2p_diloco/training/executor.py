@@ -24,6 +24,21 @@ def autocast_for(device: torch.device):
     return contextlib.nullcontext()
 
 
+def data_parallel(module: nn.Module, device: torch.device, replica_group) -> nn.Module:
+    """``module`` under torch's DistributedDataParallel over ``replica_group`` (this stage's replicas): gradients
+    averaged at each backward (its start also gives every replica replica 0's weights). Its forward broadcasts
+    nothing, so replica 0 alone can evaluate through it."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    import inspect
+
+    # (torch 2.13 renamed broadcast_buffers; the model's only buffers are its RoPE tables, equal on every replica)
+    no_sync = {"forward_sync_buffers": False} if "forward_sync_buffers" in \
+        inspect.signature(DistributedDataParallel.__init__).parameters else {"broadcast_buffers": False}
+    return DistributedDataParallel(module, device_ids=[device] if device.type == "cuda" else None,
+                                   process_group=replica_group, **no_sync)
+
+
 class LocalExecutor:
     """Runs the whole model in this process.
 
@@ -36,19 +51,26 @@ class LocalExecutor:
     is_last_stage = True
     is_first_stage = True
 
-    def __init__(self, model: nn.Module, device: torch.device, microbatches: int = 1):
+    replicas = None  # p2p_diloco.pipeline.replicas.ReplicaLeader of a peer of several replicas (replica 0)
+
+    def __init__(self, model: nn.Module, device: torch.device, microbatches: int = 1, replica_group=None):
         self.model, self.device, self.microbatches = model, device, microbatches
+        # a peer of D replicas: DDP averages the gradients over this stage's replicas at the last microbatch
+        self.trained = self.model if replica_group is None else data_parallel(model, device, replica_group)
 
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         """Accumulate gradients of the mean loss over the batch; returns that loss."""
         self.model.train()
         total = 0.0
-        for x, y in zip(inputs.chunk(self.microbatches), targets.chunk(self.microbatches)):
+        pairs = list(zip(inputs.chunk(self.microbatches), targets.chunk(self.microbatches)))
+        for i, (x, y) in enumerate(pairs):
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-            with autocast_for(self.device):
-                logits = self.model(x)  # (B, T, V)
-            loss = loss_fn(logits, y) / self.microbatches
-            loss.backward()
+            last = i == len(pairs) - 1
+            with contextlib.nullcontext() if last or self.trained is self.model else self.trained.no_sync():
+                with autocast_for(self.device):
+                    logits = self.trained(x)  # (B, T, V)
+                loss = loss_fn(logits, y) / self.microbatches
+                loss.backward()
             total += loss.item()
         return total
 

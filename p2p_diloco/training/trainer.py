@@ -72,7 +72,9 @@ class Trainer:
         self.cfg, self.stage, self.executor, self.sampler = cfg, stage, executor, sampler
         self.eval_data, self.swarm, self.output_dir = eval_data, swarm, Path(output_dir)
         self.reporter = reporter or NullReporter()
-        self.tokens_per_step = cfg.data.batch_size * sampler.seq_len
+        # a peer of D data-parallel replicas trains D batches per inner step (p2p_diloco.pipeline.replicas)
+        self.tokens_per_step = cfg.data.batch_size * sampler.seq_len * cfg.pipeline.replicas
+        self.replicas = getattr(executor, "replicas", None)
         self.stop_requested = False
         self.tokens_per_s = 0.0  # last measured: for progress records and the metrics endpoint
         self._round_compute_s = 0.0
@@ -154,6 +156,8 @@ class Trainer:
             self.summary.stopped_early = self.round_index < num_rounds
             # after a failure the step in progress may be half-applied on some stage: keep the last checkpoint
             self._finish(started, save=not failed)
+            if self.replicas is not None and not failed:  # (after a failure, the launcher stops the followers)
+                self.replicas.stop()
         return self.summary
 
     def _wait_for_peers(self) -> None:
@@ -193,6 +197,7 @@ class Trainer:
         # peer's round (a shifted one's records name the next round a few steps early); every peer has one, on its
         # last stage, and its stages decide together
         paced = [unit for unit in self.held if unit.stage.round_shift == 0]
+        touched = True  # the weights changed outside the inner step since the followers' last step (replicas)
         while self.stage.inner_step < (peer_round + 1) * H:
             ended = self.follow_swarm and self.stage.inner_step > first and not self._nearly_done(H) and \
                 any([unit.swarm.others_ended_round(peer_round, (self.stage.inner_step - peer_round * H) / H)
@@ -203,6 +208,10 @@ class Trainer:
                 return False
             if ended:
                 break
+            if self.replicas is not None:  # the round's first step, or after a merge or an early round end
+                self.replicas.before_step(self.stage.inner_step, weights=touched,
+                                          optimizer=self.stage.inner_step == first)
+                touched = False
             step_started = time.monotonic()
             inputs, targets = self.sampler.next_batch()
             loss = self.executor.forward_backward(inputs, targets)
@@ -217,6 +226,7 @@ class Trainer:
             self.summary.tokens += self.tokens_per_step
             merge_started = time.monotonic()
             due = self.fragments.merge_due()
+            touched = touched or bool(due)
             if due:  # delayed mode: the previous round's average is applied now
                 self.summary.train_s += time.monotonic() - merge_started
                 # the anchor changed: the records published from now on name the round just applied, so they
@@ -233,6 +243,7 @@ class Trainer:
             step = self.stage.inner_step
             early = [self.held[i] for i in self.fragments.ending_early(peer_round, step)]
             if early:  # streaming sync: these fragments' rounds end now, a few steps before the regular round end
+                touched = True
                 round_started = time.monotonic()
                 self._round_reports += self._end_rounds(early, loss)
                 self.summary.train_s += time.monotonic() - round_started
