@@ -19,6 +19,10 @@
 #
 # Each stage process runs its own DHT node: a fixed port in --host-maddrs becomes port + stage index, and
 # --identity-path FILE becomes FILE.stage<j>. Everything after the environment goes to `p2p-diloco peer`.
+#
+# REPLICAS=D (default 1) makes a cluster peer of D data-parallel replicas of P = NNODES x NPROC_PER_NODE / D
+# stages: process r is stage r mod P of replica r div P; replica 0 of each stage joins the swarm, the others average
+# gradients with it at every inner step (torch DDP).
 set -euo pipefail
 
 NNODES="${NNODES:-1}"
@@ -26,15 +30,21 @@ NODE_RANK="${NODE_RANK:-0}"
 NPROC_PER_NODE="${NPROC_PER_NODE:-1}"
 MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"
 MASTER_PORT="${MASTER_PORT:-29500}"
-STAGES=$((NNODES * NPROC_PER_NODE))
+REPLICAS="${REPLICAS:-1}"
+PROCESSES=$((NNODES * NPROC_PER_NODE))
 PYTHON="${PYTHON:-python3}"
 
-if [ "$STAGES" -lt 2 ]; then
-    echo "error: a pipeline needs at least 2 stages (NNODES x NPROC_PER_NODE = $STAGES); run 'p2p-diloco peer' instead" >&2
+if [ "$REPLICAS" -lt 1 ] || [ $((PROCESSES % REPLICAS)) -ne 0 ]; then
+    echo "error: REPLICAS ($REPLICAS) must divide NNODES x NPROC_PER_NODE ($PROCESSES)" >&2
+    exit 2
+fi
+STAGES=$((PROCESSES / REPLICAS))
+if [ "$PROCESSES" -lt 2 ]; then
+    echo "error: a pipeline needs at least 2 processes (NNODES x NPROC_PER_NODE = $PROCESSES); run 'p2p-diloco peer' instead" >&2
     exit 2
 fi
 
 exec "$PYTHON" -m torch.distributed.run \
     --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$NPROC_PER_NODE" \
     --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" \
-    -m p2p_diloco peer --stages "$STAGES" "$@"
+    -m p2p_diloco peer --stages "$STAGES" --replicas "$REPLICAS" "$@"
