@@ -144,8 +144,12 @@ def swarm(args: argparse.Namespace, preset: str, workdir: Path) -> dict:
     log = open(workdir / f"swarm-{preset}.log", "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     sampler.start()
+    newcomer = None
     try:
         while proc.poll() is None:  # the peers' launchers, as they start
+            if args.newcomer and newcomer is None and _averaged_a_round(out / "peer0"):
+                newcomer = _start_newcomer(out)
+                sampler.roots["newcomer"] = newcomer.pid
             for pid in children(proc.pid):
                 try:
                     cmdline = open(f"/proc/{pid}/cmdline").read().split("\0")
@@ -155,11 +159,19 @@ def swarm(args: argparse.Namespace, preset: str, workdir: Path) -> dict:
                     name = Path(cmdline[cmdline.index("--output-dir") + 1]).name
                     sampler.roots.setdefault(name, pid)
             time.sleep(0.5)
+        if newcomer is not None:
+            newcomer.wait(timeout=1800)
     finally:
         sampler.stop()
         if proc.poll() is None:
             proc.kill()
+        if newcomer is not None and newcomer.poll() is None:
+            newcomer.kill()
     summary = json.loads((out / "swarm-summary.json").read_text())
+    downloads = []
+    if newcomer is not None:
+        downloads = [json.loads(line) for line in open(out / "newcomer" / "metrics-stage0.jsonl")]
+        downloads = [e for e in downloads if e["kind"] == "sync" and e.get("download_s") is not None]
     round_end_s, compute_s, checkpoints = [], [], []
     for i in range(args.peers):
         for stage in range(args.stages):
@@ -190,8 +202,30 @@ def swarm(args: argparse.Namespace, preset: str, workdir: Path) -> dict:
             "round_compute_s": sorted(compute_s)[len(compute_s) // 2] if compute_s else None,
             "checkpoint_mb": max((c[0] for c in checkpoints), default=None),
             "checkpoint_s": sorted(c[1] for c in checkpoints)[len(checkpoints) // 2] if checkpoints else None,
+            "newcomer_peak_pss": sampler.peak_total.get("newcomer"),
+            "newcomer_by_role": sampler.peak_by_role.get("newcomer", {}),
+            "download_s": downloads[0]["download_s"] if downloads else None,
+            "download_bytes": downloads[0]["state_bytes"] if downloads else None,
+            "newcomer_exit": newcomer.returncode if newcomer is not None else None,
             "anchors_identical": summary["anchors_identical"], "ok": summary["ok"],
             "averaged_rounds": [r.get("averaged_rounds") for r in summary["peers"]]}
+
+
+def _averaged_a_round(peer_dir: Path) -> bool:
+    try:
+        lines = (peer_dir / "metrics-stage0.jsonl").read_text().splitlines()
+    except OSError:
+        return False
+    return any('"applied_round": 0' in line and '"kind": "round"' in line for line in lines)
+
+
+def _start_newcomer(out: Path) -> subprocess.Popen:
+    """A peer that joins the swarm after its first averaged round: it downloads the swarm's state."""
+    maddrs = (out / "bootstrap.maddrs").read_text().split()
+    log = open(out / "newcomer.log", "w")
+    return subprocess.Popen([sys.executable, "-m", "p2p_diloco", "peer", "--config", str(out / "swarm.toml"),
+                             "--initial-peers", *maddrs, "--output-dir", str(out / "newcomer"),
+                             "--run.num_threads", "1"], stdout=log, stderr=subprocess.STDOUT)
 
 
 def num_params(preset: str) -> int:
@@ -239,6 +273,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the bare loop (the swarm divides "
                         "the cores among its peers)")
     parser.add_argument("--every", type=float, default=0.2, help="seconds between memory samples")
+    parser.add_argument("--newcomer", action="store_true",
+                        help="start one more peer after the swarm's first averaged round: it downloads the swarm's "
+                        "state; its peak memory and the download's time are reported beside the others'")
     parser.add_argument("--out", default="runs/sizes")
     args = parser.parse_args()
     workdir = Path(args.out)
@@ -284,6 +321,22 @@ def main() -> None:
               f"{p['bare'] / gb:>9.2f} {b['peak_pss'] / gb:>9.2f} {p['bare'] / b['peak_pss']:>8.2f}x "
               f"{num(s['round_end_s'], '11.2f')} {num(s['round_compute_s'], '9.2f')} "
               f"{num(s['checkpoint_mb'], '8.1f')} {num(s['checkpoint_s'], '7.2f')}")
+
+    if args.newcomer:
+        print("\na newcomer that joined after the first averaged round and downloaded the swarm's state")
+        print(f"{'preset':<8} {'peer GB':>8} {'newcomer GB':>11} {'ratio':>6} {'training':>9} {'averager':>9} "
+              f"{'state MB':>9} {'download s':>10} {'exit':>5}")
+        for preset, r in results.items():
+            s = r["swarm"]
+            peer = max(s["peak_pss_per_peer"].values(), default=0)
+            new = s["newcomer_peak_pss"] or 0
+            roles = s["newcomer_by_role"]
+            state = s["download_bytes"]
+            print(f"{preset:<8} {peer / gb:>8.2f} {new / gb:>11.2f} {new / max(peer, 1):>5.2f}x "
+                  f"{roles.get('training', 0) / gb:>9.2f} {roles.get('averager', 0) / gb:>9.2f} "
+                  f"{'-' if state is None else format(state / 1e6, '9.1f'):>9} "
+                  f"{'-' if s['download_s'] is None else format(s['download_s'], '10.2f'):>10} "
+                  f"{str(s['newcomer_exit']):>5}")
 
 
 if __name__ == "__main__":
