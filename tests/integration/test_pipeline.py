@@ -162,4 +162,7 @@ def test_torchrun_launch_script(tmp_path):
     assert [e["round"] for e in events(tmp_path, "peer", "resume", 1)] == [1]
     assert summary(tmp_path, "peer", 1)["eval_loss_start"] is not None
     alone = subprocess.run([str(script)], env=dict(env, NPROC_PER_NODE="1"), capture_output=True, text=True)
-    assert alone.returncode == 2 and "at least 2 stages" in alone.stderr
+    assert alone.returncode == 2 and "at least 2 processes" in alone.stderr
+    uneven = subprocess.run([str(script)], env=dict(env, NPROC_PER_NODE="3", REPLICAS="2"), capture_output=True,
+                            text=True)  # 3 processes are not 2 replicas of whole pipelines
+    assert uneven.returncode == 2 and "REPLICAS (2) must divide NNODES x NPROC_PER_NODE (3)" in uneven.stderr
