@@ -93,6 +93,24 @@ class OuterOptimizer:
             result.append(theta.sub(update, alpha=lr))
         return result
 
+    @torch.no_grad()
+    def peek_into(self, pseudo_gradient: Sequence[torch.Tensor], group_size: int, anchor_out: Sequence[torch.Tensor],
+                  momentum_out: Sequence[torch.Tensor]) -> None:
+        """:meth:`peek`'s anchor, and the momentum :meth:`step` would leave, written into ``anchor_out`` and
+        ``momentum_out`` (the same bits as :meth:`peek`; no temporary larger than one tensor), changing nothing."""
+        lr = self.lr_for(group_size)
+        for theta, buf, grad, theta_out, buf_out in zip(self.anchor, self.momentum_buffers, pseudo_gradient,
+                                                        anchor_out, momentum_out):
+            grad = grad.to(dtype=theta.dtype, device=theta.device)
+            if self.momentum == 0:
+                torch.sub(theta, grad, alpha=lr, out=theta_out)
+                buf_out.copy_(buf)
+                continue
+            torch.mul(buf, self.momentum, out=buf_out)
+            buf_out.add_(grad)
+            update = grad.add(buf_out, alpha=self.momentum) if self.nesterov else buf_out
+            torch.sub(theta, update, alpha=lr, out=theta_out)
+
     def state_tensors(self) -> list[torch.Tensor]:
         return self.momentum_buffers
 

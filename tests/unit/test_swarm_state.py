@@ -61,7 +61,12 @@ def test_donor_serves_the_state_after_an_average_that_already_arrived():
     assert meta["applied_round"] == 3  # the state after round 3's average...
     expected = donor.outer_optimizer.peek(average)
     assert all(torch.equal(a, b) for a, b in zip(tensors[: len(before)], expected))
+    mu = donor.outer_optimizer.momentum
+    assert all(torch.equal(m, b * mu + a) for m, b, a in zip(tensors[len(before):],
+                                                             donor.outer_optimizer.momentum_buffers, average))
     assert all(torch.equal(a, b) for a, b in zip(donor.anchor, before))  # ...computed without touching the donor
+    # made in shared memory: the averager's process gets handles, not another copy of the state
+    assert all(t.is_shared() for t in tensors)
 
 
 @pytest.mark.parametrize("collected", [False, True])
