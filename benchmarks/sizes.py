@@ -306,8 +306,8 @@ def main() -> None:
               f"{b['tokens_per_s']:>10.0f} {tok:>7} {str(s['averaged_rounds']):>10} "
               f"{'same' if s['anchors_identical'] else 'DIFFER':>8}")
 
-    print(f"\nthe planner's figures (p2p-diloco plan, p2p_diloco/memory.py) against the measured peaks, and the "
-          f"round end and checkpoint (medians over every round end and write of every peer)")
+    print("\nthe planner's figures (p2p-diloco plan, p2p_diloco/memory.py) against the measured peaks, and the "
+          "round end and checkpoint (medians over every round end and write of every peer)")
     print(f"{'preset':<8} {'plan peer':>9} {'measured':>9} {'plan/meas':>9} {'plan bare':>9} {'measured':>9} "
           f"{'plan/meas':>9} {'round end s':>11} {'compute s':>9} {'ckpt MB':>8} {'ckpt s':>7}")
     for preset, r in results.items():

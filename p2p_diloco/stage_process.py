@@ -42,8 +42,8 @@ from p2p_diloco.model.fragments import (
     split_parameters,
 )
 from p2p_diloco.model.hf_folder import HFFolder, load_stage
-from p2p_diloco.model.split import stage_shapes
 from p2p_diloco.model.init_from import check_tokenizer, init_digest, open_init
+from p2p_diloco.model.split import stage_shapes
 from p2p_diloco.round.stage import Stage
 from p2p_diloco.training.executor import LocalExecutor
 from p2p_diloco.training.ledger import Held

@@ -28,9 +28,9 @@ def data_parallel(module: nn.Module, device: torch.device, replica_group) -> nn.
     """``module`` under torch's DistributedDataParallel over ``replica_group`` (this stage's replicas): gradients
     averaged at each backward (its start also gives every replica replica 0's weights). Its forward broadcasts
     nothing, so replica 0 alone can evaluate through it."""
-    from torch.nn.parallel import DistributedDataParallel
-
     import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
 
     # (torch 2.13 renamed broadcast_buffers; the model's only buffers are its RoPE tables, equal on every replica)
     no_sync = {"forward_sync_buffers": False} if "forward_sync_buffers" in \

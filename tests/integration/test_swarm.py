@@ -130,8 +130,8 @@ def test_three_peers_identical_anchors_and_runs_never_mix(tmp_path, processes, b
 
 
 def test_a_peer_at_a_third_of_the_speed_ends_every_round_with_the_others(tmp_path, processes, bootstrap):
-    """3 peers (default mode and round end), one slowed to a third of the speed: every round is averaged in a group of all
-    3, with no reload or resync; the slow peer ends each round when the others do, with fewer steps than theirs,
+    """3 peers (default mode and round end), one slowed to a third of the speed: every round is averaged in a group
+    of all 3, with no reload or resync; the slow peer ends each round when the others do, with fewer steps than theirs,
     and its weight in the average is the tokens it trained; the anchors are bit-identical after every round.
 
     How many fewer depends on the machine's load, not only on the slowdown: the slow peer learns of the round end

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections.abc import Sequence
 from typing import Optional
@@ -29,14 +28,37 @@ MAX_STATE_METADATA_BYTES = 1 << 16  # an honest donor's metadata is a few hundre
 NEXT_DONOR_SHARE = 0.6  # of the time left, what one donor gets when others are still to be asked
 
 
-def decode_state_tensor(header, buffer: bytes, shape: tuple) -> torch.Tensor:
-    """One tensor of a downloaded state: fp32, uncompressed (what hivemind's state sharing sends by default), of
-    exactly ``shape``; anything else is a ValueError, raised before any allocation from the message's claims."""
-    if header.compression != 0 or header.dtype != "float32" or tuple(header.size) != tuple(shape) \
-            or len(buffer) != 4 * math.prod(shape):
+def check_state_header(header, shape: tuple) -> None:
+    """The first chunk of a tensor of a downloaded state must name it fp32, uncompressed (what hivemind's state
+    sharing sends by default), of exactly ``shape``; anything else is a ValueError, raised before any allocation."""
+    if header.compression != 0 or header.dtype != "float32" or tuple(header.size) != tuple(shape):
         raise ValueError(f"a state tensor is not fp32 of shape {list(shape)} (compression {header.compression}, "
-                         f"dtype {header.dtype[:32]!r}, size {list(header.size)[:8]}, {len(buffer)} bytes)")
-    return torch.frombuffer(bytearray(buffer), dtype=torch.float32).reshape(shape)
+                         f"dtype {header.dtype[:32]!r}, size {list(header.size)[:8]})")
+
+
+class _Receiving:
+    """One tensor of a downloaded state as its chunks arrive: written straight into a tensor of the expected shape in
+    shared memory (the training process then gets a handle to it, not a copy; joining the chunks and decoding them
+    made two more copies of each tensor, and the pipe's pickler a third)."""
+
+    def __init__(self, shape: tuple):
+        self.tensor = torch.empty(shape, dtype=torch.float32).share_memory_()
+        self.target = memoryview(self.tensor.numpy()).cast("B")
+        self.size = 0
+
+    def write(self, chunk: bytes, index: int) -> None:
+        end = self.size + len(chunk)
+        if end > self.target.nbytes:
+            raise ValueError(f"the donor's tensor {index} is larger than its shape {list(self.tensor.shape)}")
+        self.target[self.size:end] = chunk
+        self.size = end
+
+    def finish(self, index: int) -> torch.Tensor:
+        if self.size != self.target.nbytes:  # the donor left (or stopped) inside a tensor
+            raise ValueError(f"the donor's stream ended inside tensor {index} ({self.size} of {self.target.nbytes} "
+                             "bytes)")
+        self.target.release()
+        return self.tensor
 
 
 async def download_from(server, donors: Sequence[str], timeout_s: float) -> Optional[tuple[dict, list]]:
@@ -70,11 +92,7 @@ async def download_one(server, peer_id) -> Optional[tuple[dict, list]]:
     shapes = [tuple(t.shape) for t in server.residuals] * 2  # anchor, then momentum
     stub = server.get_stub(p2p_of(server), peer_id, namespace=server.prefix)
     stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
-    metadata, tensors, header, chunks, size = None, [], None, [], 0
-
-    def finish_tensor() -> None:
-        tensors.append(decode_state_tensor(header, b"".join(chunks), shapes[len(tensors)]))
-
+    metadata, tensors, receiving = None, [], None
     async for message in stream:
         if message.metadata:
             if metadata is not None or len(message.metadata) > MAX_STATE_METADATA_BYTES:
@@ -82,23 +100,18 @@ async def download_one(server, peer_id) -> Optional[tuple[dict, list]]:
             metadata = server.serializer.loads(message.metadata)
         part = message.tensor_part
         if part.dtype:  # the first chunk of a tensor names its dtype (hivemind's split_for_streaming)
-            if header is not None:
-                finish_tensor()
+            if receiving is not None:
+                tensors.append(receiving.finish(len(tensors)))
             if len(tensors) >= len(shapes):
                 raise ValueError(f"the donor sent more than the {len(shapes)} tensors of this stage's state")
-            header, chunks, size = part, [], 0
-        elif header is None and part.buffer:
+            check_state_header(part, shapes[len(tensors)])
+            receiving = _Receiving(shapes[len(tensors)])
+        elif receiving is None and part.buffer:
             raise ValueError("the donor sent tensor bytes before naming a tensor")
-        size += len(part.buffer)
-        if header is not None and size > 4 * math.prod(shapes[len(tensors)]):
-            raise ValueError(f"the donor's tensor {len(tensors)} is larger than its shape "
-                             f"{list(shapes[len(tensors)])}")
-        chunks.append(part.buffer)
-    if header is not None:
-        if size < 4 * math.prod(shapes[len(tensors)]):  # the donor left (or stopped) inside a tensor
-            raise ValueError(f"the donor's stream ended inside tensor {len(tensors)} ({size} of "
-                             f"{4 * math.prod(shapes[len(tensors)])} bytes)")
-        finish_tensor()
+        if part.buffer:
+            receiving.write(part.buffer, len(tensors))
+    if receiving is not None:
+        tensors.append(receiving.finish(len(tensors)))
     if not isinstance(metadata, dict):
         logger.debug(f"Peer {peer_id} did not send its state")
         return None
