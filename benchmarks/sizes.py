@@ -159,8 +159,12 @@ def swarm(args: argparse.Namespace, preset: str, workdir: Path) -> dict:
                     name = Path(cmdline[cmdline.index("--output-dir") + 1]).name
                     sampler.roots.setdefault(name, pid)
             time.sleep(0.5)
-        if newcomer is not None:
-            newcomer.wait(timeout=1800)
+        if newcomer is not None:  # it joined late: once the swarm is done, it has a minute to finish, then stops
+            try:
+                newcomer.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                newcomer.terminate()
+                newcomer.wait(timeout=60)
     finally:
         sampler.stop()
         if proc.poll() is None:
