@@ -54,7 +54,14 @@ class _DHT(hivemind.DHT):
         leave_signals_to_parent(own_group=True)  # a signal to the peer's group is for the peer to handle
         behind_nat_mode()  # (registered by the parent already, unless this process was not forked from it)
         logging.getLogger("hivemind.dht.dht").addFilter(_not_a_vanished_sender)
-        super().run()
+        try:
+            super().run()
+        except (EOFError, OSError) as e:
+            # a request whose sender vanished before it could be read: the file descriptors of its shared state went
+            # with it, and hivemind's loop lets an EOFError through (it catches OSError). Seen as a node's process
+            # ends (a stage stopping because another stage of its peer is gone): a traceback printed above its
+            # one-line error. The node's loop is over either way; say so in one line
+            logger.warning(f"DHT node stopped: a request's sender vanished ({type(e).__name__}: {e})")
 
     def shutdown(self) -> None:
         """hivemind's shutdown, then SIGKILL if the node has not stopped within its grace period. hivemind falls back
