@@ -99,7 +99,6 @@ class ReplicaLeader:
         self.context, self.units, self.sampler = context, units, sampler
         self.params = [p for params, _ in units for p in params]
         self._sent_first = False
-        self.weights_sent = 0
 
     def before_step(self, inner_step: int, weights: bool, optimizer: bool) -> None:
         """Before inner step ``inner_step``: send the followers what they need to take it as this replica will."""
@@ -120,7 +119,6 @@ class ReplicaLeader:
     def _send(self, control: Control) -> None:
         if control.weights:
             self.context.tensors_to_replicas(self.params)
-            self.weights_sent += 1
         if control.optimizer is not None:
             moments = [t for params, opt in self.units for t in optimizer_tensors(opt, params, create=False)]
             self.context.tensors_to_replicas(moments)
