@@ -81,8 +81,10 @@ class _Blockwise(CompressionBase):
                              f"({expected} bytes expected)")
         scales = torch.from_numpy(np.frombuffer(buffer, dtype="<f4", count=num_blocks).astype(np.float32))
         codes = torch.from_numpy(self._unpack(buffer[4 * num_blocks:], num_values))
-        if not torch.isfinite(scales).all() or (codes.to(torch.int16).abs() > self.max_code).any():
-            raise ValueError(f"{self.name} payload has non-finite scales or codes out of range")
+        # a finite scale can still overflow: 3e38 x 127 is past float32, and the value would decode as inf
+        if not torch.isfinite(scales * self.max_code).all() or (codes.to(torch.int16).abs() > self.max_code).any():
+            raise ValueError(f"{self.name} payload has non-finite scales, scales whose codes decode past float32, or "
+                             "codes out of range")
         return self.dequantize(codes, scales, shape)
 
     def estimate_compression_ratio(self, info: CompressionInfo) -> float:

@@ -18,9 +18,10 @@ Wire layout (little-endian), after hivemind's message fields (``size`` the tenso
 name): ``TopK2Bit``: ``k`` (u32), then per chunk its count of kept values (u16, at most its share of k), then per
 chunk its two magnitudes (f32, f32), then per chunk its kept indices within the chunk (u16, strictly increasing),
 then the 2-bit codes of all kept values, four to a byte.
-``SparseAverage``: per chunk its count (u16), then per chunk its scale (f32), then all indices (u16, strictly
-increasing within a chunk), then all codes (i8, in [-127, 127]). Every length follows from the shape and ``k`` or
-the counts; :func:`decode` checks each before it allocates anything from the message's claims.
+``SparseAverage``: per chunk its count (u16), then per chunk its scale (f32, at most :data:`MAX_AVERAGE_SCALE`),
+then all indices (u16, strictly increasing within a chunk), then all codes (i8, in [-127, 127]). Every length
+follows from the shape and ``k`` or the counts; :func:`decode` checks each before it allocates anything from the
+message's claims.
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ from hivemind.proto import runtime_pb2
 
 CHUNK = 4096  # values per chunk: a power of two, at most 2**16 (indices are u16)
 TOPK_NAME, AVERAGE_NAME = "p2p_diloco:topk2", "p2p_diloco:sparse8"
+MAX_AVERAGE_SCALE = float(np.finfo(np.float32).max) / 127
+"""The largest ``sparse8`` scale: any code in [-127, 127] times it is finite in float32 (an honest scale is a finite
+value's magnitude over 127)."""
 
 
 def kept_per_chunk(num_values: int, k: int) -> list[int]:
@@ -135,7 +139,7 @@ def decode(serialized: runtime_pb2.Tensor, shape: tuple[int, ...], num_values: i
 
     Raises:
         ValueError: a length that does not fit, an index out of its chunk or out of order, a code out of range, a
-            non-finite or negative scale.
+            non-finite or negative scale, a ``sparse8`` scale whose codes would decode past float32.
     """
     buffer, num_chunks = serialized.buffer, math.ceil(num_values / CHUNK)
     header = 4 + 10 * num_chunks if serialized.dtype == TOPK_NAME else 6 * num_chunks
@@ -176,6 +180,9 @@ def decode(serialized: runtime_pb2.Tensor, shape: tuple[int, ...], num_values: i
         codes = np.frombuffer(buffer, dtype=np.int8, count=total, offset=head + 2 * total)
         if (codes == -128).any():
             raise ValueError(f"{AVERAGE_NAME} has codes out of [-127, 127]")
+        if not (scales <= MAX_AVERAGE_SCALE).all():  # NaN too; checked again below with the sign
+            raise ValueError(f"{AVERAGE_NAME} has non-finite scales or scales above {MAX_AVERAGE_SCALE:.4g} (a code "
+                             "of 127 would decode past float32)")
         counts = counts.tolist()
         values = codes.astype(np.float32) * np.repeat(scales, counts)
     else:

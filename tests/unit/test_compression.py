@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 import math
 
+import numpy as np
 import pytest
 import torch
 from hivemind.compression import CompressionInfo
 
-from p2p_diloco.compression import CODECS, CompressionPolicy, decode_tensor, encoded_size, roundtrip
-from p2p_diloco.compression.codecs import BLOCK
+from p2p_diloco.compression import CODECS, CompressionPolicy, decode_tensor, encoded_size, roundtrip, sparse
+from p2p_diloco.compression.codecs import BLOCK, codec_for
 from p2p_diloco.compression.lowrank import desired_rank, fit_q, orthonormalize, reconstruct, seeded_q
 from p2p_diloco.compression.policy import LINK_SPREAD
 from p2p_diloco.config import AveragingConfig
@@ -67,6 +68,27 @@ def test_malformed_payloads_are_refused(name):
         out_of_range.buffer = good.buffer[:-1] + b"\x80"  # -128
         with pytest.raises(ValueError, match="out of range"):
             decode_tensor(out_of_range)
+
+
+@pytest.mark.parametrize("name", ["int8", "int4", "sparse8"])
+def test_a_finite_scale_whose_largest_code_overflows_float32_is_refused(name):
+    """A scale of 3e38 is finite, but 3e38 x 127 (or x 7) is past float32: such a payload is refused, never decoded
+    into inf. An honest scale is a finite value's magnitude over the largest code, so its codes always decode."""
+    x = torch.zeros(600)
+    x[3] = -2.0
+    good = codec_for(name).compress(x, CompressionInfo.from_tensor(x))
+    assert torch.equal(decode_tensor(good), x)
+    hostile = type(good)()
+    hostile.CopyFrom(good)
+    at = 2 * math.ceil(600 / sparse.CHUNK) if name == "sparse8" else 0  # the first scale, after sparse8's counts
+    hostile.buffer = good.buffer[:at] + np.float32(3e38).tobytes() + good.buffer[at + 4:]
+    with pytest.raises(ValueError, match="past float32"):
+        decode_tensor(hostile)
+    largest = np.finfo(np.float32).max / (127 if name != "int4" else 7)
+    edge = type(good)()
+    edge.CopyFrom(good)
+    edge.buffer = good.buffer[:at] + np.float32(largest * (1 - 1e-6)).tobytes() + good.buffer[at + 4:]
+    assert torch.isfinite(decode_tensor(edge)).all()  # the largest scales still decode, to finite values
 
 
 def test_low_rank_is_exact_for_matrices_of_rank_at_most_r():

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 from hivemind.compression import CompressionInfo
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
@@ -249,6 +249,7 @@ def test_a_sparseloco_group_follows_algorithm_1_of_the_paper():
        scales=st.lists(st.floats(allow_nan=True, allow_infinity=True, width=32), min_size=0, max_size=6),
        indices=st.lists(st.integers(min_value=0, max_value=2**16 - 1), max_size=200),
        codes=st.binary(max_size=60), average=st.booleans())
+@example(num_values=10, k=0, counts=[1], scales=[3e38], indices=[3], codes=b"\x7f", average=True)  # 3e38 x 127: inf
 def test_any_sparse_message_with_a_well_formed_header_decodes_finite_or_is_refused(num_values, k, counts, scales,
                                                                                      indices, codes, average):
     """Headers that parse, with any counts, scales, indices and codes: a ValueError, or a finite tensor of the
