@@ -17,8 +17,11 @@ Proposals come from groupmates, some of whom may be hostile, so no single one de
 round of compute are the group's lower median (with an honest majority, no lower than some honest member's), the
 error that raises the rank is the upper median (a member reporting no error cannot hold the rank down), and a link
 claimed slower than :data:`LINK_SPREAD` times below the median link counts as that much slower (one claim cuts the
-budget by that factor at most, while an honest slow link within it is respected). In a group of 2 there is no
-majority: the smaller proposal still wins there.
+budget by that factor at most, while an honest slow link within it is respected). A group of 2 has no majority: its
+lower median is either member's own value, so there the rank and k are at least the larger proposal over
+LINK_SPREAD, and the budget at least the larger member's own over LINK_SPREAD (within that spread, the smaller
+proposal and the slower link still win; beyond it, the member that asks for more lifts the plan, up to
+``averaging.max_rank``: bytes, never precision, are what one member of a pair can cost the other).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from p2p_diloco.medians import lower_median, upper_median
 
 SCHEMES = ("none", "fp16", "int8", "lowrank", "adaptive", "sparseloco")
 LINK_SPREAD = 4.0  # a member's link counts as at most this many times slower than the group's median link
+# (in a pair: its rank, k, and link times compute, than the other member's)
 
 
 @dataclass(frozen=True)
@@ -84,13 +88,13 @@ class CompressionPolicy:
 
         Each member brings ``compression`` (its proposal: rank, bits, round of its warm Q), ``last_error`` (the
         relative compression error of its last averaged round), ``bandwidth_mbit`` and ``compute_s``. The rank and
-        bits are the proposals' lower median (the rank within ``averaging.max_rank``); for ``adaptive`` the rank
-        doubles while the upper median of the last errors is above ``averaging.target_error``, and it is then cut
-        (or the bits halved) to what the group's slowest link can send within the budget (see the module docstring
-        for what one member's claims can move).
+        bits are the proposals' lower median (the rank within ``averaging.max_rank``, in a pair at least the larger
+        proposal over :data:`LINK_SPREAD`); for ``adaptive`` the rank doubles while the upper median of the last
+        errors is above ``averaging.target_error``, and it is then cut (or the bits halved) to what the group's
+        slowest link can send within the budget (see the module docstring for what one member's claims can move).
         """
         proposals = [m["compression"] for m in members]
-        rank = min(lower_median([int(p["rank"]) for p in proposals]), self.cfg.max_rank)
+        rank = min(_floored_median([int(p["rank"]) for p in proposals]), self.cfg.max_rank)
         bits = lower_median([int(p["bits"]) for p in proposals])
         q_rounds = {int(p["q_round"]) for p in proposals}
         warm = q_rounds.pop() if len(q_rounds) == 1 and -1 not in q_rounds else None
@@ -105,14 +109,15 @@ class CompressionPolicy:
 
     def _fit_topk(self, members: list[dict]) -> int:
         """'sparseloco': the lower median of the members' proposed k (``averaging.sparse_topk`` of each; a member
-        that proposes none counts with this peer's), halved until the round fits the bandwidth budget (1 at least).
+        that proposes none counts with this peer's; in a pair at least the larger over :data:`LINK_SPREAD`), halved
+        until the round fits the bandwidth budget (1 at least).
 
         The budget counts both directions of the all-reduce: a member sends its top-k parts out and its part's
         average back, and that average (``sparse8``) holds up to group-size times k values per chunk at 3 bytes
         each, more than a ``topk2`` contribution; :meth:`transfer_bytes` is what the budget is compared with.
         """
         proposed = [int(m["compression"].get("topk", self.cfg.sparse_topk)) for m in members]
-        k = max(1, min(lower_median(proposed), CHUNK))
+        k = max(1, min(_floored_median(proposed), CHUNK))
         budget = self._budget(members)
         while budget is not None and k > 1 and self.transfer_bytes(self._sparse_plan(k), len(members)) > budget:
             k //= 2
@@ -135,12 +140,17 @@ class CompressionPolicy:
         move); None before a round of compute was measured."""
         group_size = len(members)
         links = [float(m["bandwidth_mbit"]) for m in members]
+        computes = [float(m["compute_s"]) for m in members]
         bandwidth = max(min(links), lower_median(links) / LINK_SPREAD)
-        compute_s = lower_median([float(m["compute_s"]) for m in members])
+        compute_s = lower_median(computes)
         if compute_s <= 0:
             return None
         butterfly = max(1.0, 2 * (group_size - 1) / group_size)  # the all-reduce sends this many contributions
-        return self.cfg.bandwidth_budget * compute_s * bandwidth * 1e6 / 8 / butterfly
+        budget = self.cfg.bandwidth_budget * compute_s * bandwidth * 1e6 / 8 / butterfly
+        if group_size == 2:  # both lower medians are either member's own claim: bound them by the other's
+            own = max(c * link for c, link in zip(computes, links))  # Mbit a member's link carries in its round
+            budget = max(budget, self.cfg.bandwidth_budget * own * 1e6 / 8 / butterfly / LINK_SPREAD)
+        return budget
 
     def _sparse_plan(self, k: int) -> RoundPlan:
         return RoundPlan(codecs=(f"topk2:{k}",) * len(self.shapes), lowrank=(), rank=0, warm_round=None)
@@ -188,3 +198,12 @@ class CompressionPolicy:
         lowrank = tuple(i for i in self.eligible if 2 * lowrank_size(self.shapes[i], rank) <= math.prod(self.shapes[i]))
         return RoundPlan(codecs=tuple(quantized if i in lowrank else whole for i in range(len(self.shapes))),
                          lowrank=lowrank, rank=rank, warm_round=warm_round)
+
+
+def _floored_median(values: list[int]) -> int:
+    """The members' lower median, in a pair at least the larger value over :data:`LINK_SPREAD` (rounded up).
+
+    With 3 or more members an honest majority bounds the lower median; a pair has none, and its lower median is
+    either member's own value: one member alone decided how far the group's rank or k went down."""
+    low = lower_median(values)
+    return max(low, math.ceil(max(values) / LINK_SPREAD)) if len(values) == 2 else low

@@ -201,6 +201,30 @@ def test_one_hostile_proposal_cannot_lower_the_precision_of_an_honest_majority()
     assert policy.agree(slow).rank < policy.agree([member(8, bandwidth=0.01)] * 3).rank
 
 
+def test_one_member_of_a_pair_cuts_the_rank_and_the_budget_at_most_link_spread_fold():
+    """A pair has no majority, and its lower medians were either member's own values: a proposal of rank 1, or a
+    link or a round of compute claimed a million times too slow, each took the pair's plan from rank 16 to rank 1
+    at 4 bits. Now neither member's proposal nor its claims go below the other's over LINK_SPREAD."""
+    policy = CompressionPolicy(SHAPES, cfg(compression="adaptive", target_error=0.5, max_rank=64))
+    honest = member(8, 8, error=0.6, bandwidth=0.012, compute=60.0)  # just fast enough for rank 16 at 8 bits
+    alone = policy.agree([honest, honest])
+    assert alone.rank == 16 and alone.codecs[0] == "int8"
+    lowballs = {"rank": member(1, 8, error=0.6, bandwidth=0.012, compute=60.0),
+                "link": dict(honest, bandwidth_mbit=1e-8), "compute": dict(honest, compute_s=6e-5),
+                "all": member(1, 4, q_round=-1, error=0.0, bandwidth=1e-8, compute=6e-5)}
+    for name, lowball in lowballs.items():
+        for pair in ([honest, lowball], [lowball, honest]):
+            attacked = policy.agree(pair)
+            assert attacked.rank >= alone.rank / LINK_SPREAD, (name, attacked)
+            assert policy._budget(pair) >= policy._budget([honest, honest]) / LINK_SPREAD * (1 - 1e-9), name
+    # an honest pair within LINK_SPREAD of each other is read as before: the smaller proposal, the slower link
+    assert policy.agree([member(16, 8), member(4, 4)]).rank == 4
+    slow = [honest, dict(honest, bandwidth_mbit=0.004)]
+    assert policy.agree(slow) == policy.agree([dict(honest, bandwidth_mbit=0.004)] * 2) != alone
+    # groups of 3 or more keep their lower medians: an honest majority bounds them
+    assert policy.agree([member(16), member(2), member(2)]).rank == 2
+
+
 def test_adaptive_rank_grows_with_the_group_error_within_the_budget():
     policy = CompressionPolicy(SHAPES, cfg(compression="adaptive", target_error=0.5, max_rank=64))
     assert policy.agree([member(8, error=0.2), member(8, error=0.4)]).rank == 8

@@ -23,7 +23,7 @@ from torch import nn
 
 from p2p_diloco.compression import sparse
 from p2p_diloco.compression.codecs import codec_for, decode_tensor, encoded_size, result_codec, roundtrip
-from p2p_diloco.compression.policy import CompressionPolicy
+from p2p_diloco.compression.policy import LINK_SPREAD, CompressionPolicy
 from p2p_diloco.config import ConfigError, load_config
 from p2p_diloco.round.stage import Stage
 from p2p_diloco.training.simulate import ExactGroup
@@ -159,6 +159,9 @@ def test_sparseloco_k_is_the_groups_lower_median_and_its_budget_counts_the_avera
     old_peer = _member(policy)
     del old_peer["compression"]["topk"]
     assert ks(policy.agree([old_peer, _member(policy, 256), _member(policy, 256)])) == {256}
+    # a pair has no majority: one member's k of 1 cuts the other's at most LINK_SPREAD-fold (it took it to 1)
+    assert ks(policy.agree([_member(policy, 1), _member(policy, 64)])) == {int(64 / LINK_SPREAD)}
+    assert ks(policy.agree([_member(policy, 32), _member(policy, 64)])) == {32}  # within it: the smaller
     # the average a member sends back holds up to group-size times k values per chunk at 3 bytes: a link whose
     # budget fits the contributions of a group of 8 but not their averages halves k
     plan = policy._sparse_plan(64)
