@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 
 import torch
 from torch import nn
@@ -383,14 +383,18 @@ class Stage(StageCheckpoint, StateSharing):
         """Where this stage stands, for its progress record."""
         return Position(self.round_index, self.inner_step, self.applied_round)
 
+    def anchor_weights(self) -> AbstractContextManager[None]:
+        """Temporarily make the anchor the working parameters (to evaluate the agreed model): :meth:`weights_of`."""
+        return self.weights_of(self.anchor)
+
     @contextmanager
-    def anchor_weights(self) -> Iterator[None]:
-        """Temporarily make the anchor the working parameters (to evaluate the agreed model). A parameter of the
-        anchor's device and dtype (fp32 on CPU) is pointed at the anchor's storage, its own kept aside: no copy;
-        any other (on a GPU, in bf16) is saved, overwritten and restored."""
+    def weights_of(self, weights: list[torch.Tensor]) -> Iterator[None]:
+        """Temporarily make ``weights`` (an anchor's shapes: this stage's own, or a state offered by another peer)
+        the working parameters. A parameter of their device and dtype (fp32 on CPU) is pointed at their storage,
+        its own kept aside: no copy; any other (on a GPU, in bf16) is saved, overwritten and restored."""
         swapped, saved = [], []
         with torch.no_grad():
-            for p, theta in zip(self.params, self.anchor):
+            for p, theta in zip(self.params, weights, strict=True):
                 if p.device == theta.device and p.dtype == theta.dtype and p.shape == theta.shape:
                     swapped.append((p, p.data))
                     p.data = theta

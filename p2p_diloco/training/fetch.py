@@ -46,6 +46,7 @@ class StateFetcher:
         # the anchor every peer starts from (the run's init seed): a state before any round is checked against it
         self.initial_fingerprint = stage.state_fingerprint()[0] if stage.applied_round < 0 else None
         self.last_download: dict = {}  # duration and bytes of the last state download
+        self.last_donor: str | None = None  # who served the last state taken
 
     def _counted(self) -> list:
         return self.witnesses.counted(self.swarm.others())
@@ -98,6 +99,10 @@ class StateFetcher:
         if at_most_round is not None:
             early = {r.node for r in [*others, *strangers] if r.round <= at_most_round}
             donors = [d for d in donors if d in early]
+        if self.num_rounds is not None and self.stage.round_index < self.num_rounds:
+            # their state would be refused (past the run's end, :meth:`refusal`): not worth its download
+            finished = {r.node for r in [*others, *strangers] if r.round >= self.num_rounds}
+            donors = [d for d in donors if d not in finished]
         for donor in donors:
             if donor in asked:
                 continue
@@ -119,6 +124,7 @@ class StateFetcher:
             if refusal is not None:
                 logger.warning(f"{self.stage.label}: refused the state of {donor}: {refusal}")
                 continue
+            self.last_donor = donor
             return meta, tensors
         return None
 
@@ -126,9 +132,9 @@ class StateFetcher:
         """At the run's end: the state ``fingerprint`` after round ``last`` (the one most finished peers hold, see
         :mod:`~p2p_diloco.training.run_end`), from the peers whose records hold it, believed ones first; or None.
         A served state must be well-formed, of that fingerprint, its own donor's, and of the run's end; then
-        ``refusal(tensors, vouched)`` decides (``vouched``: two believed records hold it, one where a single peer is
-        believed, as :meth:`refusal` asks of any state). ``at_round``: the round the state's peer is on (its
-        ``round``), this stage's own by default (a stage that joins after the run ended: the run's end)."""
+        ``refusal(meta, tensors, vouched)`` decides (``vouched``: two believed records hold it, one where a single
+        peer is believed, as :meth:`refusal` asks of any state). ``at_round``: the round the state's peer is on
+        (its ``round``), this stage's own by default (a stage that joins after the run ended: the run's end)."""
         started = time.monotonic()
         deadline = started + self.download_timeout_s
         records = self.witnesses.credited(self.swarm.others())
@@ -153,7 +159,7 @@ class StateFetcher:
                 at = self.stage.round_index if at_round is None else at_round
                 if why is None and (meta["applied_round"], meta["round"]) != (last, at):
                     why = f"it is of round {meta['round']}, applied {meta['applied_round']}, not the run's end"
-                why = why or refusal(tensors, vouched)
+                why = why or refusal(meta, tensors, vouched)
             except Exception as e:  # noqa: BLE001 (whatever the donor's bytes make fail is the donor's offence)
                 why = f"its state could not be checked ({type(e).__name__}: {e})"
             if why is not None:
@@ -161,6 +167,7 @@ class StateFetcher:
                 continue
             self.last_download = {"download_s": round(time.monotonic() - started, 3),
                                   "state_bytes": sum(t.numel() * t.element_size() for t in tensors)}
+            self.last_donor = donor
             return meta, tensors
         return None
 

@@ -115,8 +115,9 @@ class Ledger:
         """The metrics row of each unit's round end, and what it tells the sync (the group met, the new anchor)."""
         for unit, report in zip(units, reports):
             self.last_group[self.held.index(unit)] = list(report.outcome.group_peers)
-            if unit.sync is not None:
-                unit.sync.witnesses.met_group(list(report.outcome.group_peers))
+            if unit.sync is not None:  # believed from now on: the groupmates whose parts were not refused
+                banned = set(report.outcome.banned)
+                unit.sync.witnesses.met_group([p for p in report.outcome.group_peers if p not in banned])
         self.note_anchor(units)
         for unit, report in zip(units, reports):
             self.metrics.write("round", **report.record(), **self.unit_facts(unit),

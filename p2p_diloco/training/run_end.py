@@ -18,10 +18,17 @@ round by). Where the vote's state is refused, the unit falls back on its believe
 
 The decision is taken again until every finished peer holds this unit's state or the end's bound passes
 (:meth:`~p2p_diloco.training.sync.SyncGroup.agree_at_end`): as peers take the final state, the votes move to it.
+Every final state also passes this peer's own check (its held-out loss against its own anchor:
+:mod:`~p2p_diloco.training.own_check`), which no number of identities can vote through.
+
 A unit that starts where the run is over (most of its believed peers applied the last round: it joined late, or
-restarted after the end) takes that final state and has nothing left to train (:meth:`RunEnd.final_at_start`); with
-no holder left to serve it, the peer stops with an error instead of training the whole run alone on a model nobody
-else holds. Called by :class:`~p2p_diloco.training.sync.SwarmSync` and its ``SyncGroup``.
+restarted after the end) takes that final state and has nothing left to train (:meth:`RunEnd.final_at_start`), if
+those peers are ones it has reason to believe (met in its groups, its bootstrap peers, an allowlist: not merely
+signed records, which anyone can make) and the state passes its own check. A claim of the end is never a reason to
+train nothing or to exit: an end it cannot verify, a final state nobody serves (its holders left) or one that fails
+its check, and the peer trains on and says so once (:meth:`RunEnd.give_up`).
+
+Called by :class:`~p2p_diloco.training.sync.SwarmSync` and its ``SyncGroup``.
 """
 
 from __future__ import annotations
@@ -34,7 +41,6 @@ from dataclasses import dataclass
 
 import torch
 
-from p2p_diloco.swarm.errors import SwarmError
 from p2p_diloco.training.witnesses import anchor_votes, canonical_of
 
 logger = logging.getLogger(__name__)
@@ -93,6 +99,16 @@ class RunEnd:
         self.sync = sync
         self.reference: FinalReference | None = None
         self.tries: Counter[str] = Counter()  # final state -> downloads of it tried
+        # the run's end as the records claim it could not be had, or failed this peer's own check: the claim is not
+        # acted on again (the stage trains on: SwarmSync._actionable), and that is said once (told)
+        self.given_up = False
+        self.told = False
+
+    def open(self, others) -> bool:
+        """Whether a claim in ``others`` (the counted records) that the run is over can end this stage's training:
+        they are of peers it has reason to believe (:meth:`Witnesses.earned`) and their final state has not been
+        given up on."""
+        return not self.given_up and self.sync.witnesses.earned(self.sync.swarm.others())
 
     @property
     def last(self) -> int:
@@ -168,9 +184,14 @@ class RunEnd:
         sync.take_resync(*state, reason)
         return True
 
-    def _refusal(self, tensors, vouched: bool) -> str | None:
-        """Why a final state (checked well-formed and of the voted fingerprint) is refused, or None: one that this
-        unit's believed peers do not vouch for must be near its own (:data:`NEAR_STEPS`)."""
+    def _refusal(self, meta: dict, tensors, vouched: bool) -> str | None:
+        """Why a final state (checked well-formed and of the voted fingerprint) is refused, or None: it must pass this
+        peer's own check (:mod:`~p2p_diloco.training.own_check`), and one that this unit's believed peers do not
+        vouch for must be near its own (:data:`NEAR_STEPS`)."""
+        why = self.sync.own_check(meta, tensors)
+        if why is not None:
+            self.sync.refuse(meta, tensors, why)
+            return why
         if vouched:
             return None
         steps = self.reference.steps_from(tensors)
@@ -188,6 +209,8 @@ class RunEnd:
         if sync.num_rounds is None or sync.stage.applied_round >= last:
             return None
         others = sync._others()
+        if not self.open(others):
+            return None
         if not sync._majority(others, lambda r: r.applied_round >= last):
             return None
         votes = anchor_votes(others, last)
@@ -198,7 +221,7 @@ class RunEnd:
         a single peer is believed), as any reload asks; None if none could be had."""
         return self.sync.fetcher.download_final(
             fingerprint, self.last,
-            lambda tensors, vouched: None if vouched else "the peers this stage believes do not vouch for it",
+            lambda meta, tensors, vouched: None if vouched else "the peers this stage believes do not vouch for it",
             at_round=self.sync.num_rounds)
 
     def take_at_start(self, state, behind: bool = False) -> None:
@@ -209,16 +232,14 @@ class RunEnd:
         sync.take_reload(state, f"the run ended (round {self.last} applied by the swarm) {when}: its final state",
                          sync.num_rounds * sync.stage.diloco_cfg.inner_steps)
 
-    def over_error(self, behind: bool = False) -> SwarmError:
-        """What stops a peer that found the run over and its final state out of reach (``behind``: while training,
-        rounds behind the swarm, rather than at its start)."""
+    def give_up(self, why: str) -> None:
+        """The run's end as claimed cannot be taken (``why``): this stage trains on, and does not wait for it again."""
         sync = self.sync
-        done = "This peer's checkpoints are kept." if behind else "Nothing was trained."
-        return SwarmError(
-            f"run {sync.fetcher.run_id} is over: the peers of this stage that this one believes have applied its last "
-            f"round ({sync.num_rounds} rounds), and no peer holding its final state served it (they may have left; "
-            f"their records outlive them by minutes). {done} To train, start a new run (another "
-            f"--run-id), or go on with this one past its end with a larger --train.num_rounds on every peer")
+        self.given_up, self.told = True, True
+        logger.warning(f"{sync.stage.label}: the peers this stage believes say run {sync.fetcher.run_id} is over "
+                       f"({sync.num_rounds} rounds), but {why}: it trains on, alone if nobody else is left (a run "
+                       f"that is really over can be continued with a larger --train.num_rounds, or started anew "
+                       f"with another --run-id)")
 
 
 # ---- the peer's units together (every unit of every stage of the peer, or none: SyncGroup's collectives) ----------
@@ -234,7 +255,18 @@ def take_the_end(syncs, executor, behind: bool = False) -> bool:
         return False
     states = [sync.end.download_at_start(final) for sync, final in zip(syncs, finals)]
     if executor.any_stage(None in states):
-        raise syncs[0].end.over_error(behind)
+        # never a reason to train nothing or to exit: what could not be had cannot be verified
+        for sync in syncs:
+            sync.end.give_up("no peer holding its final state served it (they may have left: their records outlive "
+                             "them by minutes)")
+        return False
+    judge = syncs[0].judge
+    why = None if judge is None else judge.judge_all(dict(enumerate(states)))
+    if why is not None:
+        for sync, state in zip(syncs, states):
+            sync.refuse(*state, why)
+            sync.end.give_up(f"its final state failed this peer's own check ({why})")
+        return False
     for sync, state in zip(syncs, states):
         sync.end.take_at_start(state, behind)
     return True

@@ -49,8 +49,9 @@ from p2p_diloco.medians import lower_median
 from p2p_diloco.round.stage import Stage
 from p2p_diloco.swarm.discovery.progress import moved_past
 from p2p_diloco.training.fetch import StateFetcher
+from p2p_diloco.training.own_check import OwnCheck
 from p2p_diloco.training.run_end import RunEnd, take_the_end, wait_for_the_end
-from p2p_diloco.training.witnesses import Witnesses, anchor_votes, canonical_of
+from p2p_diloco.training.witnesses import DISCREDIT_ROUNDS, Witnesses, anchor_votes, canonical_of
 
 logger = logging.getLogger(__name__)
 REMEMBERED_ROUNDS = 4
@@ -97,6 +98,11 @@ class SwarmSync:
         # vote from that round on: where only one other peer has published a round yet, the tie-break must not
         # make the anchor known to be off the canonical one (the reloaded peer would then never resync)
         self.missed_round: int | None = None
+        # this peer's own check of any state offered to it (its held-out loss: own_check.py), set by its SyncGroup;
+        # None only where a test drives the records logic alone
+        self.judge: OwnCheck | None = None
+        self.unit = 0  # this unit's index among the judge's
+        self.refusals = 0  # states from others refused by that check
 
     def remember(self, fingerprint: str) -> None:
         """Note this stage's anchor fingerprint after its last applied round."""
@@ -107,6 +113,22 @@ class SwarmSync:
 
     def _others(self) -> list:
         return self.witnesses.counted(self.swarm.others())
+
+    def _actionable(self, others) -> list:
+        """``others`` less the records at or past the run's end where this stage cannot act on that claim: they are
+        of identities it has no reason to believe (:meth:`Witnesses.earned`), or the final state they claim could
+        not be had or failed this peer's own check (:attr:`RunEnd.given_up`). A claim that the run is over is never
+        a reason to train nothing: the stage trains, and says so once."""
+        if self.num_rounds is None or self.end.open(others):
+            return others
+        kept = [r for r in others if r.round < self.num_rounds]
+        if len(kept) < len(others) and not self.end.told:
+            self.end.told = True
+            why = "its final state could not be had or failed this peer's own check" if self.end.given_up else \
+                "they are peers this stage has never averaged with"
+            logger.warning(f"{self.stage.label}: {len(others) - len(kept)} record(s) say run {self.fetcher.run_id} "
+                           f"is over, and this stage cannot verify it ({why}); it trains on")
+        return kept
 
     @staticmethod
     def _majority(others, ahead) -> bool:
@@ -121,14 +143,14 @@ class SwarmSync:
         return lambda r: r.round > mine + 1 or (r.round == mine + 1 and r.applied_round >= mine)
 
     def at_start(self, resumed: bool) -> None:
-        SyncGroup([self], self.executor).at_start(resumed)
+        SyncGroup([self], self.executor, self.judge).at_start(resumed)
 
     def after_round(self) -> None:
-        SyncGroup([self], self.executor).after_round()
+        SyncGroup([self], self.executor, self.judge).after_round()
 
     def behind_at_start(self, resumed: bool) -> tuple[bool, str, int]:
         """Whether this stage must reload before its first round: (behind, why, the swarm's round)."""
-        others = self._others()
+        others = self._actionable(self._others())
         swarm_round = lower_median([r.round for r in others]) if others else 0
         mine = self.stage.round_index
         # a peer one round ahead whose average of this stage's round is still in flight (delayed mode: it is
@@ -147,7 +169,7 @@ class SwarmSync:
 
     def behind_after_round(self) -> tuple[bool, str, int]:
         """Whether this stage must reload after its round end: (behind, why, the swarm's round)."""
-        others = self._others()
+        others = self._actionable(self._others())
         swarm_round = lower_median([r.round for r in others]) if others else 0
         mine = self.stage.round_index
         if self.stage.diloco_cfg.round_end == "swarm":
@@ -245,7 +267,28 @@ class SwarmSync:
             logger.info(f"{self.stage.label}: the donor's anchor is older (applied "
                         f"{meta['applied_round']}, this stage {self.stage.applied_round}); resync later")
             return
+        why = self.own_check(meta, tensors)
+        if why is not None:
+            self.refuse(meta, tensors, why)
+            return
         self.take_resync(meta, tensors, f"the anchor after round {diverged_round} differed from the swarm's")
+
+    def own_check(self, meta: dict, tensors) -> str | None:
+        """Why this unit's own check (:meth:`OwnCheck.judge_unit`) refuses a state for it alone, or None."""
+        return None if self.judge is None else self.judge.judge_unit(self.unit, meta, tensors)
+
+    def refuse(self, meta: dict, tensors, why: str) -> None:
+        """A state that passed the records' checks failed this peer's own: its donor and every record vouching for it
+        count for nothing for a few rounds (the next download asks others), and it is logged."""
+        self.refusals += 1
+        fingerprint = self.stage.served_fingerprint(meta, tensors)
+        vouchers = set(self.witnesses.discredit_vouchers(self.swarm.others(), meta["applied_round"], fingerprint))
+        if self.fetcher.last_donor is not None:
+            self.witnesses.discredit(self.fetcher.last_donor)
+            vouchers.add(self.fetcher.last_donor)
+        logger.warning(f"{self.stage.label}: refused a state of round {meta['round']} (anchor after round "
+                       f"{meta['applied_round']}) that {len(vouchers)} peer(s) vouched for: {why}. Their records count "
+                       f"for nothing here for {DISCREDIT_ROUNDS} rounds")
 
     def take_resync(self, meta: dict, tensors, reason: str) -> None:
         """Take a downloaded (checked) state as a resync: its anchor and momentum, this stage's own progress kept."""
@@ -272,8 +315,10 @@ class SyncGroup:
     fragments each holds (one decision, one agreement on the reload point): a stage that decides alone waits in
     the reload's collective while another trains on, and the peer hangs."""
 
-    def __init__(self, syncs: list[SwarmSync], executor):
-        self.syncs, self.executor = syncs, executor
+    def __init__(self, syncs: list[SwarmSync], executor, own_check: OwnCheck | None = None):
+        self.syncs, self.executor, self.own_check = syncs, executor, own_check
+        for unit, sync in enumerate(syncs):
+            sync.judge, sync.unit = own_check, unit
 
     def at_start(self, resumed: bool) -> None:
         if not take_the_end(self.syncs, self.executor):
@@ -340,6 +385,12 @@ class SyncGroup:
             # the states that end before the peer's common window begins are downloaded again, from its round
             states = self._download_again(states, swarm_rounds, self._late(states, lo), lo)
         step = max(lo, min(hi, max(p[2] for p in points)))
+        if self.own_check is not None:  # every stage process of the peer, together
+            why = self.own_check.judge_all(dict(enumerate(states)))
+            if why is not None:
+                for sync, state in zip(self.syncs, states):
+                    sync.refuse(*state, why)
+                return True
         for sync, state, (b, reason, _) in zip(self.syncs, states, decisions):
             sync.take_reload(state, reason if b else "another stage or fragment of this peer is reloading", step)
         return True

@@ -29,6 +29,7 @@ from p2p_diloco.round.outcome import RoundReport
 from p2p_diloco.round.stage import Stage
 from p2p_diloco.training.ledger import Held, Ledger
 from p2p_diloco.training.metrics import MetricsWriter
+from p2p_diloco.training.own_check import OwnCheck
 from p2p_diloco.training.round_ends import end_rounds, wait_for_groupmates
 from p2p_diloco.training.state.persist import resume_stage, save_stage, unit_folder
 from p2p_diloco.training.summary import (
@@ -97,7 +98,10 @@ class Trainer:
                                     mode=stage.mode)
         self.ledger = Ledger(self.held, self.metrics, self.summary, self.reporter, cfg.diloco.inner_steps,
                              cfg.train.anchor_digest)
-        self.syncs = SyncGroup([u.sync for u in self.held], executor) if sync is not None else None
+        # every state from other peers passes this peer's own check on its held-out batches first
+        self.syncs = SyncGroup([u.sync for u in self.held], executor,
+                               OwnCheck(executor, eval_data, [u.stage for u in self.held])) \
+            if sync is not None else None
         for unit in self.held:
             if unit.swarm is not None and unit.sync is not None:  # the peers met in recent groups time the rounds
                 unit.swarm.peers_met = unit.sync.witnesses.recently_met

@@ -109,6 +109,23 @@ class Witnesses:
         :data:`DISCREDIT_ROUNDS` rounds."""
         self.discredited[node] = self.round_now() + DISCREDIT_ROUNDS
 
+    def earned(self, records) -> bool:
+        """Whether the records counted now are of peers this stage has reason to believe (an allowlist's, the peers
+        met, the bootstrap peers the user named), rather than of every signed record: identities anyone can make.
+        A claim only such identities make (the run is over) is one this stage cannot verify."""
+        if self.allowlist:
+            return True
+        levels = self.levels(records)
+        return bool(levels) and levels[min(self.widening, len(levels) - 1)][0] != TRUST_LEVELS[-1]
+
+    def discredit_vouchers(self, records, applied_round: int, fingerprint: str) -> list[str]:
+        """Discredit every node whose record vouches for ``fingerprint`` after ``applied_round`` (a state this stage's
+        own check refused: vouching for it is worth nothing); the nodes."""
+        nodes = anchor_votes(records, applied_round).get(fingerprint, [])
+        for node in nodes:
+            self.discredit(node)
+        return nodes
+
     def levels(self, records) -> list[tuple[str, list]]:
         """The levels of :data:`TRUST_LEVELS` that have live records, in order: (name, their records)."""
         met, records = self.recently_met(), self.credited(records)

@@ -145,8 +145,9 @@ def test_a_finished_run_is_taken_only_when_most_believed_peers_finished_it_and_a
     peer would have finished at once with that model); and a state behind the peer is refused."""
     finished = state_at(20, 19)
     records = [Record(20, 19, fingerprint(finished), node=n) for n in ("a", "b")]
+    # believed: its bootstrap peers (claims of peers it has no reason to believe end nothing: the next test)
     newcomer = make_stage()
-    sync = sync_of(newcomer, records, {"a": finished, "b": finished}, num_rounds=20)
+    sync = sync_of(newcomer, records, {"a": finished, "b": finished}, num_rounds=20, bootstrap=("a", "b"))
     sync.at_start(resumed=False)
     assert [e["action"] for e in sync.events] == ["reload"] and "the run ended" in sync.events[0]["reason"]
     assert (newcomer.round_index, newcomer.applied_round) == (20, 19)
@@ -207,7 +208,7 @@ def test_a_peer_behind_a_swarm_finishing_the_run_waits_for_its_final_state(monke
         peer.averager = Donors({"a": finished, "b": finished})
         swarm = Finishing(before, after, polls=5)
         sync = SwarmSync(peer, swarm, OneStage(), "run", download_timeout_s=5, num_rounds=20, verify_wait_s=0.0,
-                         end_wait_s=30.0)
+                         end_wait_s=30.0, bootstrap=("a", "b"))  # peers it believes (strangers' ends: not taken)
         if round_index == 18:
             sync.after_round()  # behind after its round 17 (a peer on round 19 would still join its average)
         else:
