@@ -203,6 +203,39 @@ def decode_tensor(serialized: runtime_pb2.Tensor, max_values: int | None = None)
     return torch.from_numpy(array.astype(np.float32)).reshape(shape)  # astype copies: the tensor is writable
 
 
+def average_rounding(serialized: runtime_pb2.Tensor, decoded: torch.Tensor) -> float:
+    """The most a reducer's average that decodes to ``decoded`` (from ``serialized``) can differ from the average it
+    encoded, as the norm of the difference: half a step of each value's code. 0 for fp32, and for a ``topk2`` message
+    (no reducer sends an average as one); fp16: 2^-10 of each value (2^-24 at least: subnormals); int8 and int4: half
+    the scale of each value's block (the block's largest magnitude over the largest code); ``sparse8``: half the scale
+    of its chunk for each value the chunk sends. A scale is read from the largest decoded magnitude, so a reducer that
+    encoded with larger scales than its values need is allowed less, not more."""
+    flat = decoded.detach().reshape(-1).float()
+    if serialized.compression == runtime_pb2.FLOAT16:
+        return float(torch.linalg.vector_norm(torch.clamp(flat.abs() * 2**-10, min=2**-24)))
+    if serialized.compression != runtime_pb2.NONE:
+        return 0.0
+    codec = _OURS.get(serialized.dtype)
+    if codec is not None:
+        return _half_steps(flat, BLOCK, codec.max_code, None)
+    if serialized.dtype == sparse.AVERAGE_NAME:
+        sent = np.frombuffer(serialized.buffer, dtype="<u2", count=math.ceil(flat.numel() / sparse.CHUNK))
+        return _half_steps(flat, sparse.CHUNK, 127, torch.from_numpy(sent.astype(np.float64)))
+    return 0.0
+
+
+def _half_steps(flat: torch.Tensor, block: int, max_code: int, counts: torch.Tensor | None) -> float:
+    """sqrt(sum over blocks of count * (scale / 2)^2), a block's scale its largest magnitude over ``max_code``; count:
+    the values of each block (``counts``: those it sends)."""
+    padded = torch.zeros(-(-flat.numel() // block) * block, dtype=torch.float64)
+    padded[: flat.numel()] = flat.double()
+    if counts is None:
+        counts = torch.full((padded.numel() // block,), float(block), dtype=torch.float64)
+        counts[-1:] -= padded.numel() - flat.numel()
+    half_scales = padded.view(-1, block).abs().amax(dim=1) / max_code / 2
+    return float(torch.sqrt((counts * half_scales**2).sum()) * (1 + 1e-6))
+
+
 def wire_shape(serialized: runtime_pb2.Tensor) -> tuple[tuple[int, ...], int]:
     """The shape a message declares and its number of values, of at most :data:`MAX_DIMS` dimensions."""
     if len(serialized.size) > MAX_DIMS:

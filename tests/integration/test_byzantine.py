@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from p2p_diloco.config import AveragingConfig
-from p2p_diloco.faults import HONEST, parse_hostility
+from p2p_diloco.faults import HONEST, Honest, parse_hostility
 from p2p_diloco.swarm import PseudoGradientAverager
 from p2p_diloco.swarm.averaging.guard import OFFENCES
 from p2p_diloco.swarm.averaging.robust import cap_weights
@@ -253,6 +253,29 @@ def test_a_reducer_that_scales_its_slice_within_the_old_bound_is_refused_and_lef
         for suspect, reasons in result.suspects.items():
             named.setdefault(suspect, set()).update(reasons)
     assert named == {peer_id(steering): {"implausible average"}}, named
+
+
+class ReversingReducer(Honest):
+    """A reducer that returns its slice's averages reversed at 3 times their norm (injected as the averager's
+    behaviour; the spec of faults.parse_hostility takes positive factors only)."""
+
+    def reply(self, averaged_part: torch.Tensor, sender_index: int = 0, reducer_index: int = 0) -> torch.Tensor:
+        return averaged_part * -3.0
+
+
+def test_in_a_pair_a_reducer_whose_average_no_part_of_its_own_gives_is_refused_as_an_offence(network):
+    """A pair's reducer returns -3 times the average of its slice: 2.1 times the honest member's part, within the
+    norm bound of a pair (2.5 with the codec margin), so the honest member took it, and its anchor moved against its
+    own pseudo-gradient. The other member's part that average implies (-4 times the member's part, less 3 times the
+    other's) is more than the 3 times the member's part that the robust combination leaves any part of a pair: the
+    average is refused, an offence of the reducer (`bad average`), and the round falls back."""
+    honest = network.averager()
+    reversing = PseudoGradientAverager(TEMPLATES, network.dht(), run_id="run", stage_index=0, num_stages=1, cfg=CFG,
+                                       behaviour=ReversingReducer())
+    network.averagers.append(reversing)
+    _, results = average_round([honest, reversing], round_index=0)
+    assert not results[0].averaged and results[0].fallback_reason, results[0]
+    assert results[0].suspects == {peer_id(reversing): ["bad average"]}, results[0].suspects
 
 
 def _peak_rss_bytes(pid: int) -> int:

@@ -11,7 +11,7 @@ import torch
 from hivemind.compression import CompressionInfo
 
 from p2p_diloco.compression import CODECS, CompressionPolicy, decode_tensor, encoded_size, roundtrip, sparse
-from p2p_diloco.compression.codecs import BLOCK, codec_for
+from p2p_diloco.compression.codecs import BLOCK, average_rounding, codec_for
 from p2p_diloco.compression.lowrank import desired_rank, fit_q, orthonormalize, reconstruct, seeded_q
 from p2p_diloco.compression.policy import LINK_SPREAD
 from p2p_diloco.config import AveragingConfig
@@ -89,6 +89,27 @@ def test_a_finite_scale_whose_largest_code_overflows_float32_is_refused(name):
     edge.CopyFrom(good)
     edge.buffer = good.buffer[:at] + np.float32(largest * (1 - 1e-6)).tobytes() + good.buffer[at + 4:]
     assert torch.isfinite(decode_tensor(edge)).all()  # the largest scales still decode, to finite values
+
+
+@pytest.mark.parametrize("name", ["fp32", "fp16", "int8", "int4", "sparse8"])
+def test_the_rounding_bound_of_an_average_holds_and_is_not_loose(name):
+    """A receiver allows a reducer's average the rounding of its codec (robust.pair_excess): the bound read from the
+    decoded average holds for Gaussian, heavy-tailed, sparse and zero values, and for the dense ones it is within 5
+    times the true rounding."""
+    g = torch.Generator().manual_seed(0)
+    dense = torch.randn(5000, generator=g)
+    heavy = dense / torch.rand(5000, generator=g).clamp(min=1e-3) ** 0.5  # Student-t-like tails
+    sparse_values = torch.zeros(9000)
+    sparse_values[torch.randperm(9000, generator=g)[:300]] = torch.randn(300, generator=g)
+    for x in (dense, heavy, sparse_values, torch.zeros(70)):
+        message = codec_for(name).compress(x, CompressionInfo.from_tensor(x))
+        decoded = decode_tensor(message)
+        error, bound = float((decoded - x).norm()), average_rounding(message, decoded)
+        assert error <= bound, (name, error, bound)
+        if name == "fp32" or x is dense or x is heavy:
+            assert bound <= 5 * error, (name, error, bound)
+    topk = codec_for("topk2:8").compress(dense, CompressionInfo.from_tensor(dense))
+    assert average_rounding(topk, decode_tensor(topk)) == 0.0  # no reducer sends an average as a top-k contribution
 
 
 def test_low_rank_is_exact_for_matrices_of_rank_at_most_r():

@@ -23,6 +23,7 @@ from p2p_diloco.swarm.averaging.robust import (
     average_bound,
     cap_weights,
     combine,
+    pair_excess,
     weighted_mean,
 )
 from p2p_diloco.swarm.averaging.slices import RobustPartReducer
@@ -388,3 +389,76 @@ def test_an_honest_reducers_average_is_within_every_honest_receivers_bound(claim
                 continue  # the hostile member
             ratio = float(average.norm() / part.norm())
             assert ratio <= CODEC_MARGIN * average_bound(weights, claims, me, DEFAULT), (shared, me, ratio)
+
+
+# ---- in a pair: the other member's part that a reducer's average implies ---------------------------------------
+PAIR_WEIGHTS = [(1.0, 1.0), (2.0, 1.0), (1.0, 2.0)]  # (this member's, the other's): claims are capped at 2:1
+
+
+def pair_of_parts(cosine: float, norm_ratio: float, size: int = 8192, seed: int = 0):
+    """This member's part and the other's, at a given cosine and norm ratio (honest pseudo-gradients of a round share
+    a direction, cosine about 0.1 to 0.6, and their norms differ with the steps each trained); a few outlier
+    coordinates, as pseudo-gradients have, so that the blockwise codecs round as they do on real ones."""
+    g = torch.Generator().manual_seed(seed)
+    own = torch.randn(size, generator=g)
+    own[torch.randint(size, (16,), generator=g)] *= 10
+    noise = torch.randn(size, generator=g)
+    noise -= (noise @ own) / (own @ own) * own
+    other = cosine * own / own.norm() + math.sqrt(1 - cosine**2) * noise / noise.norm()
+    return own, other * norm_ratio * own.norm()
+
+
+@pytest.mark.parametrize("codec", ["fp32", "fp16", "int8", "int4", "topk2:64"])
+def test_in_a_pair_every_honest_reducers_average_implies_a_part_the_combination_allows(codec):
+    """A member of a pair judges the reducer's average of its slice by the other member's part it implies; whatever
+    the honest parts (any cosine, norms 30-fold apart: one of them clipped), the weights, the sender order and the
+    codec (top-k parts come back as sparse8 averages, whose rounding the receiver allows), that part is within what
+    combine() leaves it."""
+    from hivemind.compression import CompressionInfo
+
+    from p2p_diloco.compression.codecs import average_rounding, codec_for, decode_tensor, result_codec, roundtrip
+    from p2p_diloco.swarm.averaging.allreduce import PAIR_SLACK
+
+    worst = 0.0
+    for seed, cosine in enumerate((-0.3, 0.1, 0.3, 0.6, 0.95)):
+        for norm_ratio in (1 / 30, 0.2, 0.5, 1.0, 2.0, 3.0, 5.0, 30.0):
+            own, other = pair_of_parts(cosine, norm_ratio, seed=seed)
+            own_sent, other_sent = roundtrip(codec, own), roundtrip(codec, other)
+            for own_weight, other_weight in PAIR_WEIGHTS:
+                for parts, weights in (([own_sent, other_sent], [own_weight, other_weight]),
+                                       ([other_sent, own_sent], [other_weight, own_weight])):
+                    average = combine(parts, weights, DEFAULT).average
+                    message = codec_for(result_codec(codec)).compress(average, CompressionInfo.from_tensor(average))
+                    received = decode_tensor(message)
+                    excess = pair_excess(received, own_sent, own_weight, other_weight, DEFAULT,
+                                         average_rounding(message, received))
+                    assert excess <= PAIR_SLACK, (cosine, norm_ratio, own_weight, other_weight, excess)
+                    worst = max(worst, excess)
+    assert worst > 0.7  # not a loose bound: a clipped part comes near it
+
+
+def test_in_a_pair_an_average_that_no_part_of_the_other_member_gives_is_refused():
+    """Averages an honest reducer of a pair cannot return, all within the norm bound (2.5 times this member's part
+    at equal weights, with the codec margin) that was the only check: this member's part reversed at twice its norm,
+    a random direction at twice its norm, and 19 times it reversed (then not even an offence), even with int4's
+    rounding allowed. The pair's limit stays: a zero average, and this member's part reversed, are what combine()
+    returns when the other member sends a zero part, or its part reversed many-fold, so a reducer may return them."""
+    from hivemind.compression import CompressionInfo
+
+    from p2p_diloco.compression.codecs import average_rounding, codec_for, decode_tensor
+    from p2p_diloco.swarm.averaging.allreduce import PAIR_SLACK
+
+    own, elsewhere = pair_of_parts(0.0, 1.0)
+    for bad in (-2 * own, 2 * elsewhere, -19 * own):
+        for codec in ("fp32", "int4"):
+            message = codec_for(codec).compress(bad, CompressionInfo.from_tensor(bad))
+            received = decode_tensor(message)
+            rounding = average_rounding(message, received)
+            assert pair_excess(received, own, 1.0, 1.0, DEFAULT, rounding) > PAIR_SLACK, codec
+    assert pair_excess(torch.full_like(own, math.nan), own, 1.0, 1.0, DEFAULT) == math.inf
+    assert pair_excess(-own, own, 2.0, 1.0, DEFAULT) > PAIR_SLACK  # with twice the weight, its part reversed too
+    assert pair_excess(own, torch.zeros_like(own), 1.0, 1.0, DEFAULT) == math.inf  # a zero part: nothing but zero
+    for sent_by_other, average in ((torch.zeros_like(own), torch.zeros_like(own)), (-1000 * own, -own)):
+        torch.testing.assert_close(combine([own, sent_by_other], [1.0, 1.0], DEFAULT).average, average)
+        assert pair_excess(average, own, 1.0, 1.0, DEFAULT) <= PAIR_SLACK
+    assert pair_excess(-2 * own, own, 1.0, 1.0, RobustRule(outlier_ratio=0)) == 0.0  # no bound, nothing to judge

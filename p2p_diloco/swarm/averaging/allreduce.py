@@ -14,7 +14,10 @@ weighting each sender by the group's capped record of its tokens rather than the
 (:class:`RobustPartReducer`); a part that cannot be decoded or has the wrong shape is refused; an average returned
 by a reducer is refused when it is non-finite or larger than an honest reducer's can be (``plausible_bound``, from
 :func:`~p2p_diloco.swarm.averaging.robust.average_bound`: the reducer lands in ``runner.implausible`` and is left out
-of the round's retry), and is an offence when far larger still (``average_bound``); a reducer that took this
+of the round's retry), and is an offence (left out too) when non-finite, far larger still (``average_bound``), or, in
+a pair, no average of this peer's part with any part of the other member
+(:func:`~p2p_diloco.swarm.averaging.robust.pair_excess`, judged from this peer's part as the reducer decoded it, the
+two weights, and the rounding of the average's codec); a reducer that took this
 peer's parts and returned no average within the reducer timeout (2 x ``averaging.next_chunk_timeout_s``: an honest
 reducer answers once every sender's part is in, or a sender timeout after) stalled the group. Explicit refusals and
 broken connections are not stalls: a reducer that read the group differently, or left it, refuses at once. Every
@@ -54,7 +57,7 @@ from collections.abc import AsyncIterator
 
 import torch
 
-from p2p_diloco.compression.codecs import decode_tensor
+from p2p_diloco.compression.codecs import average_rounding, decode_tensor
 from p2p_diloco.faults import HONEST, Honest
 from p2p_diloco.swarm.averaging.digests import slice_digest
 from p2p_diloco.swarm.averaging.guard import BAD_AVERAGE, IMPLAUSIBLE, MALFORMED, NOT_IN_GROUP, STALL
@@ -75,7 +78,7 @@ from p2p_diloco.swarm.averaging.hivemind_api import (
     input_parts,
     outputs_registered,
 )
-from p2p_diloco.swarm.averaging.robust import RobustRule
+from p2p_diloco.swarm.averaging.robust import RobustRule, pair_excess
 from p2p_diloco.swarm.averaging.slices import RobustPartReducer, ServedAverages
 
 logger = get_logger(__name__)
@@ -89,6 +92,9 @@ GONE = (ConnectionError, P2PDaemonError, P2PHandlerError, asyncio.IncompleteRead
 # the codecs' rounding of the average and of this peer's own part, on top of robust.average_bound (blockwise int4
 # moves a part's norm by a few percent; fp32 and fp16 by far less)
 CODEC_MARGIN = 1.25
+# in a pair: the float rounding of the reducer's weighted mean and of the receiver's norms (robust.pair_excess; the
+# codec's rounding of the average is measured)
+PAIR_SLACK = 1.001
 
 
 class ExactAllReduceRunner(AllReduceRunner):
@@ -115,8 +121,14 @@ class ExactAllReduceRunner(AllReduceRunner):
         super().__init__(**kwargs)
         # the codec of each tensor's averages (SparseLoCo's top-k parts come back as sparse averages)
         self._result_compression = result_compression or self.tensor_part_container.compression
-        self._traffic, self._average_bound, self._behaviour = traffic, average_bound, behaviour
+        self._traffic, self._average_bound, self._behaviour, self._rule = traffic, average_bound, behaviour, rule
         self._plausible_bound = plausible_bound * CODEC_MARGIN
+        # in a pair (two senders, this peer and another, both of non-zero weight) each average implies the other's
+        # part. Only then: a third sender that this peer banned (weight 0 here) may still count at an honest reducer
+        senders = list(self.sender_peer_ids)
+        other = next((p for p in senders if p != self.peer_id), None)
+        self._pair = (weights[self.peer_id], weights[other]) if len(senders) == 2 and self.peer_id in senders and \
+            weights.get(self.peer_id, 0.0) > 0 and weights.get(other, 0.0) > 0 else None  # (own, other) weight
         self.implausible: list[PeerID] = []  # reducers whose average an honest reducer cannot have returned
         self.flags: list[tuple[PeerID, str]] = []
         self.silent: list[PeerID] = []  # reducers that took this peer's parts and returned no average
@@ -201,21 +213,26 @@ class ExactAllReduceRunner(AllReduceRunner):
                 self.absent.append(peer_id)
             if message.code != averaging_pb2.AVERAGED_PART:
                 raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(message.code)}")
-            return _decode_part(message, largest), _part_digest(message.tensor_part)
+            averaged = _decode_part(message, largest)
+            rounding = average_rounding(message.tensor_part, averaged) if self._pair is not None and \
+                not isinstance(averaged, Exception) else 0.0
+            return averaged, _part_digest(message.tensor_part), rounding
 
         part_index, digests = start, self._part_digests.setdefault(peer_id, {})
-        async for averaged_part, digest in amap_in_executor(decode, aiter_with_timeout(_skip(messages, start),
-                                                                                       self.reducer_timeout),
-                                                            max_prefetch=self.tensor_part_container.prefetch):
+        async for averaged_part, digest, rounding in amap_in_executor(
+                decode, aiter_with_timeout(_skip(messages, start), self.reducer_timeout),
+                max_prefetch=self.tensor_part_container.prefetch):
             if isinstance(averaged_part, Exception) or part_index >= len(expected_shapes) or \
                     averaged_part.shape != expected_shapes[part_index]:
                 self.flags.append((peer_id, MALFORMED))
                 raise AllreduceException(f"{peer_id} sent a malformed average: {averaged_part!r:.200}")
-            problem, offence = self._implausible(averaged_part, parts[part_index][0])
+            sent = None
+            if self._pair is not None:  # what the reducer combined of this peer's part: its codec's roundtrip
+                sent = await asyncio.get_event_loop().run_in_executor(None, self._sent_part, *parts[part_index])
+            problem, offence = self._implausible(averaged_part, parts[part_index][0], sent, rounding)
             if problem:
                 self.flags.append((peer_id, BAD_AVERAGE if offence else IMPLAUSIBLE))
-                if not offence:
-                    self.implausible.append(peer_id)
+                self.implausible.append(peer_id)
                 raise AllreduceException(f"{peer_id} returned {problem}")
             self.tensor_part_container.register_processed_part(peer_index, part_index, averaged_part)
             digests[part_index] = digest
@@ -259,11 +276,18 @@ class ExactAllReduceRunner(AllReduceRunner):
         finally:
             await self.served.finish()
 
-    def _implausible(self, average: torch.Tensor, own_part: torch.Tensor) -> tuple[str, bool]:
+    def _implausible(self, average: torch.Tensor, own_part: torch.Tensor, sent: torch.Tensor | None = None,
+                     rounding: float = 0.0) -> tuple[str, bool]:
         """(why an average returned by a reducer cannot be the robust combination of the group's parts, or "";
-        whether that is an offence)."""
+        whether that is an offence). ``sent``: in a pair, this peer's part as the reducer decoded it (None where it
+        is not finite: the reducer left it out); ``rounding``: the most the reducer's codec moved the average."""
         if not torch.isfinite(average).all():
             return "a non-finite average", True
+        if sent is not None:  # exact in a pair: no part of the other member gives such an average
+            excess = pair_excess(average, sent, *self._pair, self._rule, rounding)
+            if excess > PAIR_SLACK:
+                return f"an average that implies the other member's part at {excess:.3g} times the most the robust " \
+                       "combination leaves it", True
         own_norm = float(torch.linalg.vector_norm(own_part.float()))
         if own_norm <= 0:
             return "", False
@@ -274,6 +298,15 @@ class ExactAllReduceRunner(AllReduceRunner):
             return f"an average {ratio:.3g} times the norm of this peer's part (an honest reducer's is at most " \
                    f"{self._plausible_bound:.3g})", False
         return "", False
+
+    def _sent_part(self, part: torch.Tensor, info) -> torch.Tensor | None:
+        """``part`` of this peer's contribution as its reducer decodes it; None where it is not finite (the codec
+        refuses it, or the reducer leaves it out)."""
+        try:
+            sent = decode_tensor(self.tensor_part_container.compression.compress(part, info))
+        except ValueError:
+            return None
+        return sent if bool(torch.isfinite(sent).all()) else None
 
     def _roundtrip(self, part: torch.Tensor, part_index: int) -> torch.Tensor:
         try:

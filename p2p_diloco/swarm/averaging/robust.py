@@ -29,7 +29,8 @@ result by about tau times its weight share (CenteredClip), its weight being at m
 median claim; in a group of 2 there is no majority, and it keeps at most ``pair_ratio`` (3) times the honest part's
 norm with at most ``max_weight_ratio / (1 + max_weight_ratio)`` (2/3) of the weight, so the result is at most
 ``(2 * 3 + 1) / 3``, about 2.3, times the honest part's norm, in any direction; and a tiny part shrinks the honest one
-to ``pair_ratio`` times its own norm (the round is then wasted, not poisoned).
+to ``pair_ratio`` times its own norm (the round is then wasted, not poisoned). As the reducer of its slice it can
+return no more than that: the honest member checks the other part each average implies (:func:`pair_excess`).
 """
 
 from __future__ import annotations
@@ -170,6 +171,47 @@ def average_bound(weights: Sequence[float], claims: Sequence[float], me: int, ru
              for i in members}  # a pair is scaled by norms alone, whatever the claims
     ceilings = {i: 1.0 if i == me else ratio * scale[i] ** 2 for i in members}
     return sum(weights[i] * ceilings[i] for i in members) / sum(weights[i] for i in members)
+
+
+def pair_excess(average: torch.Tensor, own: torch.Tensor, own_weight: float, other_weight: float, rule: RobustRule,
+                rounding: float = 0.0) -> float:
+    """In a group of 2, how far a reducer's ``average`` of a part is from every average :func:`combine` returns for
+    this member's part ``own`` (as the reducer decoded it) and any part of the other member: the norm of the other
+    part it implies, ``(W * average - w_own * own) / w_other`` with ``W = w_own + w_other``, less what the codec's
+    ``rounding`` of the average (a norm) moves it, over the most that :func:`combine` leaves that part:
+    ``max(r, w_own / w_other, 1)`` times the norm of ``own`` (r: the pair ratio).
+
+    The bound: the larger part of a pair is scaled to r times the smaller. Where ``own`` is not scaled, the other
+    part enters with a norm of at most r times its own; where ``own`` is (the other part p is below 1/r of it), the
+    implied part is ``p - (w_own / w_other) (1 - r |p| / |own|) own``, of norm at most ``max(w_own / w_other, 1 / r)``
+    times ``|own|``. So every average :func:`combine` returns is within 1, up to float rounding. An average beyond
+    it implies a part the reducer cannot have combined: at equal weights this member's part reversed at twice its
+    norm (the implied part is 5 times ``own``), a random direction at twice its norm (4.1 times), or 19 times it
+    reversed (39 times). The average of a zero part, or of a part reversed at r times ``own`` (0 and -1 times
+    ``own`` at equal weights), is within it: the other member reaches those by sending such a part (the pair's
+    limit, see the module docstring).
+
+    Args:
+        own: finite.
+        rounding: the most the reducer's codec moved the average (``codecs.average_rounding``).
+
+    Returns:
+        The ratio; infinite for an implied part that is not finite, or not zero where ``own`` is; 0 where ``rule``
+        scales no part of a pair.
+    """
+    if rule.outlier_ratio <= 0:
+        return 0.0
+    ratio = min(rule.outlier_ratio, rule.pair_ratio or rule.outlier_ratio)
+    total = own_weight + other_weight
+    implied = (average.float() * total - own.float() * own_weight) / other_weight
+    implied_norm = float(torch.linalg.vector_norm(implied))
+    if not math.isfinite(implied_norm):
+        return math.inf
+    implied_norm = max(0.0, implied_norm - total / other_weight * rounding)
+    bound = max(ratio, own_weight / other_weight, 1.0) * float(torch.linalg.vector_norm(own.float()))
+    if bound <= 0:
+        return math.inf if implied_norm > 0 else 0.0
+    return implied_norm / bound
 
 
 def centered_clip(parts: Sequence[torch.Tensor], weights: Sequence[float], start: torch.Tensor,
