@@ -64,7 +64,8 @@ def _add_node_metrics(registry: MetricsRegistry, counts: PeerCounts, started: fl
     registry.add("p2p_diloco_dht_kept_bytes", "gauge", "Bytes of others' DHT entries this node keeps (storage and "
                  "cache, as its storage bound charges them; at most dht.storage_limit_mb)", lambda: _item(counts, 2))
     registry.add("p2p_diloco_dht_refused_entries_total", "counter", "DHT entries this node refused to keep for its "
-                 "storage bound (a class of key over its share, or a subkey its dictionary cannot order)",
+                 "storage bound (a class of key over its share, a sender over its part, an averager's declaration "
+                 "from another node than the one it names, or a subkey its dictionary cannot order)",
                  lambda: _item(counts, 3))
     registry.add("p2p_diloco_uptime_seconds", "gauge", "Seconds since this process started serving",
                  lambda: time.monotonic() - started)

@@ -1,4 +1,5 @@
-"""Contracts of the hivemind internals the averager relies on (hivemind 1.1.12), one test per hook."""
+"""Contracts of the hivemind internals the averager and the DHT node's storage bound rely on (hivemind 1.1.12), one
+test per hook."""
 
 from __future__ import annotations
 
@@ -374,3 +375,78 @@ def test_hivemind_keeps_the_last_state_served_until_the_next_request_so_a_state_
     assert "del state_tensors" not in loop and "del future" not in loop  # if hivemind drops them, the hook can go
     assert "_background_thread_fetch_current_state" in _source(DecentralizedAverager.__init__)
     assert "self._get_current_state_from_host_process()" in _source(DecentralizedAverager.rpc_download_state)
+
+
+def test_a_dht_node_serves_store_requests_through_the_handler_that_storage_budget_wraps_to_name_the_sender():
+    """Why storage_budget._name_senders wraps the entry of the daemon client's table of unary handlers named
+    ``DHTProtocol.rpc_store``: hivemind registers the node's rpc_store there (bound when the node starts, so a class
+    swap cannot reach it), the client calls it with the request and the sender's peer id from the daemon, and
+    rpc_store makes its stores within that call, through the node's storage or cache."""
+    from hivemind.dht.node import DHTNode
+    from hivemind.dht.protocol import DHTProtocol
+    from hivemind.p2p.p2p_daemon_bindings.control import ControlClient
+    from hivemind.p2p.p2p_daemon_bindings.p2pclient import Client
+
+    from p2p_diloco.swarm.discovery.storage_budget import STORE_HANDLER
+
+    assert DHTProtocol._get_handle_name(None, "rpc_store") == STORE_HANDLER
+    assert "await self.add_p2p_handlers(self.p2p, AuthRPCWrapper(self, AuthRole.SERVICER, self.authorizer))" \
+        in _source(DHTProtocol.create)
+    unary = _source(P2P._add_protobuf_unary_handler)
+    assert "async def _unary_handler(request: bytes, remote_id: PeerID) -> bytes:" in unary
+    assert "await self._client.add_unary_handler(handle_name, _unary_handler, balanced=balanced)" in unary
+    assert "await self.control.add_unary_handler(proto, handler, balanced=balanced)" \
+        in _source(Client.add_unary_handler)
+    assert "self.unary_handlers[proto] = handler" in _source(ControlClient.add_unary_handler)
+    served = _source(ControlClient._handle_persistent_request)
+    assert "remote_id = PeerID(request.peer)" in served
+    assert "await self.unary_handlers[request.proto](request.data, remote_id)" in served
+    store = _source(DHTProtocol.rpc_store)
+    assert "storage = self.cache if in_cache else self.storage" in store
+    assert "storage.store_subkey(key_id, subkey, item.value, item.expiration_time)" in store
+    assert "storage.store(key_id, value_bytes, expiration_time)" in store
+    assert "storage.store_subkey(key_id, subkey, value_bytes, expiration_time)" in store
+    # a node's own stores (its processes' declarations and records, when it is among the nearest) skip the handler:
+    # they are charged to the node itself
+    assert "self.protocol.storage.store( key_id, record.value, record.expiration_time, subkey=subkey )" \
+        in _source(DHTNode.store_many)
+
+
+def test_the_wrapped_store_handler_names_the_sender_to_the_stores_it_makes_and_only_to_them():
+    from p2p_diloco.swarm.discovery import storage_budget
+
+    seen = []
+
+    async def theirs(request: bytes, remote_id) -> bytes:
+        seen.append(storage_budget._SENDER.get())
+        return request
+
+    p2p = SimpleNamespace(_client=SimpleNamespace(control=SimpleNamespace(unary_handlers={
+        storage_budget.STORE_HANDLER: theirs})))
+    storage_budget._name_senders(p2p)
+    wrapped = p2p._client.control.unary_handlers[storage_budget.STORE_HANDLER]
+    storage_budget._name_senders(p2p)  # idempotent
+    assert p2p._client.control.unary_handlers[storage_budget.STORE_HANDLER] is wrapped
+    assert asyncio.run(wrapped(b"request", OTHER)) == b"request"
+    assert seen == [OTHER.to_bytes()] and storage_budget._SENDER.get() is None
+    storage_budget._name_senders(SimpleNamespace(_client=SimpleNamespace(control=SimpleNamespace(
+        unary_handlers={}))))  # a node in client mode serves no stores: nothing to wrap
+
+
+def test_a_bounded_store_keeps_the_parameters_and_the_layout_of_hiveminds():
+    """storage_budget swaps the class of hivemind's stores for BoundedStorage: its two overrides take hivemind's
+    parameters; it reads ``data`` and deletes through ``__delitem__`` (of TimedStorage and of a dictionary value), and
+    releases a plain value that hivemind's store_subkey replaces with a new dictionary."""
+    from hivemind.dht.storage import DHTLocalStorage, DictionaryDHTValue
+    from hivemind.utils.timed_storage import TimedStorage
+
+    from p2p_diloco.swarm.discovery.storage_budget import BoundedStorage
+
+    for name in ("store", "store_subkey"):
+        assert _positional(vars(BoundedStorage)[name]) == _positional(vars(DHTLocalStorage)[name]), name
+    assert "__delitem__" in vars(TimedStorage) and issubclass(DictionaryDHTValue, TimedStorage)
+    assert "del self.data[key], self.key_to_heap[key]" in _source(TimedStorage.__delitem__)
+    replaced = _source(DHTLocalStorage.store_subkey)
+    assert "if isinstance(previous_value, BinaryDHTValue) and expiration_time > previous_expiration_time: " \
+           "new_storage = DictionaryDHTValue()" in replaced
+    assert isinstance(DHTLocalStorage().data, dict)

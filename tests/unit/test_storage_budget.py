@@ -1,8 +1,12 @@
 """The ledger that bounds what a DHT node keeps for others (``swarm/discovery/storage_budget.py``), on hivemind's
 own storage class with a clock of the test's: each class of key is held to its share, a refusal costs the other
-classes nothing, expired and replaced entries free their bytes, and nothing a writer sends makes it raise."""
+classes nothing, expired and replaced entries free their bytes, each sender holds at most its part of a class and a
+full class makes room for a sender under its fair part, an averager's declaration is taken only from the peer it
+names, and nothing a writer sends makes it raise."""
 
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import pytest
 from hivemind.dht.routing import DHTID
@@ -16,8 +20,10 @@ from p2p_diloco.swarm.discovery.averager_keys import AveragerKeys, averager_pref
 from p2p_diloco.swarm.discovery.records import swarm_validators
 from p2p_diloco.swarm.discovery.storage_budget import (
     ENTRY_OVERHEAD,
+    SENDER_SHARE,
     SHARES,
     BoundedStorage,
+    Ledger,
     entry_cost,
     key_classifier,
 )
@@ -161,3 +167,125 @@ def test_subkeys_python_cannot_order_among_themselves_never_share_a_dictionary()
     assert store.store_subkey(DHTID.generate(source="numbers"), 1, b"v", expires)
     assert store.store_subkey(DHTID.generate(source="numbers"), 2.5, b"v", expires)
     assert sorted(store.get(OTHER).value.data) == [b"a", b"b"]
+
+
+def peer(i: int) -> bytes:
+    """A made-up peer id's bytes (a sha2-256 multihash), as a store request's sender and as a declaration's subkey."""
+    return b"\x12\x20" + i.to_bytes(32, "big")
+
+
+@contextmanager
+def sending_as(sender):
+    """Stores made meanwhile come from ``sender``, as inside the node's handler of a store request from it."""
+    token = storage_budget._SENDER.set(sender)
+    try:
+        yield
+    finally:
+        storage_budget._SENDER.reset(token)
+
+
+def held_in(store) -> int:
+    """What ``store`` holds, in the ledger's bytes, counted from the store itself."""
+    return sum(entry_cost(item.value) if not isinstance(item.value, DictionaryDHTValue) else
+               sum(entry_cost(sub.value, subkey) for subkey, sub in item.value.items()) for _, item in store.items())
+
+
+def test_a_sender_holds_at_most_its_part_of_a_class_the_node_itself_more():
+    limit = 4 * 100 * (1000 + ENTRY_OVERHEAD)  # 'other' holds 100 entries of 1000 bytes
+    store, expires, value = bounded(limit), get_dht_time() + 60, b"x" * 1000
+    with sending_as(peer(1)):
+        taken = [store.store(DHTID.generate(source=f"a{i}"), value, expires) for i in range(100)]
+    assert sum(taken) == int(100 * SENDER_SHARE) and taken[:sum(taken)] == [True] * sum(taken)
+    with sending_as(peer(2)):  # another sender has its own part
+        assert store.store(DHTID.generate(source="b"), value, expires)
+    assert sum(store.store(DHTID.generate(source=f"own{i}"), value, expires) for i in range(100)) == \
+        100 - int(100 * SENDER_SHARE) - 1  # this node's own stores are not capped: they fill the rest
+    assert store.ledger.senders["other"].bytes_of == {
+        peer(1): int(100 * SENDER_SHARE) * (1000 + ENTRY_OVERHEAD), peer(2): 1000 + ENTRY_OVERHEAD,
+        None: (100 - int(100 * SENDER_SHARE) - 1) * (1000 + ENTRY_OVERHEAD)}
+    assert store.ledger.evicted["other"] == 0 and held_in(store) == store.ledger.held["other"]
+
+
+def test_a_full_class_drops_the_biggest_senders_oldest_entries_for_a_sender_under_its_fair_part():
+    """The ledger alone: 30 identities fill the averagers' class, each to its fair part; a newcomer's entry is
+    still taken, at the cost of the oldest entry of the sender holding the most, and a flooder over its fair part
+    is refused."""
+    cost, dropped = 300, []
+    limit = 480 * cost / SHARES["averagers"]  # the class holds 480 entries: 30 flooders of 16
+    ledger = Ledger(limit, lambda key: "averagers", lambda: 0.0, evict=lambda key, subkey: dropped.append(key))
+    for round_ in range(40):  # each flooder sends in turn, more than the class holds
+        for flooder in range(30):
+            key = (flooder, round_)
+            if ledger.admits("averagers", key, None, cost, peer(flooder)):
+                ledger.add("averagers", key, None, cost, 100.0, peer(flooder))
+    assert ledger.held["averagers"] == ledger.share("averagers")
+    assert set(ledger.senders["averagers"].bytes_of.values()) == {16 * cost}  # each its fair part, none more
+    assert not ledger.admits("averagers", (0, 99), None, cost, peer(0))  # a flooder at its fair part: refused
+    # a newcomer under its fair part (480 / 31 entries): taken, the biggest sender's oldest entry dropped
+    assert ledger.admits("averagers", "honest", None, cost, peer(99))
+    ledger.add("averagers", "honest", None, cost, 100.0, peer(99))
+    assert ledger.held["averagers"] == ledger.share("averagers") and ledger.evicted["averagers"] == 1
+    (victim,) = dropped
+    assert victim[1] < min(key[1] for key, _ in ledger.senders["averagers"].entries_of[peer(victim[0])])
+    # the flood goes on: flooders under their fair part take each other's room, never the newcomer's
+    for round_ in range(40, 60):
+        for flooder in range(30):
+            if ledger.admits("averagers", (flooder, round_), None, cost, peer(flooder)):
+                ledger.add("averagers", (flooder, round_), None, cost, 100.0, peer(flooder))
+    assert "honest" not in dropped and ledger.senders["averagers"].bytes_of[peer(99)] == cost
+    assert ledger.held["averagers"] <= ledger.share("averagers")
+
+
+def test_an_honest_declaration_lands_on_a_class_a_flood_of_30_identities_keeps_full():
+    """On hivemind's store: made-up averagers, each from an identity of its own, fill the class; an honest
+    averager's declaration (and this node's own) still land, and what the store holds is what the ledger charges."""
+    per_entry = entry_cost(b"\xc3", peer(0))
+    store, expires = DHTLocalStorage(), get_dht_time() + 60
+    storage_budget._bound(store, 200 * per_entry / SHARES["averagers"], lambda key: "averagers", get_dht_time)
+    keys = [DHTID.generate(source=f"run_s0of1.0b{bits:016b}") for bits in range(40)]  # 40 rounds' group keys
+    for flooder in range(30):
+        with sending_as(peer(flooder)):
+            for key in keys:
+                store.store_subkey(key, peer(flooder), b"\xc3", expires)
+    assert store.ledger.held["averagers"] > store.ledger.share("averagers") - per_entry
+    with sending_as(peer(1000)):
+        assert store.store_subkey(keys[7], peer(1000), b"\xc3", expires)
+    assert store.store_subkey(keys[7], peer(1001), b"\xc3", expires)  # this node's own averager
+    assert {peer(1000), peer(1001)} <= set(store.get(keys[7]).value.data)
+    assert store.ledger.evicted["averagers"] > 0
+    assert held_in(store) == store.ledger.held["averagers"] <= store.ledger.share("averagers")
+
+
+def test_an_averagers_declaration_is_taken_only_from_the_peer_it_names():
+    """A stranger can neither declare a made-up averager nor withdraw another's declaration (False, expiring
+    later); the node's own stores (its averagers', and what it caches from its lookups) pass."""
+    store, expires = bounded(10**6), get_dht_time() + 60
+    with sending_as(peer(1)):
+        assert store.store_subkey(AVERAGER, peer(1), b"\xc3", expires)
+        assert not store.store_subkey(AVERAGER, peer(2), b"\xc3", expires)
+    with sending_as(peer(2)):
+        assert not store.store_subkey(AVERAGER, peer(1), b"\xc2", expires + 10)
+        assert store.store_subkey(OTHER, peer(1), b"\xc2", expires)  # other keys: any subkey
+    assert store.store_subkey(AVERAGER, peer(3), b"\xc3", expires)  # this node itself
+    assert store.get(AVERAGER).value.data.keys() == {peer(1), peer(3)}
+    assert store.get(AVERAGER).value.get(peer(1)).value == b"\xc3"
+    assert store.ledger.refused["averagers"] == 2
+
+
+SENDERS = st.sampled_from([None, peer(1), peer(2), peer(3)])
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(SENDERS, st.sampled_from([RECORD, AVERAGER, OTHER, DHTID.generate(source="x")]),
+                          st.one_of(st.none(), SENDERS, st.binary(max_size=2)), st.binary(max_size=1500),
+                          st.sampled_from([-5.0, 1.0, 1.0, 30.0])), max_size=60))
+def test_no_sender_exceeds_its_part_no_class_its_share_and_the_store_holds_no_more_than_charged(stores):
+    store, now = bounded(8 * (1500 + ENTRY_OVERHEAD)), get_dht_time()
+    for sender, key, subkey, value, ahead in stores:
+        with sending_as(sender):
+            assert store.store(key, value, now + ahead, subkey=subkey) in (True, False)
+        for kind, held in store.ledger.held.items():
+            assert 0 <= held <= store.ledger.share(kind)
+            for who, mine in store.ledger.senders[kind].bytes_of.items():
+                assert 0 < mine and (who is None or mine <= store.ledger.share(kind) * SENDER_SHARE)
+        assert held_in(store) <= sum(store.ledger.held.values())

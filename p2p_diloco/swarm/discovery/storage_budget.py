@@ -1,5 +1,6 @@
-"""A bound on the bytes a DHT node keeps for others, by class of key: no stranger grows a node's memory without end,
-and no flood of other keys crowds out the run's records.
+"""A bound on the bytes a DHT node keeps for others, by class of key and by sender: no stranger grows a node's
+memory without end, no flood of other keys crowds out the run's records, and no few identities crowd out the others
+within a class.
 
 hivemind's DHT node keeps, until it expires, every entry its validators let through: in its storage (entries whose
 key it is among the nearest nodes of) and in its cache (entries it found, or was asked to cache). ``RecordBounds``
@@ -17,12 +18,27 @@ limit and the cache one (:data:`CACHE_SHARE`); within each, the classes:
   :class:`~p2p_diloco.swarm.discovery.averager_keys.AveragerKeys`): a quarter.
 - ``other``: any other key (another run's, or none): a quarter.
 
+Within a class, each entry is charged to its sender: the peer id of the node whose store request brought it (the
+libp2p connection authenticates it: hivemind's node sends its own stores to the nearest nodes itself), or this node
+itself for what its own processes store and what it caches from its own lookups. A sender other than the node
+itself holds at most :data:`SENDER_SHARE` of a class, so a flood from fewer identities leaves the class room. Once a
+class is full, a sender still under its fair part (the class's share over the number of senders holding entries in
+it, itself counted) still gets its entry in: the oldest entries of the sender that holds the most are dropped to
+make room. So an honest peer's few declarations land however many entries a flood keeps fresh, unless the flood
+comes from so many identities that the class's share over their number is below what that peer stores. And an
+averager's declaration names its writer (its subkey is the averager's peer id, which is its DHT node's): a node
+takes one from another node only under that node's own peer id, so nobody declares, or withdraws, for another.
+(hivemind's node also hands the entries it holds to a node it meets that is nearer their keys: the declarations of
+others among them are refused there; averagers declare again every few seconds.)
+
 An entry costs its value's and subkey's bytes plus :data:`ENTRY_OVERHEAD` (the Python objects that hold it) and
-leaves the ledger at its expiration time (at most 600 s ahead: ``RecordBounds``) or when its writer replaces it. An
-entry hivemind drops early (a plain value replacing a dictionary) stays charged until it expires: the ledger
-overcounts, never undercounts. A subkey must also be of a sort Python can order beside the subkeys its key's
-dictionary holds (:meth:`BoundedStorage._fits_dictionary`). Installed by :func:`bound_storage` in the node's own
-process; pure logic but for that.
+leaves the ledger at its expiration time (at most 600 s ahead: ``RecordBounds``), when its writer replaces it or
+when it is dropped for a fairer sender. An entry hivemind drops early (a dictionary replaced by a plain value)
+stays charged until it expires: the ledger overcounts, never undercounts. A subkey must also be of a sort Python can
+order beside the subkeys its key's dictionary holds (:meth:`BoundedStorage._fits_dictionary`). Installed by
+:func:`bound_storage` in the node's own process (hivemind's store objects change class in place, and the node's
+handler of store requests is wrapped to name their sender: both checked by ``tests/unit/test_hivemind_contract.py``);
+pure logic but for that.
 """
 
 from __future__ import annotations
@@ -30,8 +46,9 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from hivemind.dht.routing import DHTID
 from hivemind.dht.storage import DHTLocalStorage, DictionaryDHTValue
@@ -43,6 +60,14 @@ SHARES = {"records": 0.5, "averagers": 0.25, "other": 0.25}
 """Each class's share of a store's limit."""
 CACHE_SHARE = 0.25
 """The cache's part of ``dht.storage_limit_mb`` (the storage has the rest): a node caches what it looked up."""
+SENDER_SHARE = 1 / 8
+"""The most of a class's share one sender holds (the node itself excepted): an honest peer stores a few entries per
+key, and a flood from fewer than 8 identities leaves a class room without dropping anything."""
+STORE_HANDLER = "DHTProtocol.rpc_store"
+"""The name hivemind's DHT node serves store requests under (``ServicerBase._get_handle_name``)."""
+
+_SENDER: ContextVar[Optional[bytes]] = ContextVar("dht_store_sender", default=None)
+"""The peer id (bytes) of the node whose store request this node is handling; None: this node's own store."""
 
 
 def entry_cost(value, subkey=None) -> int:
@@ -57,47 +82,133 @@ def _length(raw) -> int:
     return len(raw) if isinstance(raw, (bytes, bytearray, str)) else 16
 
 
+class _Entry(NamedTuple):
+    cost: int
+    expiration: float
+    kind: str
+    sender: Optional[bytes]
+
+
+@dataclass
+class Senders:
+    """Who holds what in one class of one store: each sender's bytes, its entries oldest first, and who holds the
+    most (a heap of (-bytes, sequence, sender) whose stale items are skipped, rebuilt when it has grown twice the
+    senders' number). A sender is a peer id's bytes, or None for the node itself."""
+
+    bytes_of: dict = field(default_factory=dict)  # sender -> bytes held
+    entries_of: dict = field(default_factory=dict)  # sender -> {(key, subkey): None}, oldest first
+    _ranking: list = field(default_factory=list)
+    _sequence: itertools.count = field(default_factory=itertools.count)
+
+    def charge(self, sender, entry, cost: int) -> None:
+        self.bytes_of[sender] = self.bytes_of.get(sender, 0) + cost
+        self.entries_of.setdefault(sender, {})[entry] = None
+        self._rank(sender)
+
+    def release(self, sender, entry, cost: int) -> None:
+        self.bytes_of[sender] -= cost
+        del self.entries_of[sender][entry]
+        if not self.entries_of[sender]:
+            del self.bytes_of[sender], self.entries_of[sender]
+        else:
+            self._rank(sender)
+
+    def biggest(self, besides) -> tuple:
+        """(the sender other than ``besides`` that holds the most, its oldest entry), or (None, None)."""
+        skipped, found = [], None
+        while self._ranking:
+            negative, _, sender = self._ranking[0]
+            if self.bytes_of.get(sender) != -negative:
+                heapq.heappop(self._ranking)  # stale
+            elif sender == besides:
+                skipped.append(heapq.heappop(self._ranking))
+            else:
+                found = sender
+                break
+        for item in skipped:
+            heapq.heappush(self._ranking, item)
+        return (None, None) if found is None else (found, next(iter(self.entries_of[found])))
+
+    def _rank(self, sender) -> None:
+        heapq.heappush(self._ranking, (-self.bytes_of[sender], next(self._sequence), sender))
+        if len(self._ranking) > 2 * len(self.bytes_of) + 16:
+            self._ranking = [(-held, next(self._sequence), who) for who, held in self.bytes_of.items()]
+            heapq.heapify(self._ranking)
+
+
+def _keep(key, subkey) -> None:
+    """What a ledger without a store does with an entry it drops: nothing."""
+
+
 @dataclass
 class Ledger:
-    """The bytes each class of key holds in one store, and when each entry leaves it.
+    """The bytes each class of key, and each sender within it, holds in one store, and when each entry leaves it.
 
     Args:
         limit_bytes: the store's limit, shared among the classes by :data:`SHARES`.
         classify: the class of a key (its DHT hash, 20 bytes).
         clock: the DHT's time (``hivemind.utils.get_dht_time``).
+        evict: drops an entry (key, subkey) from the store, when the ledger makes room for a fairer sender.
     """
 
     limit_bytes: float
     classify: Callable[[bytes], str]
     clock: Callable[[], float]
+    evict: Callable[[object, object], None] = _keep
     held: dict = field(default_factory=lambda: dict.fromkeys(SHARES, 0))
     refused: dict = field(default_factory=lambda: dict.fromkeys(SHARES, 0))
-    _entries: dict = field(default_factory=dict)  # (key, subkey) -> (cost, expiration, class)
+    evicted: dict = field(default_factory=lambda: dict.fromkeys(SHARES, 0))
+    senders: dict = field(default_factory=lambda: {kind: Senders() for kind in SHARES})
+    _entries: dict = field(default_factory=dict)  # (key, subkey) -> _Entry
     _heap: list = field(default_factory=list)  # (expiration, sequence, key, subkey); stale items are skipped
     _sequence: itertools.count = field(default_factory=itertools.count)
 
     def share(self, kind: str) -> float:
         return self.limit_bytes * SHARES[kind]
 
-    def admits(self, kind: str, key, subkey, cost: int) -> bool:
+    def admits(self, kind: str, key, subkey, cost: int, sender: Optional[bytes] = None) -> bool:
         """Whether an entry of ``cost`` bytes under (``key``, ``subkey``; None for a plain value), of class ``kind``,
-        fits that class's share, counting the one it would replace. A refusal is counted in :attr:`refused`."""
+        from ``sender`` (None: this node) may be stored, counting the one it would replace: within the sender's
+        :data:`SENDER_SHARE` of the class, and within the class's share, or, the class being full, within the
+        sender's fair part of it (:meth:`add` then drops the biggest sender's oldest entries to make room). A
+        refusal is counted in :attr:`refused`."""
         self._expire()
         old = self._entries.get((key, subkey))
-        if self.held[kind] - (old[0] if old else 0) + cost <= self.share(kind):
-            return True
+        freed = old.cost if old else 0
+        senders = self.senders[kind]
+        mine = senders.bytes_of.get(sender, 0) - (freed if old and old.sender == sender else 0) + cost
+        share = self.share(kind)
+        if sender is None or mine <= share * SENDER_SHARE:
+            if self.held[kind] - freed + cost <= share:
+                return True
+            if mine <= share / (len(senders.bytes_of) + (sender not in senders.bytes_of)):
+                return True
         self.refused[kind] += 1
         return False
 
-    def add(self, kind: str, key, subkey, cost: int, expiration: float) -> None:
-        """Charge an entry of class ``kind`` the store has taken (it replaces the one under the same key and
-        subkey)."""
-        old = self._entries.pop((key, subkey), None)
-        if old is not None:
-            self.held[old[2]] -= old[0]
-        self._entries[(key, subkey)] = (cost, expiration, kind)
+    def add(self, kind: str, key, subkey, cost: int, expiration: float, sender: Optional[bytes] = None) -> None:
+        """Charge an entry of class ``kind`` from ``sender`` that the store has taken (it replaces the one under the
+        same key and subkey), then drop the oldest entries of the biggest other sender until the class fits its
+        share (after :meth:`admits`, they hold at least the excess)."""
+        self.release(key, subkey)
+        self._entries[(key, subkey)] = _Entry(cost, expiration, kind, sender)
         self.held[kind] += cost
+        self.senders[kind].charge(sender, (key, subkey), cost)
         heapq.heappush(self._heap, (expiration, next(self._sequence), key, subkey))
+        while self.held[kind] > self.share(kind):
+            victim, entry = self.senders[kind].biggest(besides=sender)
+            if victim is None:
+                break
+            self.release(*entry)
+            self.evicted[kind] += 1
+            self.evict(*entry)
+
+    def release(self, key, subkey) -> None:
+        """The entry under (``key``, ``subkey``) has left the store (if the ledger charges one)."""
+        entry = self._entries.pop((key, subkey), None)
+        if entry is not None:
+            self.held[entry.kind] -= entry.cost
+            self.senders[entry.kind].release(entry.sender, (key, subkey), entry.cost)
 
     def kind(self, key) -> str:
         """The class of ``key`` (a DHTID or its bytes); ``other`` where the classifier cannot read it."""
@@ -111,19 +222,21 @@ class Ledger:
         while self._heap and self._heap[0][0] < now:
             expiration, _, key, subkey = heapq.heappop(self._heap)
             entry = self._entries.get((key, subkey))
-            if entry is not None and entry[1] == expiration:
-                del self._entries[(key, subkey)]
-                self.held[entry[2]] -= entry[0]
+            if entry is not None and entry.expiration == expiration:
+                self.release(key, subkey)
 
     def totals(self) -> dict:
-        """What each class holds and has been refused, and the limit (for tests and the node's metrics)."""
+        """What each class holds, has been refused and has had dropped for a fairer sender, how many senders hold
+        entries in it, and the limit (for tests and the node's metrics)."""
         self._expire()
-        return {"held": dict(self.held), "refused": dict(self.refused), "limit_bytes": self.limit_bytes,
-                "entries": len(self._entries)}
+        return {"held": dict(self.held), "refused": dict(self.refused), "evicted": dict(self.evicted),
+                "senders": {kind: len(s.bytes_of) for kind, s in self.senders.items()},
+                "limit_bytes": self.limit_bytes, "entries": len(self._entries)}
 
 
 class BoundedStorage(DHTLocalStorage):
-    """hivemind's store of a node, whose entries go through a :class:`Ledger` (set as ``ledger``) first.
+    """hivemind's store of a node, whose entries go through a :class:`Ledger` (set as ``ledger``) first, charged to
+    the sender of the store request being handled (:data:`_SENDER`).
 
     Only the two entry points others' entries come through are wrapped: ``store`` and ``store_subkey`` (hivemind's
     own calls between them go to ``TimedStorage``'s and are charged by the call that made them)."""
@@ -137,21 +250,41 @@ class BoundedStorage(DHTLocalStorage):
                              lambda: super(BoundedStorage, self).store(key, value, expiration_time))
 
     def store_subkey(self, key, subkey, value, expiration_time) -> bool:
-        if not self._fits_dictionary(key, subkey):
-            self.ledger.refused[self.ledger.kind(key)] += 1
+        kind, sender = self.ledger.kind(key), _SENDER.get()
+        if not self._fits_dictionary(key, subkey) or not _declares_itself(kind, subkey, sender):
+            self.ledger.refused[kind] += 1
             return False
+        previous = self.data.get(key)  # a plain value there is replaced by a new dictionary if the entry is taken
+        plain = previous is not None and not isinstance(previous.value, DictionaryDHTValue)
         return self._charged(key, subkey, entry_cost(value, subkey), expiration_time,
-                             lambda: super(BoundedStorage, self).store_subkey(key, subkey, value, expiration_time))
+                             lambda: super(BoundedStorage, self).store_subkey(key, subkey, value, expiration_time),
+                             replaces=((key, None),) if plain else ())
 
-    def _charged(self, key, subkey, cost: int, expiration_time, store: Callable[[], bool]) -> bool:
-        """``store()`` if the entry fits its class's share, and charge it if hivemind took it."""
-        kind = self.ledger.kind(key)
-        if not self.ledger.admits(kind, key, subkey, cost):
+    def _charged(self, key, subkey, cost: int, expiration_time, store: Callable[[], bool], replaces=()) -> bool:
+        """``store()`` if the ledger admits the entry, and charge it to its sender if hivemind took it (releasing
+        the entries ``replaces`` names, which hivemind then dropped)."""
+        kind, sender = self.ledger.kind(key), _SENDER.get()
+        if not self.ledger.admits(kind, key, subkey, cost, sender):
             return False
         stored = store()
         if stored:
-            self.ledger.add(kind, key, subkey, cost, expiration_time)
+            for entry in replaces:
+                self.ledger.release(*entry)
+            self.ledger.add(kind, key, subkey, cost, expiration_time, sender)
         return stored
+
+    def _drop(self, key, subkey) -> None:
+        """Drops the entry the ledger charged under (``key``, ``subkey``): a plain value (or a dictionary cached
+        whole), or one subkey of a dictionary (the key with it, if it was the last). Nothing if it is gone."""
+        held = self.data.get(key)
+        if held is None:
+            return
+        if subkey is None:
+            del self[key]
+        elif isinstance(held.value, DictionaryDHTValue) and subkey in held.value.data:
+            del held.value[subkey]
+            if not held.value.data:
+                del self[key]
 
     def _fits_dictionary(self, key, subkey) -> bool:
         """Whether ``subkey`` can join the dictionary under ``key``: hivemind keeps a dictionary's subkeys in a heap
@@ -178,6 +311,13 @@ def _sort_of(subkey) -> Optional[str]:
     return None
 
 
+def _declares_itself(kind: str, subkey, sender: Optional[bytes]) -> bool:
+    """Whether an entry of class ``kind`` under ``subkey`` from ``sender`` names its writer as an averager's does: an
+    averager's declaration's subkey is its peer id, its DHT node's, and the node sends it to the others itself. What
+    this node stores itself passes (its own processes', and what it caches from its lookups)."""
+    return kind != "averagers" or sender is None or subkey == sender
+
+
 def key_classifier(record_validator) -> Callable[[bytes], str]:
     """The class of a key (its 20-byte hash) for a node checking with ``record_validator`` (hivemind's composite of
     the node's validators): ``records`` under a key of one of its ``IdentityBinding`` s, ``averagers`` under a key of
@@ -197,7 +337,7 @@ def key_classifier(record_validator) -> Callable[[bytes], str]:
 
 
 def _bound(store: DHTLocalStorage, limit_bytes: float, classify, clock) -> Ledger:
-    """Turns ``store`` into a :class:`BoundedStorage` in place, charging what it already holds."""
+    """Turns ``store`` into a :class:`BoundedStorage` in place, charging what it already holds to the node itself."""
     ledger = Ledger(limit_bytes, classify, clock)
     for key, item in list(store.items()):
         kind = ledger.kind(key)
@@ -208,7 +348,29 @@ def _bound(store: DHTLocalStorage, limit_bytes: float, classify, clock) -> Ledge
             ledger.add(kind, key, None, entry_cost(item.value), item.expiration_time)
     store.__class__ = BoundedStorage
     store.ledger = ledger
+    ledger.evict = store._drop
     return ledger
+
+
+def _name_senders(p2p) -> None:
+    """Wraps the node's handler of store requests so that the stores it makes are charged to the request's sender:
+    the peer id the p2p daemon hands it with the request (that of the libp2p connection the request came on). The
+    handler is hivemind's, taken from the daemon client's table of unary handlers, where hivemind put it when the
+    node started, bound to the node's protocol; a node in client mode has none (it stores nothing for others)."""
+    handlers = p2p._client.control.unary_handlers
+    handler = handlers.get(STORE_HANDLER)
+    if handler is None or getattr(handler, "names_sender", False):
+        return
+
+    async def with_sender(request: bytes, remote_id) -> bytes:
+        token = _SENDER.set(remote_id.to_bytes())
+        try:
+            return await handler(request, remote_id)
+        finally:
+            _SENDER.reset(token)
+
+    with_sender.names_sender = True
+    handlers[STORE_HANDLER] = with_sender
 
 
 async def _install(_dht, node, limit_bytes: float) -> None:
@@ -217,6 +379,7 @@ async def _install(_dht, node, limit_bytes: float) -> None:
     classify = key_classifier(node.protocol.record_validator)
     _bound(node.protocol.storage, limit_bytes * (1 - CACHE_SHARE), classify, get_dht_time)
     _bound(node.protocol.cache, limit_bytes * CACHE_SHARE, classify, get_dht_time)
+    _name_senders(node.protocol.p2p)
 
 
 def node_totals(node) -> tuple:
