@@ -20,6 +20,14 @@ and 4 identities that vote for the state it serves). The rows of issue 30 (the d
 - ``outsider keysquat:1``: a plain value with a far-future expiration under every round's matchmaking key.
 Earlier rows (``scale:1000``, ``nan``, ``false-state``, ``sybil:4``, ...) run with ``--attacks``.
 
+Collusion (issue 49): a row ``NxKIND`` runs N hostile peers of that kind, and ``--honest`` sets the honest ones;
+``--collusion`` runs the rows of a quarter of the swarm colluding, 2 of 8: ``2xcollude-wipe:2`` and
+``2xcollude-end:2`` (they average honestly for rounds 0-1, earning whatever trust that gives, then vouch together
+for an all-zero state, 3 rounds ahead or as the run's final one, and serve it), with the newcomer arriving after
+they strike (``--join-after 3``), against ``honest-6``:
+
+    python benchmarks/byzantine.py --collusion --out runs/collusion     # ~20 minutes on 2 busy cores
+
 Baselines with the same tokens per peer and the same newcomer: the 3 honest peers alone (``honest-3``: the target)
 and 4 honest peers. Targets of every row, each reported as its own column with ok or MISS: the honest peers' eval
 loss of their final anchor at most 2% above ``honest-3``'s; their anchors (the newcomer's included) bit-identical
@@ -55,6 +63,7 @@ from p2p_diloco.swarm.averaging.guard import STALL  # noqa: E402
 
 ATTACKS = ("poison-momentum+vote:4", "tiny-clock", "round-ahead:1", "inflate:5", "fat-metadata:16", "squat:4",
            "equivocate:1.5", "reply-scale:10", "keysquat:1")
+COLLUSION = ("2xcollude-wipe:2", "2xcollude-end:2")
 OFFENCES = GUARD_OFFENCES | {STALL}  # what counts as naming a peer (stalls count towards a ban too)
 FAST = ["--averaging.matchmaking_time_s", "5", "--averaging.request_timeout_s", "2",
         "--averaging.round_timeout_s", "30", "--averaging.allreduce_timeout_s", "60",
@@ -75,7 +84,7 @@ TARGETS = {
 
 
 def split_row(row: str) -> tuple[str, str]:
-    """(hostility, outsider) of a row ``A``, ``A+B``; either may be ''."""
+    """(hostility, outsider) of a row ``A``, ``A+B``; either may be '' (a hostility may be ``NxKIND``)."""
     hostility, outsider = "", ""
     for part in row.split("+"):
         if part.partition(":")[0] in byzantine_outsiders.KINDS:
@@ -257,13 +266,13 @@ def anchors_cell(r: dict) -> str:
     return f"split {','.join(map(str, r['split_rounds']))}, {final}"
 
 
-def remeasure(out: Path) -> dict:
+def remeasure(out: Path, honest_count: int = 3) -> dict:
     """results.json of ``out`` with the anchors re-read from its run folders (a report of a run measured by an earlier
     version of :func:`measure`)."""
     results = json.loads((out / "results.json").read_text())
     for i, (name, r) in enumerate(results.items()):
         root = out / "runs" / f"run{i}"
-        honest = [root / f"peer{k}" for k in range(4 if name == "honest-4" else 3)]
+        honest = [root / f"peer{k}" for k in range(honest_count + (name == f"honest-{honest_count + 1}"))]
         r["split_rounds"], r["final_identical"] = anchor_splits(honest, root / "newcomer")
         r["anchors_identical"] = not r["split_rounds"]
         if r["join_s"] is None:  # measured before a round the newcomer averaged counted as joining
@@ -274,15 +283,24 @@ def remeasure(out: Path) -> dict:
     return results
 
 
+def hostile_peers(hostility: str) -> list[str]:
+    """The hostile peers' ``--test-hostility`` values of a row's hostility (``NxKIND``: N of them)."""
+    if not hostility:
+        return []
+    count, x, kind = hostility.partition("x")
+    return [kind] * int(count) if x and count.isdigit() else [hostility]
+
+
 def report(results: dict, args) -> str:
-    calm = results["honest-3"]
+    calm = results[f"honest-{args.honest}"]
     mark = {True: "ok", False: "MISS"}
-    lines = [f"3 honest tiny peers (+1 hostile, or + an outsider's identities) and a newcomer after round "
-             f"{args.join_after}, H = {args.h}, {args.rounds} rounds, {calm['tokens_per_peer']:,} tokens per peer. "
-             "loss: honest eval loss vs honest-3 (<= +2%); anchors: honest + newcomer bit-identical; died: honest "
+    base = f"honest-{args.honest}"
+    lines = [f"{args.honest} honest tiny peers (+ hostile ones, or + an outsider's identities) and a newcomer after "
+             f"round {args.join_after}, H = {args.h}, {args.rounds} rounds, {calm['tokens_per_peer']:,} tokens per "
+             f"peer. loss: honest eval loss vs {base} (<= +2%); anchors: honest + newcomer bit-identical; died: honest "
              "processes (newcomer included) that exited non-zero or hung; join: newcomer's start to holding the "
-             "swarm's anchor (<= 2x honest-3's); steps: inner steps per round (>= 90% of honest-3's); memory: "
-             "honest mean peak RSS vs honest-3 (<= +10%); bans: honest peers banned by honest ones; "
+             f"swarm's anchor (<= 2x {base}'s); steps: inner steps per round (>= 90% of {base}'s); memory: "
+             f"honest mean peak RSS vs {base} (<= +10%); bans: honest peers banned by honest ones; "
              "named/banned: honest peers that named / banned the hostile one",
              f"{'run':<40} {'eval loss':>9} {'loss':>13} {'anchors':<27} {'died':<9} {'join':>13} {'steps':>10} "
              f"{'memory':>12} {'bans':<7} {'averaged':>8} {'reloads':>7} {'named/banned':<12} reasons"]
@@ -312,7 +330,11 @@ def main() -> None:
     parser.add_argument("--join-after", type=int, default=1,
                         help="rounds peer 0 ends before the newcomer starts (its own start takes ~20 s on busy cores: "
                              "it arrives rounds later)")
-    parser.add_argument("--no-baselines", action="store_true", help="skip honest-4 (honest-3 always runs)")
+    parser.add_argument("--no-baselines", action="store_true",
+                        help="skip honest-(N+1) (honest-N, N = --honest, always runs)")
+    parser.add_argument("--honest", type=int, default=3, help="honest peers beside the hostile ones (default 3)")
+    parser.add_argument("--collusion", action="store_true",
+                        help="the collusion rows: --honest 6 --join-after 3 --attacks " + ",".join(COLLUSION))
     parser.add_argument("--peer-args", default="", help="extra peer arguments, e.g. '--averaging.compression none'")
     parser.add_argument("--hostile-args", default="",
                         help="extra arguments of the hostile peer only, e.g. '--averaging.matchmaking_time_s 2' (a "
@@ -324,17 +346,19 @@ def main() -> None:
     parser.add_argument("--ready-file", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--initial-peers", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.collusion:
+        args.honest, args.join_after, args.attacks = 6, 3, ",".join(COLLUSION)
     if args.outsider:
         byzantine_outsiders.run(args.outsider, args.run_id, args.initial_peers, args.ready_file, args.h)
         return
     if args.report_from:
-        print(report(remeasure(args.report_from), args))
+        print(report(remeasure(args.report_from, args.honest), args))
         return
     args.out.mkdir(parents=True, exist_ok=True)
     common = ["--model.preset", "tiny", "--data.batch_size", str(BATCH), "--data.seq_len", str(SEQ),
               "--run.num_threads", "1", "--train.num_rounds", str(args.rounds), "--diloco.inner_steps", str(args.h),
               "--data.eval_batches", "8", "--train.eval_every_rounds", "0", *args.peer_args.split()]
-    runs = {"honest-3": ("", "")} | ({} if args.no_baselines else {"honest-4": ("", "")})
+    runs = {f"honest-{args.honest}": ("", "")} | ({} if args.no_baselines else {f"honest-{args.honest + 1}": ("", "")})
     for row in filter(None, args.attacks.split(",")):
         hostility, outsider = split_row(row)
         runs["+".join(filter(None, [hostility and f"hostile {hostility}", outsider and f"outsider {outsider}"]))] = \
@@ -344,7 +368,8 @@ def main() -> None:
     workdir = args.out / "runs"  # the peers' metrics and logs, kept for a look
     shutil.rmtree(workdir, ignore_errors=True)
     for i, (name, (hostility, outsider)) in enumerate(runs.items()):
-        peers = ["", "", "", ""] if name == "honest-4" else ["", "", ""] + ([hostility] if hostility else [])
+        peers = [""] * (args.honest + 1) if name == f"honest-{args.honest + 1}" else \
+            [""] * args.honest + hostile_peers(hostility)
         try:
             run = run_swarm(workdir, f"run{i}", peers, common, outsider, args.h, args.join_after,
                             tuple(args.hostile_args.split()))

@@ -47,7 +47,12 @@ An honest averager has the :class:`Honest` behaviour, whose hooks change nothing
   with outer momentum K times that anchor: with the default K = 1 / (outer_lr * outer_momentum**2) of the default
   outer optimizer, the taker's next Nesterov step sends its anchor to about zero; its records are honest, so a
   benchmark casts the votes for the served state from other identities); ``tiny-clock`` (the state it serves
-  claims ``seconds_per_step`` = 5e-320, which once overflowed the downloader's ``int()`` and killed it).
+  claims ``seconds_per_step`` = 5e-320, which once overflowed the downloader's ``int()`` and killed it);
+- colluding, honest until their round R (the value, default 3: trust earned by averaging honestly), then all
+  together: ``collude-wipe:R`` (their records claim round R + :data:`COLLUDE_AHEAD`, its previous round applied,
+  with the fingerprint of an all-zero state, and that is the state they serve: every colluder's records vouch for
+  the same forged state, so a victim that met them sees it confirmed) and ``collude-end:R`` (the same, claiming the
+  run is over: its last round applied, the zero state its final one).
 """
 
 from __future__ import annotations
@@ -70,7 +75,8 @@ HOSTILE_KINDS = {"scale": 1000.0, "noise": 100.0, "nan": None, "inf": None, "sha
                  "stale": 1.0, "metadata": None, "fat-metadata": 4.0, "equivocate": 1.5,
                  "lowball": None, "reply-nan": None, "reply-scale": 1000.0,
                  "forge-tokens": 1000.0, "forge-round": None, "miss-begin": 1.0, "stall": 30.0, "false-state": 1000.0,
-                 "poison-momentum": 1 / (0.7 * 0.5**2), "tiny-clock": None}
+                 "poison-momentum": 1 / (0.7 * 0.5**2), "tiny-clock": None, "collude-wipe": 3.0, "collude-end": 3.0}
+COLLUDE_AHEAD = 3  # collude-wipe: how many rounds ahead the colluders' records claim to be
 TINY_CLOCK_S = 5e-320  # a subnormal float: positive and finite, and elapsed / it overflows
 _passes: dict[str, int] = {}
 
@@ -156,6 +162,13 @@ class Honest:
         """(round, applied round) as this peer's progress records tell them."""
         return round_index, applied_round
 
+    def record_anchor(self, anchor: str, prior_anchor: str, round_index: int) -> tuple[str, str]:
+        """(anchor, prior anchor) fingerprints as this peer's progress record for its ``round_index`` tells them."""
+        return anchor, prior_anchor
+
+    def bind(self, shapes, inner_steps: int, num_rounds: int) -> None:
+        """The peer's anchor shapes, H and the run's end (called once the stage is built)."""
+
     def served(self, meta: dict, tensors: list[torch.Tensor]) -> tuple[dict, list[torch.Tensor]]:
         """The state this peer serves to a newcomer (anchor tensors, then momentum)."""
         return meta, tensors
@@ -172,6 +185,9 @@ class Hostility(Honest):
         self._sent: dict[int, list[torch.Tensor]] = {}  # stale: contributions of the last rounds
         self.follows_others = not kind.startswith("forge-")
         self._missed: dict[Optional[int], int] = {}  # miss-begin: the round's BEGIN_ALLREDUCE messages ignored
+        self._shapes: list[tuple[int, ...]] = []  # collude-*: the anchor's shapes (bind)
+        self._inner_steps, self._num_rounds = 1, 1
+        self._told_applied: Optional[int] = None  # collude-*: the applied round the last record claimed
 
     def __repr__(self) -> str:
         return f"Hostility({self.kind}{'' if self.value is None else f':{self.value:g}'})"
@@ -244,12 +260,50 @@ class Hostility(Honest):
         del message.gathered[:]
         message.gathered.extend(records)
 
+    def bind(self, shapes, inner_steps: int, num_rounds: int) -> None:
+        self._shapes, self._inner_steps, self._num_rounds = [tuple(s) for s in shapes], inner_steps, num_rounds
+
+    def _striking(self, round_index: int) -> bool:
+        return self.kind in ("collude-wipe", "collude-end") and round_index >= self.value
+
+    def _told(self, round_index: int, applied_round: int) -> tuple[int, int]:
+        """The (round, applied round) every colluder claims from its strike on: the same on all of them, so that
+        they vouch for one state."""
+        if self.kind == "collude-end":
+            return self._num_rounds, self._num_rounds - 1
+        strike = int(self.value) + COLLUDE_AHEAD
+        return strike, strike - 1
+
+    def _forged(self, applied_round: int) -> tuple[list[torch.Tensor], str]:
+        """The all-zero state every colluder serves after ``applied_round`` (outer steps: applied + 1), and its
+        fingerprint (the same on every colluder)."""
+        from p2p_diloco.round.swarm_state import anchor_digest, state_fingerprint
+
+        zeros = [torch.zeros(shape) for shape in self._shapes]
+        return zeros, state_fingerprint(anchor_digest(zeros), zeros, applied_round, applied_round + 1)
+
+    def record_anchor(self, anchor: str, prior_anchor: str, round_index: int) -> tuple[str, str]:
+        if not self._striking(round_index) or self._told_applied is None:
+            return anchor, prior_anchor
+        return self._forged(self._told_applied)[1], ""
+
     def record(self, round_index: int, applied_round: int) -> tuple[int, int]:
+        if self._striking(round_index):
+            told = self._told(round_index, applied_round)
+            self._told_applied = told[1]
+            return told
         if self.kind == "false-state":
             return round_index + int(self.value), applied_round + int(self.value)
         return round_index, applied_round
 
     def served(self, meta: dict, tensors: list[torch.Tensor]) -> tuple[dict, list[torch.Tensor]]:
+        if self._striking(int(meta["round"])):
+            told, applied = self._told(int(meta["round"]), int(meta["applied_round"]))
+            zeros, _ = self._forged(applied)
+            start = told * self._inner_steps  # where a peer on that round would be (the end: its last step)
+            return dict(meta, round=told, applied_round=applied, outer_steps=applied + 1, round_start_step=start,
+                        inner_step=start), \
+                zeros + [torch.zeros_like(z) for z in zeros]
         if self.kind == "false-state":
             half = len(tensors) // 2
             return meta, [t + 1.0 for t in tensors[:half]] + list(tensors[half:])

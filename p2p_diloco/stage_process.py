@@ -297,6 +297,7 @@ def run_stage(cfg: Config, *, pipeline=None, reporter: Optional[Reporter] = None
             stage = Stage(module, stage_index=stage_index, num_stages=len(split), inner_cfg=cfg.inner,
                           diloco_cfg=cfg.diloco, total_steps=total_steps, averager=averager, fragment=fragment,
                           records=swarm)
+            (behaviour or HONEST).bind([t.shape for t in stage.anchor], cfg.diloco.inner_steps, cfg.train.num_rounds)
             held.append(Held(stage))
             averagers.remove(averager)  # the stage shuts it down
             averager.state_provider = partial(_serve_state, stage, averager, cfg.run.run_id,

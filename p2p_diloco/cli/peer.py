@@ -38,7 +38,8 @@ def register(subparsers) -> None:
                         help="TEST HOOK, never in a real swarm: this peer lies to its groupmates and the swarm "
                         "(scale:K, noise:K, nan, inf, shape, tokens:K, stale:K, metadata, lowball, reply-nan, "
                         "reply-scale:K, equivocate:K, fat-metadata:M, forge-tokens:K, forge-round, miss-begin:N, "
-                        "stall:S, false-state:K, poison-momentum:K, tiny-clock; see p2p_diloco/faults.py"
+                        "stall:S, false-state:K, poison-momentum:K, tiny-clock, collude-wipe:R, collude-end:R; see "
+                        "p2p_diloco/faults.py"
                         "), for tests and benchmarks of the defences; shown on /health; one-stage peers only")
     parser.set_defaults(run=run)
 

@@ -290,7 +290,13 @@ def wait_for_the_end(syncs, executor, swarm_rounds: list[int]) -> None:
     while True:
         if take_the_end(syncs, executor, behind=True):
             return
+        if executor.any_stage(any(sync.end.given_up for sync in syncs)):
+            for sync in syncs:  # its final state could not be had or failed the own check: it trains on (said once)
+                sync.restore_record()
+            return
         if executor.any_stage(time.monotonic() >= deadline):
+            for sync in syncs:
+                sync.restore_record()
             break
         time.sleep(END_POLL_S)
     logger.warning(f"The swarm is at the run's end but its final state could not be had within {bound:.0f} s; "

@@ -51,7 +51,7 @@ from p2p_diloco.swarm.discovery.progress import moved_past
 from p2p_diloco.training.fetch import StateFetcher
 from p2p_diloco.training.own_check import OwnCheck
 from p2p_diloco.training.run_end import RunEnd, take_the_end, wait_for_the_end
-from p2p_diloco.training.witnesses import DISCREDIT_ROUNDS, Witnesses, anchor_votes, canonical_of
+from p2p_diloco.training.witnesses import REFUSED_ROUNDS, Witnesses, anchor_votes, canonical_of
 
 logger = logging.getLogger(__name__)
 REMEMBERED_ROUNDS = 4
@@ -119,7 +119,12 @@ class SwarmSync:
         of identities it has no reason to believe (:meth:`Witnesses.earned`), or the final state they claim could
         not be had or failed this peer's own check (:attr:`RunEnd.given_up`). A claim that the run is over is never
         a reason to train nothing: the stage trains, and says so once."""
-        if self.num_rounds is None or self.end.open(others):
+        if self.num_rounds is None:
+            return others
+        # past the run's end itself (a round after its last one, or that round applied and more): no honest peer
+        # says that, and there is no final state to wait for
+        others = [r for r in others if r.round <= self.num_rounds and r.applied_round < self.num_rounds]
+        if self.end.open(others):
             return others
         kept = [r for r in others if r.round < self.num_rounds]
         if len(kept) < len(others) and not self.end.told:
@@ -284,11 +289,16 @@ class SwarmSync:
         fingerprint = self.stage.served_fingerprint(meta, tensors)
         vouchers = set(self.witnesses.discredit_vouchers(self.swarm.others(), meta["applied_round"], fingerprint))
         if self.fetcher.last_donor is not None:
-            self.witnesses.discredit(self.fetcher.last_donor)
+            self.witnesses.discredit(self.fetcher.last_donor, REFUSED_ROUNDS)
             vouchers.add(self.fetcher.last_donor)
         logger.warning(f"{self.stage.label}: refused a state of round {meta['round']} (anchor after round "
                        f"{meta['applied_round']}) that {len(vouchers)} peer(s) vouched for: {why}. Their records count "
-                       f"for nothing here for {DISCREDIT_ROUNDS} rounds")
+                       f"for nothing here for {REFUSED_ROUNDS} rounds")
+
+    def restore_record(self) -> None:
+        """Publish this stage's own round again after announcing another it did not reach (a reload refused or not
+        had): the others read a record of a round it is not on as a peer that moved past theirs."""
+        self.swarm.announce(self.stage.position(), self.stage.round_index)
 
     def take_resync(self, meta: dict, tensors, reason: str) -> None:
         """Take a downloaded (checked) state as a resync: its anchor and momentum, this stage's own progress kept."""
@@ -379,6 +389,8 @@ class SyncGroup:
                                   for s, st in zip(self.syncs, states))
                 logger.warning(f"Behind the swarm, but no usable state for every fragment and stage of this peer could "
                                f"be downloaded now ({where}); trying again after the next round")
+                for sync in self.syncs:
+                    sync.restore_record()
                 return True
             # another stage process of this peer got states of a later round (the swarm moved on while they came;
             # a newcomer next to a fast swarm would train a whole round alone before trying again):
@@ -390,6 +402,7 @@ class SyncGroup:
             if why is not None:
                 for sync, state in zip(self.syncs, states):
                     sync.refuse(*state, why)
+                    sync.restore_record()
                 return True
         for sync, state, (b, reason, _) in zip(self.syncs, states, decisions):
             sync.take_reload(state, reason if b else "another stage or fragment of this peer is reloading", step)

@@ -105,6 +105,7 @@ class Trainer:
         for unit in self.held:
             if unit.swarm is not None and unit.sync is not None:  # the peers met in recent groups time the rounds
                 unit.swarm.peers_met = unit.sync.witnesses.recently_met
+                unit.swarm.discredited = unit.sync.witnesses.now_discredited
 
     @property
     def stages(self) -> list[Stage]:

@@ -34,6 +34,7 @@ from p2p_diloco.medians import lower_median
 TRUST_LEVELS = ("the peers met in recent groups", "the bootstrap peers", "every signed record")
 TRUSTED_ROUNDS = 8  # the groups of this many recent rounds are the peers whose records count
 DISCREDIT_ROUNDS = 3  # a donor caught serving a state its own record does not claim counts for nothing this long
+REFUSED_ROUNDS = 10  # ... and one vouching for a state this peer's own check refused (a model, not a race of records)
 
 
 def bootstrap_peer_ids(initial_peers) -> frozenset[str]:
@@ -104,10 +105,15 @@ class Witnesses:
         self.discredited = {node: until for node, until in self.discredited.items() if until >= now}
         return [r for r in records if r.node not in self.discredited]
 
-    def discredit(self, node: str) -> None:
-        """``node`` served a state its own signed record contradicts: its records count for nothing for
-        :data:`DISCREDIT_ROUNDS` rounds."""
-        self.discredited[node] = self.round_now() + DISCREDIT_ROUNDS
+    def now_discredited(self) -> frozenset:
+        """The nodes whose records count for nothing now (for the round timing, too: ``SwarmLink.discredited``)."""
+        now = self.round_now()
+        return frozenset(node for node, until in self.discredited.items() if until >= now)
+
+    def discredit(self, node: str, rounds: int = DISCREDIT_ROUNDS) -> None:
+        """``node`` served a state its own signed record contradicts (or vouched for a state this peer's own check
+        refused): its records count for nothing for ``rounds`` rounds."""
+        self.discredited[node] = max(self.discredited.get(node, -1), self.round_now() + rounds)
 
     def earned(self, records) -> bool:
         """Whether the records counted now are of peers this stage has reason to believe (an allowlist's, the peers
@@ -120,10 +126,10 @@ class Witnesses:
 
     def discredit_vouchers(self, records, applied_round: int, fingerprint: str) -> list[str]:
         """Discredit every node whose record vouches for ``fingerprint`` after ``applied_round`` (a state this stage's
-        own check refused: vouching for it is worth nothing); the nodes."""
+        own check refused: vouching for it is worth nothing) for :data:`REFUSED_ROUNDS`; the nodes."""
         nodes = anchor_votes(records, applied_round).get(fingerprint, [])
         for node in nodes:
-            self.discredit(node)
+            self.discredit(node, REFUSED_ROUNDS)
         return nodes
 
     def levels(self, records) -> list[tuple[str, list]]:

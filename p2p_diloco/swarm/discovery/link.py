@@ -58,6 +58,10 @@ class SwarmLink:
             join (``averaging.matchmaking_time_s`` plus ``request_timeout_s``: an honest one is in the group by then).
     """
 
+    # the peers whose records count for nothing now (they vouched for a state this peer's own check refused, or
+    # served one their own record contradicts): the trainer points it at its sync's witnesses
+    discredited: Callable[[], frozenset] = frozenset
+
     def __init__(self, dht, run_id: str, peer_name: str, *, stage_index: int = 0, num_stages: int = 1,
                  inner_steps: int = 1, fingerprint: Optional[dict] = None, publish_every_s: float = 10.0,
                  ttl_s: float = 120.0, joined_swarm: bool = True, num_rounds: Optional[int] = None, behaviour=None,
@@ -107,13 +111,15 @@ class SwarmLink:
             return
         self._last_publish = now
         told_round, applied_round = position.round, position.applied_round
+        anchor, prior_anchor = self.anchor_fingerprint, self.prior_anchor_fingerprint
         if self.behaviour is not None:
             told_round, applied_round = self.behaviour.record(told_round, applied_round)
+            anchor, prior_anchor = self.behaviour.record_anchor(anchor, prior_anchor, position.round)
         record = ProgressRecord(peer=self.peer_name, stage=self.stage_index, num_stages=self.num_stages,
                                 round=told_round, inner_step=position.inner_step + (told_round - position.round) *
                                 self.inner_steps, tokens_per_s=float(tokens_per_s), loss=float(loss),
-                                time=get_dht_time(), applied_round=applied_round, anchor=self.anchor_fingerprint,
-                                prior_anchor=self.prior_anchor_fingerprint, **self.facts())
+                                time=get_dht_time(), applied_round=applied_round, anchor=anchor,
+                                prior_anchor=prior_anchor, **self.facts())
         try:
             publish_progress(self.dht, self.records_run, record, self.ttl_s)
             if self.fingerprint is not None and force:
@@ -228,7 +234,7 @@ class SwarmLink:
         started = self._matching_since.setdefault(round_index, time.monotonic())
         if could_join(strangers, round_index) and time.monotonic() - started < self.stranger_wait_s:
             return False
-        return any(r.round <= round_index + 2 for r in others)
+        return any(r.round <= round_index + 2 for r in [*believed, *strangers])  # (less the discredited)
 
     def others_ended_round(self, round_index: int, trained_fraction: float = 1.0) -> bool:
         """Whether another live, believed peer of this stage (:meth:`believed`) has ended ``round_index``: its record
@@ -283,6 +289,9 @@ class SwarmLink:
         swarm). Otherwise the records of the peers met in this stage's recent groups (``peers_met``) against all
         others; before its first group a stage has met nobody, and every record counts (a swarm that starts
         together, and a newcomer, meet at the round end this way)."""
+        discredited = self.discredited()
+        if discredited:
+            records = [r for r in records if r.node not in discredited]
         if self.allowlist:
             return [r for r in records if r.node in self.allowlist], []
         met = self.peers_met()
