@@ -58,6 +58,7 @@ REMEMBERED_ROUNDS = 4
 # a peer's stage processes agree on one reload point this many times at most, downloading again the states a round
 # behind the others' in between; then they train the round and try again after it
 RELOAD_ATTEMPTS = 3
+JUDGED_ATTEMPTS = 2  # downloads in one reload decision when the own check refuses the first state
 
 
 class SwarmSync:
@@ -373,6 +374,21 @@ class SyncGroup:
                                        for sync, swarm_round in zip(self.syncs, swarm_rounds))):
             wait_for_the_end(self.syncs, self.executor, swarm_rounds)
             return True
+        for attempt in range(JUDGED_ATTEMPTS):
+            if attempt:
+                # the refused state's vouchers count for nothing now: decided again on the other records, the next
+                # download asks others (a newcomer first sent to made-up identities' state reaches the swarm's in
+                # the same decision, not after a round of training alone)
+                decisions = [sync.behind_after_round() for sync in self.syncs]
+                if not self.executor.any_stage(any(b for b, _, _ in decisions)):
+                    break
+                swarm_rounds = [swarm_round for _, _, swarm_round in decisions]
+            if self._reload(decisions, swarm_rounds) != "refused":
+                break
+        return True
+
+    def _reload(self, decisions: list[tuple[bool, str, int]], swarm_rounds: list[int]) -> str:
+        """One try of :meth:`_reload_if_behind`: "taken", "none" (no usable state) or "refused" (by the own check)."""
         states = self._download_all(swarm_rounds)
         for attempt in range(RELOAD_ATTEMPTS):
             local = None if None in states else \
@@ -391,7 +407,7 @@ class SyncGroup:
                                f"be downloaded now ({where}); trying again after the next round")
                 for sync in self.syncs:
                     sync.restore_record()
-                return True
+                return "none"
             # another stage process of this peer got states of a later round (the swarm moved on while they came;
             # a newcomer next to a fast swarm would train a whole round alone before trying again):
             # the states that end before the peer's common window begins are downloaded again, from its round
@@ -403,10 +419,10 @@ class SyncGroup:
                 for sync, state in zip(self.syncs, states):
                     sync.refuse(*state, why)
                     sync.restore_record()
-                return True
+                return "refused"
         for sync, state, (b, reason, _) in zip(self.syncs, states, decisions):
             sync.take_reload(state, reason if b else "another stage or fragment of this peer is reloading", step)
-        return True
+        return "taken"
 
     @staticmethod
     def _window(pairs) -> tuple[int, int]:

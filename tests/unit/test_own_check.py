@@ -202,3 +202,19 @@ def test_a_shrunk_final_state_vouched_for_by_made_up_identities_is_refused_at_th
     sync.at_end(deadline=0.0)
     assert sync.refusals >= 1 and same(peer.anchor, before)
     assert sync.judge.last["offered_loss"] > sync.judge.last["own_loss"] * (1 + WORSE_BY)
+
+
+def test_a_newcomer_sent_first_to_made_up_identities_state_reaches_the_swarms_in_the_same_decision():
+    """Three made-up identities claim a round ahead of the two honest peers and vouch for an all-zero state: as the
+    most advanced agreed state it is asked for first. The own check refuses it, its vouchers stop counting, and the
+    newcomer decides again at once: it reloads the honest swarm's state without a round of training alone."""
+    honest = state_of(TRAINED, 6, 5)
+    wiped = state_of([torch.zeros_like(t) for t in TRAINED], 7, 6)
+    records = [Record(7, 6, fingerprint(wiped), node=f"m{i}") for i in range(3)] + \
+        [Record(6, 5, fingerprint(honest), node=n) for n in ("h1", "h2")]
+    newcomer = make_stage()
+    sync = judged_sync(newcomer, records, {"h1": honest, "h2": honest} | {f"m{i}": wiped for i in range(3)})
+    sync.at_start(resumed=False)
+    assert sync.refusals == 1 and newcomer.averager.asked[0].startswith("m"), newcomer.averager.asked
+    assert [e["action"] for e in sync.events] == ["reload"] and newcomer.round_index == 6
+    assert same(newcomer.anchor, TRAINED)
