@@ -267,3 +267,20 @@ def test_a_believed_writers_claimed_pace_moves_the_watch_only_within_its_bounds(
         interval = watch_interval(pace.seconds_to_end([later], round_index, 10, now=100.0 + seconds),
                                   pace.round_s([later], 10))
         assert WATCH_FLOOR_S <= interval <= WATCH_CEILING_S, (steps, seconds, round_index, interval)
+
+
+def test_a_minority_of_believed_peers_cannot_end_a_round():
+    """Issue 49: identities that averaged honestly with a peer (believed) and then name the next round in their
+    records ended its rounds after a step or two. A round now ends when at least half of the believed peers on it or
+    the next have ended it: 2 colluders among 7 groupmates do not end it, 4 of 7 do, and one peer of unequal speed
+    still follows the others (1 of 1, 1 of 2, 2 of 3)."""
+    colluders = [record(f"c{i}", 4) for i in range(2)]
+    training = [record(f"h{i}", 3) for i in range(5)]
+    assert not swarm_link.ended_by_half(colluders + training, 3)
+    assert swarm_link.ended_by_half(colluders + [record(f"h{i}", 4) for i in range(2)] + training[:3], 3)
+    assert swarm_link.ended_by_half([record("a", 4)], 3)
+    assert swarm_link.ended_by_half([record("a", 4), record("b", 3)], 3)
+    assert swarm_link.ended_by_half([record("a", 4), record("b", 4), record("c", 3)], 3)
+    assert not swarm_link.ended_by_half([record("a", 3)], 3)
+    # a peer further ahead (this one will be reloaded) or behind is not counted either way
+    assert not swarm_link.ended_by_half([record("a", 6), record("b", 2)], 3)

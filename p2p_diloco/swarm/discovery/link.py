@@ -27,6 +27,16 @@ from p2p_diloco.swarm.discovery.records import record_owner
 
 logger = logging.getLogger(__name__)
 
+def ended_by_half(believed: list[ProgressRecord], round_index: int) -> bool:
+    """Whether the records ``believed`` end ``round_index`` for this stage: at least half of those on that round or the
+    next name the next round (at least one). A peer of unequal speed still meets the others at the round end when
+    most of them are faster; a minority of believed identities (ones that averaged honestly for a while, then lie)
+    cannot end every round after a step or two by naming the next one."""
+    near = [r for r in believed if round_index <= r.round <= round_index + 1]
+    ended = sum(r.round == round_index + 1 for r in near)
+    return ended > 0 and 2 * ended >= len(near)
+
+
 UNMET_END_FLOOR = 0.5
 """The share of a round's H steps a stage that has met nobody yet trains before any record may end its round
 (``diloco.round_end = swarm``): it believes every record until its first group, and one record of a stranger naming
@@ -237,8 +247,9 @@ class SwarmLink:
         return any(r.round <= round_index + 2 for r in [*believed, *strangers])  # (less the discredited)
 
     def others_ended_round(self, round_index: int, trained_fraction: float = 1.0) -> bool:
-        """Whether another live, believed peer of this stage (:meth:`believed`) has ended ``round_index``: its record
-        names the next round (a peer announces the next round as it ends one, before averaging). Answers at once
+        """Whether at least half of the believed peers of this stage (:meth:`believed`) on ``round_index`` or the next
+        have ended ``round_index`` (:func:`ended_by_half`): their records name the next round (a peer announces the
+        next round as it ends one, before averaging). Answers at once
         from the last read of the records; a new read is started in the DHT process at most every
         ``watch_every_s``, so asking at every inner step costs nothing. A record of a peer that died just after
         ending the round ends it here too, as the live peer would have; one of a peer further ahead does not (this
@@ -269,7 +280,7 @@ class SwarmLink:
                 logger.debug(f"Could not read progress records: {e!r}")
         if trained_fraction < UNMET_END_FLOOR and not self.allowlist and not self.peers_met():
             return False  # met nobody yet: a stranger's record may end this round, but not before the floor
-        return any(r.round == round_index + 1 for r in self.believed(self._watched)[0])
+        return ended_by_half(self.believed(self._watched)[0], round_index)
 
     def _next_watch(self, round_index: int) -> float:
         """The wait before the watch's next read: short while a believed peer may end ``round_index`` soon, by the
