@@ -4,10 +4,13 @@ A plain text file (any suffix that is not one below) is one document, as it alwa
 (``.jsonl``, ``.ndjson``, ``.json``), CSV (``.csv``) or Parquet (``.parquet``) file holds one document per record,
 the string in its ``text_field``. Text, JSON Lines and CSV may be compressed (``.gz``, ``.zst``). Folders are walked
 recursively in sorted order, so every machine reads the same inputs in the same order.
-Records are streamed: memory holds one record (a Parquet or CSV batch at most), never the whole input.
-A record that cannot be used (invalid JSON, no text field, a text that is not a string) is yielded with its
-``problem`` set; the caller chooses to skip it or stop (:class:`BadRecords`). A file that cannot be read at all
-(unreadable, unknown format, no text column, corrupt compression) raises a :class:`DataError` naming it.
+Records are streamed: memory holds one record (a Parquet or CSV batch at most), never the whole input, and a
+document holds at most :data:`MAX_DOCUMENT_BYTES` (decompressed), read no further than that: a 299 KiB ``.txt.gz``
+(300 MB of text, one document) made prepare-data peak at 5.3 GB, its memory some 20 times the document's size.
+A record that cannot be used (invalid JSON, no text field, a text that is not a string, a longer one) is yielded with
+its ``problem`` set; the caller chooses to skip it or stop (:class:`BadRecords`). A file that cannot be read at all
+(unreadable, unknown format, no text column, corrupt compression, a text file longer than a document) raises a
+:class:`DataError` naming it.
 Who calls this: :mod:`p2p_diloco.data.prepare`.
 """
 
@@ -33,6 +36,9 @@ logger = logging.getLogger(__name__)
 RECORD_FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".csv": "csv", ".parquet": "parquet"}
 SUPPORTED = ".jsonl, .ndjson, .json, .csv, .parquet (each but .parquet also as .gz or .zst) or plain text"
 _BINARY_SNIFF_BYTES = 8192
+MAX_DOCUMENT_BYTES = 8 << 20
+"""The longest document (a text file, or one record) in bytes, decompressed: preparing one takes some 20 times its
+size (its text, its tokens as Python ints, then as int64), so this bounds prepare-data's memory to a few hundred MB."""
 
 
 @dataclass(frozen=True)
@@ -165,7 +171,12 @@ def read_records(doc: Document, text_field: str = "text") -> Iterator[Record]:
         return
     with open_input(doc, compression) as (raw, stream):
         if kind == "text":
-            yield Record(doc, None, stream.read().decode("utf-8", errors="replace"), bytes_read=raw.tell())
+            text = stream.read(MAX_DOCUMENT_BYTES + 1)
+            if len(text) > MAX_DOCUMENT_BYTES:
+                raise DataError(f"{doc.path}: a text file is one document, and this one holds more than "
+                                f"{_mib(MAX_DOCUMENT_BYTES)} (decompressed), the most a document may; split it into "
+                                "smaller files (e.g. `split -C 8M`)")
+            yield Record(doc, None, text.decode("utf-8", errors="replace"), bytes_read=raw.tell())
         elif kind == "jsonl":
             yield from _jsonl_records(doc, raw, stream, text_field)
         else:
@@ -194,7 +205,10 @@ def open_input(doc: Document, compression: str | None) -> Iterator[tuple[BinaryI
 
 
 def _jsonl_records(doc: Document, raw: BinaryIO, stream: BinaryIO, text_field: str) -> Iterator[Record]:
-    for number, line in enumerate(stream, start=1):
+    for number, line in enumerate(_lines(stream, MAX_DOCUMENT_BYTES), start=1):
+        if line is None:
+            yield Record(doc, number, None, too_long(), raw.tell())
+            continue
         if not line.strip():
             continue  # blank lines (a trailing newline too many) are not records
         if number == 1:
@@ -204,6 +218,27 @@ def _jsonl_records(doc: Document, raw: BinaryIO, stream: BinaryIO, text_field: s
                             f"`jq -c '.[]' {doc.path.name} > {doc.path.stem}.jsonl`")
         text, problem = _json_text(line, text_field)
         yield Record(doc, number, text, problem, raw.tell())
+
+
+def _lines(stream: BinaryIO, limit: int) -> Iterator[bytes | None]:
+    """The lines of ``stream``, each read no further than ``limit`` bytes (its newline aside): a longer one is None,
+    its rest read and dropped a piece at a time."""
+    while line := stream.readline(limit + 1):
+        if len(line) <= limit or line.endswith(b"\n"):
+            yield line
+            continue
+        while (rest := stream.readline(limit)) and not rest.endswith(b"\n"):
+            pass
+        yield None
+
+
+def too_long() -> str:
+    """The problem of a record longer than a document may be."""
+    return f"longer than {_mib(MAX_DOCUMENT_BYTES)}, the most a document may hold"
+
+
+def _mib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**20:g} MiB"
 
 
 def _json_text(line: bytes, text_field: str) -> tuple[str | None, str | None]:

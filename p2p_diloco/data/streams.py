@@ -1,7 +1,10 @@
 """Decompressing an input file as a stream: gzip (the standard library) and zstd (``zstandard``).
 
 zstandard's ``stream_reader`` ends silently at a truncated frame, so zstd goes through :class:`ZstdReader`, which
-decodes frame after frame and raises :class:`CorruptStream` when the file ends inside one.
+decodes frame after frame and raises :class:`CorruptStream` when the file ends inside one. Neither decompressor
+makes more at once than a bounded piece: gzip's reads are bounded by what is asked for, and zstd, whose
+decompressor returns all it can make of its input (4 bytes make a block of 128 KiB: 64 KiB of a bomb made 2 GiB),
+is fed :data:`_ZSTD_FEED_BYTES` at a time.
 Who calls this: :mod:`p2p_diloco.data.readers`.
 """
 
@@ -12,7 +15,8 @@ import io
 from typing import BinaryIO
 
 COMPRESSIONS = {".gz": "gzip", ".zst": "zstd"}
-_ZSTD_READ_BYTES = 1 << 16  # compressed bytes fed at once: bounds the decompressed bytes held at once
+_ZSTD_READ_BYTES = 1 << 16  # compressed bytes read from the file at once
+_ZSTD_FEED_BYTES = 512  # compressed bytes decompressed at once: at most ~16 MiB out (128 KiB per 4-byte block)
 
 
 class CorruptStream(OSError):
@@ -44,6 +48,7 @@ class ZstdReader(io.RawIOBase):
         self._raw = raw
         self._decompressor = zstandard.ZstdDecompressor()
         self._frame = None  # the decompressobj of the frame being read; a new one per frame
+        self._input = memoryview(b"")  # compressed bytes read and not fed yet
         self._pending = memoryview(b"")
 
     def readable(self) -> bool:
@@ -51,12 +56,14 @@ class ZstdReader(io.RawIOBase):
 
     def readinto(self, buffer) -> int:
         while not self._pending:
-            chunk = self._raw.read(_ZSTD_READ_BYTES)
-            if not chunk:
-                if self._frame is not None and not self._frame.eof:
-                    raise CorruptStream("the file ends inside a zstd frame (truncated)")
-                return 0
-            self._pending = memoryview(self._decompress(chunk))
+            if not self._input:
+                self._input = memoryview(self._raw.read(_ZSTD_READ_BYTES))
+                if not self._input:
+                    if self._frame is not None and not self._frame.eof:
+                        raise CorruptStream("the file ends inside a zstd frame (truncated)")
+                    return 0
+            piece, self._input = self._input[:_ZSTD_FEED_BYTES], self._input[_ZSTD_FEED_BYTES:]
+            self._pending = memoryview(self._decompress(bytes(piece)))
         size = min(len(buffer), len(self._pending))
         buffer[:size] = self._pending[:size]
         self._pending = self._pending[size:]

@@ -1,17 +1,23 @@
 """prepare-data streams its inputs: the peak memory of a process preparing 100 MB of gzipped JSON Lines is that of
-one preparing 10 MB (benchmarks/prepare_memory.py compares 10 MB with 200 MB, too slow for the suite)."""
+one preparing 10 MB (benchmarks/prepare_memory.py compares 10 MB with 200 MB, too slow for the suite); and a
+decompression bomb of any format it reads costs it a few hundred MB at most, refused with an error naming the file
+and the limit."""
 
 from __future__ import annotations
 
+import gzip
 import importlib.util
 import os
 import sys
 import traceback
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pa_parquet
 import pytest
+import zstandard
 
-from p2p_diloco.data import ByteTokenizer, ShardDataset, prepare_data
+from p2p_diloco.data import BadRecords, ByteTokenizer, DataError, ShardDataset, prepare_data
 
 BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "prepare_memory.py"
 MARGIN_BYTES = 25 * 2**20
@@ -58,3 +64,88 @@ def test_peak_memory_does_not_grow_with_the_input(tmp_path: Path, bench) -> None
         assert num_records > size_mb * 300
         path.unlink()
     assert peaks[100] <= peaks[10] + MARGIN_BYTES, {size: f"{peak / 2**20:.1f} MiB" for size, peak in peaks.items()}
+
+
+BOMB_BYTES = 200 * 2**20
+"""Decompressed, in a file of a few hundred KiB at most (the issue's: 300 MB in a 299 KiB .txt.gz, 5.3 GB of peak)."""
+BOMB_GROWTH_BYTES = {"text": 96 * 2**20, "parquet": 320 * 2**20}
+"""Over an honest small input of the same format: a document of 8 MiB and a decompressor's piece (zstd's is 16 MiB at
+most: 64 KiB of a bomb came out as one 2 GiB piece); for Parquet, its reader's budget (256 MiB) and the watchdog's
+slack."""
+BOMBS = ["txt.gz", "txt.zst", "jsonl.gz", "jsonl.zst", "csv.gz", "parquet", "dictionary.parquet"]
+
+
+def write_input(path: Path, num_bytes: int) -> None:
+    """One document of ``num_bytes`` repeated bytes, in the format the name says (a Parquet dictionary: that many
+    bytes in rows of 1 MiB, one value, stored once)."""
+    value = b"a" * num_bytes
+    if path.name.endswith(".parquet"):
+        if path.name.startswith("dictionary"):
+            rows = [b"d" * 2**20] * max(1, num_bytes // 2**20)
+            pa_parquet.write_table(pa.table({"text": rows}), path, compression="zstd")
+        else:
+            pa_parquet.write_table(pa.table({"text": [value]}), path, compression="zstd")
+        return
+    if ".jsonl" in path.name:
+        value = b'{"text": "' + value + b'"}\n'
+    elif ".csv" in path.name:
+        value = b"text\n" + value + b"\n"
+    compressed = gzip.compress(value, 9) if path.suffix == ".gz" else zstandard.ZstdCompressor(19).compress(value)
+    path.write_bytes(compressed)
+
+
+def in_child(function, *args) -> int:
+    """Run ``function(*args)`` in a forked child (what it allocates is never this process's); its exit code."""
+    pid = os.fork()
+    if pid == 0:  # never returns into pytest
+        code = 1
+        try:
+            function(*args)
+            code = 0
+        except BaseException:  # noqa: BLE001 - reported through the exit code and stderr
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+def prepare_peak(inputs: Path, out: Path, error_file: Path) -> tuple[int, str, int]:
+    """(exit code, the DataError's message, peak RSS) of prepare-data in a forked child, stopping at a bad record."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            prepare_data([inputs], out, ByteTokenizer(), eval_fraction=0.01, progress=False,
+                         bad_records=BadRecords("stop"))
+            code = 0
+        except DataError as exc:
+            error_file.write_text(str(exc))
+            code = 2
+        except BaseException:  # noqa: BLE001
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    _, status, usage = os.wait4(pid, 0)  # the peak of the child and of any process it waited for
+    message = error_file.read_text() if error_file.exists() else ""
+    return os.waitstatus_to_exitcode(status), message, usage.ru_maxrss * 1024
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", BOMBS)
+def test_a_decompression_bomb_costs_a_few_hundred_mb_and_is_refused_naming_its_file_and_the_limit(
+        tmp_path: Path, kind: str) -> None:
+    """200 MiB in a file of at most a few hundred KiB, as one text file, one JSON line, one CSV row, one Parquet
+    value (a zstd page of 200 MiB), or a Parquet dictionary's one value repeated in 200 rows: prepare-data held some
+    20 times a document's size (the issue's 299 KiB .txt.gz: 5.3 GB); now no document is read past 8 MiB, and the
+    Parquet reader runs in a child that may grow by 256 MiB. Its peak stays within BOMB_GROWTH_BYTES of an honest
+    small file's of the same format, and the error names the file (and row or line) and the limit."""
+    bomb, honest = tmp_path / f"bomb.{kind}", tmp_path / f"honest.{kind}"
+    assert in_child(write_input, bomb, BOMB_BYTES) == 0 and in_child(write_input, honest, 2**20) == 0
+    assert bomb.stat().st_size < 512 * 2**10
+    code, message, honest_peak = prepare_peak(honest, tmp_path / "honest_shards", tmp_path / "honest_error")
+    assert code == 0, message
+    code, message, peak = prepare_peak(bomb, tmp_path / "shards", tmp_path / "error")
+    growth = BOMB_GROWTH_BYTES["parquet" if kind.endswith("parquet") else "text"]
+    assert peak <= honest_peak + growth, f"{peak / 2**20:.0f} MiB, {honest_peak / 2**20:.0f} MiB honest"
+    assert code == 2 and str(bomb) in message and " MiB" in message, (code, message)

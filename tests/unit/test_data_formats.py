@@ -18,7 +18,7 @@ import zstandard
 
 from p2p_diloco.cli.main import main
 from p2p_diloco.data import BadRecords, ByteTokenizer, DataError, ShardDataset, prepare_data, read_records
-from p2p_diloco.data.readers import collect_documents
+from p2p_diloco.data.readers import MAX_DOCUMENT_BYTES, collect_documents
 from tests.unit.test_data import all_tokens, decoded_documents
 
 TEXTS = [f'record {i}: héllo, "quoted", a,comma\nsecond line ✓ {"x" * (i % 9)}' for i in range(60)] + ["", "😀 end"]
@@ -186,6 +186,37 @@ def test_bad_csv_and_parquet_rows_are_named_by_row(tmp_path: Path) -> None:
     parquet = write_records(tmp_path / "data.parquet", ["one", None, "three"])
     with pytest.raises(DataError, match=r"data\.parquet row 2: the text is null"):
         prepare_data([parquet], tmp_path / "out", ByteTokenizer(), bad_records=BadRecords("stop"), progress=False)
+
+
+def test_a_document_longer_than_the_limit_is_refused_or_skipped_naming_the_file_and_the_limit(tmp_path: Path
+                                                                                               ) -> None:
+    """A text file is one document and a record is one: neither is read past MAX_DOCUMENT_BYTES (decompressed), so a
+    small compressed file cannot make prepare-data hold gigabytes (tests/integration/test_prepare_memory.py). A longer
+    text file is an error naming it and the limit; a longer record is a bad record (its line or row named), and the
+    records after it are read as before."""
+    limit = MAX_DOCUMENT_BYTES
+    fits = tmp_path / "fits.txt.zst"
+    fits.write_bytes(compress(b"a" * limit, fits.name))
+    prepare_data([fits], tmp_path / "out", ByteTokenizer(), progress=False)
+    assert ShardDataset(tmp_path / "out", "train").num_tokens + ShardDataset(tmp_path / "out", "eval").num_tokens \
+        == limit + 1
+    for name in ("long.txt", "long.txt.gz", "long.txt.zst"):
+        (tmp_path / name).write_bytes(compress(b"a" * (limit + 1), name))
+        with pytest.raises(DataError, match=rf"{name}: a text file is one document, and this one holds more than "
+                                             r"8 MiB \(decompressed\)"):
+            prepare_data([tmp_path / name], tmp_path / "out2", ByteTokenizer(), progress=False)
+    long_text = "b" * (limit + 1)
+    for name in ("records.jsonl.gz", "records.jsonl.zst", "records.csv.gz", "records.parquet"):
+        path = write_records(tmp_path / name, ["first", long_text, "third" * 1000, "fourth"])
+        problems = [(r.number, r.problem) for r in read_records(collect_documents([path])[0]) if r.problem]
+        assert problems == [(2, "longer than 8 MiB, the most a document may hold")], name
+        texts = [r.text for r in read_records(collect_documents([path])[0]) if r.text is not None]
+        assert texts == ["first", "third" * 1000, "fourth"], name
+        with pytest.raises(DataError, match=rf"{name}(:| row )2: longer than 8 MiB, the most a document may hold"):
+            prepare_data([path], tmp_path / "out3", ByteTokenizer(), bad_records=BadRecords("stop"), progress=False)
+    csv = write_records(tmp_path / "far.csv.gz", ["first", long_text * 3])  # pyarrow needs a row within 2 blocks
+    with pytest.raises(DataError, match=r"far\.csv\.gz: corrupt or unreadable CSV data \(a row longer than 8 MiB"):
+        prepare_data([csv], tmp_path / "out4", ByteTokenizer(), progress=False)
 
 
 def corrupt_gzip(path: Path) -> None:
