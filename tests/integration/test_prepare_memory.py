@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import gzip
 import importlib.util
+import json
 import os
+import subprocess
 import sys
 import traceback
 from pathlib import Path
@@ -19,7 +21,8 @@ import zstandard
 
 from p2p_diloco.data import BadRecords, ByteTokenizer, DataError, ShardDataset, prepare_data
 
-BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "prepare_memory.py"
+REPO = Path(__file__).resolve().parents[2]
+BENCHMARK = REPO / "benchmarks" / "prepare_memory.py"
 MARGIN_BYTES = 25 * 2**20
 
 
@@ -131,6 +134,18 @@ def prepare_peak(inputs: Path, out: Path, error_file: Path) -> tuple[int, str, i
     return os.waitstatus_to_exitcode(status), message, usage.ru_maxrss * 1024
 
 
+def bomb_and_honest_peaks(kind: str, folder: Path) -> dict:
+    """Write a bomb and an honest small input of ``kind`` into ``folder`` and prepare each; the outcomes. Run in a
+    fresh interpreter (see the test): a forked child reuses the free memory its parent's allocator holds, which after
+    other tests is hundreds of MB that no limit of the child counts."""
+    bomb, honest = folder / f"bomb.{kind}", folder / f"honest.{kind}"
+    assert in_child(write_input, bomb, BOMB_BYTES) == 0 and in_child(write_input, honest, 2**20) == 0
+    honest_code, honest_message, honest_peak = prepare_peak(honest, folder / "honest_shards", folder / "honest_error")
+    code, message, peak = prepare_peak(bomb, folder / "shards", folder / "error")
+    return {"bomb": str(bomb), "bomb_bytes": bomb.stat().st_size, "honest": [honest_code, honest_message, honest_peak],
+            "outcome": [code, message, peak]}
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("kind", BOMBS)
 def test_a_decompression_bomb_costs_a_few_hundred_mb_and_is_refused_naming_its_file_and_the_limit(
@@ -140,12 +155,16 @@ def test_a_decompression_bomb_costs_a_few_hundred_mb_and_is_refused_naming_its_f
     20 times a document's size (the issue's 299 KiB .txt.gz: 5.3 GB); now no document is read past 8 MiB, and the
     Parquet reader runs in a child that may grow by 256 MiB. Its peak stays within BOMB_GROWTH_BYTES of an honest
     small file's of the same format, and the error names the file (and row or line) and the limit."""
-    bomb, honest = tmp_path / f"bomb.{kind}", tmp_path / f"honest.{kind}"
-    assert in_child(write_input, bomb, BOMB_BYTES) == 0 and in_child(write_input, honest, 2**20) == 0
-    assert bomb.stat().st_size < 512 * 2**10
-    code, message, honest_peak = prepare_peak(honest, tmp_path / "honest_shards", tmp_path / "honest_error")
-    assert code == 0, message
-    code, message, peak = prepare_peak(bomb, tmp_path / "shards", tmp_path / "error")
+    script = "import json, sys; from pathlib import Path; " \
+             "from tests.integration.test_prepare_memory import bomb_and_honest_peaks as run; " \
+             "print(json.dumps(run(sys.argv[1], Path(sys.argv[2]))))"
+    result = subprocess.run([sys.executable, "-c", script, kind, str(tmp_path)], cwd=REPO, capture_output=True,
+                            text=True, timeout=100)
+    assert result.returncode == 0, result.stderr[-3000:]
+    outcome = json.loads(result.stdout.splitlines()[-1])
+    assert outcome["bomb_bytes"] < 512 * 2**10
+    (honest_code, honest_message, honest_peak), (code, message, peak) = outcome["honest"], outcome["outcome"]
+    assert honest_code == 0, honest_message
     growth = BOMB_GROWTH_BYTES["parquet" if kind.endswith("parquet") else "text"]
     assert peak <= honest_peak + growth, f"{peak / 2**20:.0f} MiB, {honest_peak / 2**20:.0f} MiB honest"
-    assert code == 2 and str(bomb) in message and " MiB" in message, (code, message)
+    assert code == 2 and outcome["bomb"] in message and " MiB" in message, (code, message)
