@@ -6,9 +6,10 @@ times, grew the reading process by over 4 GB, whatever the batch size asked for.
 So the reader runs in a forked child whose data segment (``RLIMIT_DATA``: its heap and private writable mappings,
 which Linux counts since 4.7) may grow by a budget past what it inherited: an allocation beyond it fails there, before
 anything is touched, and the caller gets a :class:`~p2p_diloco.data.errors.DataError` naming the file and the budget.
-The child sends its items back one at a time over a pipe, so this process never holds more than one. (An address-space
-limit, ``RLIMIT_AS``, failed honest files too: the allocator reserves address space ahead; and a watchdog polling the
-child's memory is late on a busy machine, where a decompressor outruns it.)
+The child may also fill what this process's allocator holds free at the fork (no more than this process itself
+used). It sends its items back one at a time over a pipe, so this process never holds more than one. (An
+address-space limit, ``RLIMIT_AS``, failed honest files too: the allocator reserves address space ahead; and a
+watchdog polling the child's memory is late on a busy machine, where a decompressor outruns it.)
 Who calls this: :func:`p2p_diloco.data.columnar.parquet_records`.
 """
 
