@@ -1,10 +1,11 @@
 """Turning local files into a shards folder, and the built-in corpus (the Python standard library's source).
 
-Every document (a text file, or one record of a JSON Lines, CSV or Parquet file; see :mod:`readers`) is encoded
-and ended with the tokenizer's end-of-document token, streaming: memory holds one document at a time (and the two
-that :class:`~p2p_diloco.data.splits.SplitRouter` holds back), whatever the size of the input. A held-out eval
-split is a deterministic subset of whole documents, chosen by a stable hash of each document's key (its relative
-path, and line or row), so eval tokens never appear in train and every machine makes the same split.
+Every document (a text file or an 8 MiB piece of a longer one, or one record of a JSON Lines, CSV or Parquet file;
+see :mod:`readers`) is encoded and ended with the tokenizer's end-of-document token, streaming: memory holds one
+document at a time (and the two that :class:`~p2p_diloco.data.splits.SplitRouter` holds back), whatever the size of
+the input. A held-out eval split is a deterministic subset of whole documents, chosen by a stable hash of each
+document's key (its relative path, and line, row or piece), so eval tokens never appear in train and every machine
+makes the same split.
 Who calls this: the ``prepare-data`` CLI command (:func:`prepare_data`) and every peer at start-up
 (:func:`resolve_data_path`, which prepares the built-in corpus on first use).
 """
@@ -111,7 +112,7 @@ def write_corpus(documents: Sequence[Document], out_dir: Path, tokenizer: Tokeni
     if not documents:
         raise DataError(f"{out_dir}: none of the input files is readable text")
     bad_records = bad_records if bad_records is not None else BadRecords()
-    eval_documents = None  # the hashed rule, unless every input is known to be one text document
+    eval_documents = None  # the hashed rule, unless every input is a text file (its pieces go with it)
     if len(documents) > 1 and all(input_format(doc.path)[0] == "text" for doc in documents):
         eval_documents = {documents[i] for i in choose_eval_documents(documents, eval_fraction)}
     dtype = dtype_for_vocab(tokenizer.vocab_size)

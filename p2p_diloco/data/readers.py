@@ -1,16 +1,18 @@
 """Reading the inputs of ``prepare-data``: which files, in which format, and their documents one at a time.
 
-A plain text file (any suffix that is not one below) is one document, as it always was. A JSON Lines
-(``.jsonl``, ``.ndjson``, ``.json``), CSV (``.csv``) or Parquet (``.parquet``) file holds one document per record,
-the string in its ``text_field``. Text, JSON Lines and CSV may be compressed (``.gz``, ``.zst``). Folders are walked
-recursively in sorted order, so every machine reads the same inputs in the same order.
+A plain text file (any suffix that is not one below) is one document, as it always was, up to
+:data:`MAX_DOCUMENT_BYTES` (decompressed); a longer one is read as consecutive documents of at most that many bytes,
+each cut after its last newline (a piece without one at a UTF-8 character boundary), so an end-of-document token
+lands at those cuts. A JSON Lines (``.jsonl``, ``.ndjson``, ``.json``), CSV (``.csv``) or Parquet (``.parquet``) file
+holds one document per record, the string in its ``text_field``. Text, JSON Lines and CSV may be compressed
+(``.gz``, ``.zst``). Folders are walked recursively in sorted order, so every machine reads the same inputs in the
+same order.
 Records are streamed: memory holds one record (a Parquet or CSV batch at most), never the whole input, and a
 document holds at most :data:`MAX_DOCUMENT_BYTES` (decompressed), read no further than that: a 299 KiB ``.txt.gz``
 (300 MB of text, one document) made prepare-data peak at 5.3 GB, its memory some 20 times the document's size.
 A record that cannot be used (invalid JSON, no text field, a text that is not a string, a longer one) is yielded with
 its ``problem`` set; the caller chooses to skip it or stop (:class:`BadRecords`). A file that cannot be read at all
-(unreadable, unknown format, no text column, corrupt compression, a text file longer than a document) raises a
-:class:`DataError` naming it.
+(unreadable, unknown format, no text column, corrupt compression) raises a :class:`DataError` naming it.
 Who calls this: :mod:`p2p_diloco.data.prepare`.
 """
 
@@ -37,8 +39,10 @@ RECORD_FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".csv
 SUPPORTED = ".jsonl, .ndjson, .json, .csv, .parquet (each but .parquet also as .gz or .zst) or plain text"
 _BINARY_SNIFF_BYTES = 8192
 MAX_DOCUMENT_BYTES = 8 << 20
-"""The longest document (a text file, or one record) in bytes, decompressed: preparing one takes some 20 times its
-size (its text, its tokens as Python ints, then as int64), so this bounds prepare-data's memory to a few hundred MB."""
+"""The longest document (a text file or a piece of a longer one, or one record) in bytes, decompressed: preparing one
+takes some 20 times its size (its text, its tokens as Python ints, then as int64), so this bounds prepare-data's
+memory to a few hundred MB."""
+_UTF8_MAX_BYTES = 4
 
 
 @dataclass(frozen=True)
@@ -53,11 +57,13 @@ class Document:
 
 @dataclass(frozen=True)
 class Record:
-    """One document read from an input file: a whole text file, or one record of a JSON Lines, CSV or Parquet file."""
+    """One document read from an input file: a whole text file (or a piece of a long one), or one record of a JSON
+    Lines, CSV or Parquet file."""
 
     document: Document
     number: int | None
-    """Line (JSON Lines) or row (CSV, Parquet; 1 is the first under the header) number; None for a text file."""
+    """Line (JSON Lines), row (CSV, Parquet; 1 is the first under the header) or piece (a text file longer than a
+    document; 1 is the first) number; None for a whole text file."""
     text: str | None
     problem: str | None = None
     """Why the record is unusable (then ``text`` is None)."""
@@ -72,12 +78,12 @@ class Record:
 
     @property
     def location(self) -> str:
-        """Where the record is, for messages: ``path:line`` or ``path row N``."""
+        """Where the record is, for messages: ``path:line``, ``path row N`` or ``path piece N``."""
         if self.number is None:
             return str(self.document.path)
         if self.unit == "line":
             return f"{self.document.path}:{self.number}"
-        return f"{self.document.path} row {self.number}"
+        return f"{self.document.path} {self.unit} {self.number}"
 
 
 def input_format(path: Path) -> tuple[str, str | None]:
@@ -171,16 +177,41 @@ def read_records(doc: Document, text_field: str = "text") -> Iterator[Record]:
         return
     with open_input(doc, compression) as (raw, stream):
         if kind == "text":
-            text = stream.read(MAX_DOCUMENT_BYTES + 1)
-            if len(text) > MAX_DOCUMENT_BYTES:
-                raise DataError(f"{doc.path}: a text file is one document, and this one holds more than "
-                                f"{_mib(MAX_DOCUMENT_BYTES)} (decompressed), the most a document may; split it into "
-                                "smaller files (e.g. `split -C 8M`)")
-            yield Record(doc, None, text.decode("utf-8", errors="replace"), bytes_read=raw.tell())
+            yield from _text_records(doc, raw, stream)
         elif kind == "jsonl":
             yield from _jsonl_records(doc, raw, stream, text_field)
         else:
             raise AssertionError(f"unhandled input format {kind!r}")
+
+
+def _text_records(doc: Document, raw: BinaryIO, stream: BinaryIO) -> Iterator[Record]:
+    """A text file as one document, or, longer than a document may be, as consecutive pieces of at most
+    MAX_DOCUMENT_BYTES, each cut after its last newline; streaming: memory holds one piece and the byte after it."""
+    limit = MAX_DOCUMENT_BYTES
+    buffer = stream.read(limit + 1)
+    if len(buffer) <= limit:
+        yield Record(doc, None, buffer.decode("utf-8", errors="replace"), bytes_read=raw.tell())
+        return
+    number = 0
+    while len(buffer) > limit:
+        cut = _piece_end(buffer, limit)
+        number += 1
+        yield Record(doc, number, buffer[:cut].decode("utf-8", errors="replace"), bytes_read=raw.tell(), unit="piece")
+        buffer = buffer[cut:]
+        buffer += stream.read(limit + 1 - len(buffer))
+    yield Record(doc, number + 1, buffer.decode("utf-8", errors="replace"), bytes_read=raw.tell(), unit="piece")
+
+
+def _piece_end(buffer: bytes, limit: int) -> int:
+    """Where the piece of ``buffer`` (longer than ``limit``) ends: after its last newline within ``limit`` bytes, else
+    at the last UTF-8 character boundary within them (any cut, for bytes that are not UTF-8)."""
+    newline = buffer.rfind(b"\n", 0, limit)
+    if newline >= 0:
+        return newline + 1
+    for cut in range(limit, max(0, limit - _UTF8_MAX_BYTES), -1):
+        if buffer[cut] & 0xC0 != 0x80:  # not a continuation byte: a character starts here
+            return cut
+    return limit
 
 
 @contextmanager

@@ -2,14 +2,15 @@
 
 Every machine makes the same split from the same inputs, and eval tokens never appear in train. Two rules:
 
-- **Ranked** (two or more inputs, all plain text files, one document each): the files are known before any is read,
-  so the eval split is the ``round(eval_fraction * n)`` with the smallest sha256 of their key (at least one, and at
-  least one left for train).
+- **Ranked** (two or more inputs, all plain text files): the files are known before any is read, so the eval split is
+  the ``round(eval_fraction * n)`` with the smallest sha256 of their key (at least one, and at least one left for
+  train); the pieces of a text file longer than a document go with their file.
 - **Hashed** (any JSON Lines, CSV or Parquet input, or a single file): how many records there are is known only at
-  the end, so a document goes to eval when the sha256 of its key, read as a fraction, is below ``eval_fraction``.
-  Nothing is read twice: to keep both splits non-empty, :class:`SplitRouter` holds back one document per split
-  (the train one most like eval, the eval one most like train) and moves it across at the end if the other split
-  would be empty. A single document in all is split by tokens: its last ``eval_fraction`` is held out.
+  the end, so a document goes to eval when the sha256 of its key (``path:line``, row or piece), read as a fraction,
+  is below ``eval_fraction``. Nothing is read twice: to keep both splits non-empty, :class:`SplitRouter` holds back
+  one document per split (the train one most like eval, the eval one most like train) and moves it across at the
+  end if the other split would be empty. A single document in all is split by tokens: its last ``eval_fraction`` is
+  held out.
 
 Who calls this: :mod:`p2p_diloco.data.prepare`.
 """

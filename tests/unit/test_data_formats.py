@@ -8,6 +8,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 from pathlib import Path
 
 import pyarrow as pa
@@ -17,7 +18,7 @@ import pytest
 import zstandard
 
 from p2p_diloco.cli.main import main
-from p2p_diloco.data import BadRecords, ByteTokenizer, DataError, ShardDataset, prepare_data, read_records
+from p2p_diloco.data import BadRecords, ByteTokenizer, DataError, ShardDataset, prepare_data, read_records, readers
 from p2p_diloco.data.readers import MAX_DOCUMENT_BYTES, collect_documents
 from tests.unit.test_data import all_tokens, decoded_documents
 
@@ -188,23 +189,64 @@ def test_bad_csv_and_parquet_rows_are_named_by_row(tmp_path: Path) -> None:
         prepare_data([parquet], tmp_path / "out", ByteTokenizer(), bad_records=BadRecords("stop"), progress=False)
 
 
-def test_a_document_longer_than_the_limit_is_refused_or_skipped_naming_the_file_and_the_limit(tmp_path: Path
-                                                                                               ) -> None:
-    """A text file is one document and a record is one: neither is read past MAX_DOCUMENT_BYTES (decompressed), so a
-    small compressed file cannot make prepare-data hold gigabytes (tests/integration/test_prepare_memory.py). A longer
-    text file is an error naming it and the limit; a longer record is a bad record (its line or row named), and the
-    records after it are read as before."""
+def reference_pieces(text: str, limit: int) -> list[str]:
+    """A text cut the slow, obvious way: each piece as many whole lines as fit in ``limit`` UTF-8 bytes, or, when not
+    even its first line fits, as many whole characters; the rest once it fits."""
+    pieces = []
+    while len(text.encode()) > limit:
+        piece = ""
+        for line in re.findall(r"[^\n]*\n|[^\n]+", text):
+            if len((piece + line).encode()) > limit:
+                break
+            piece += line
+        if not piece:  # not even its first line fits
+            for char in text:
+                if len((piece + char).encode()) > limit:
+                    break
+                piece += char
+        pieces.append(piece)
+        text = text[len(piece):]
+    return [*pieces, text]
+
+
+@pytest.mark.parametrize("suffix", ["txt", "txt.gz", "txt.zst"])
+def test_a_text_file_longer_than_the_limit_is_read_as_documents_cut_at_line_ends(tmp_path: Path, monkeypatch,
+                                                                                  suffix: str) -> None:
+    """A text file up to MAX_DOCUMENT_BYTES (decompressed) is one document; a longer one is read a piece at a time
+    (so a small compressed file cannot make prepare-data hold gigabytes: tests/integration/test_prepare_memory.py), as
+    consecutive documents of at most that many bytes, each cut after its last newline or, in a line longer than a
+    document, between two characters: together they are the file, each ended by an end-of-document token."""
+    limit = 64
+    monkeypatch.setattr(readers, "MAX_DOCUMENT_BYTES", limit)
+    fits = tmp_path / f"fits.{suffix}"
+    fits.write_bytes(compress(b"a" * (limit - 1) + b"\n", fits.name))
+    whole = [(r.number, r.text) for r in read_records(collect_documents([fits])[0])]
+    assert whole == [(None, "a" * (limit - 1) + "\n")]
+    text = "".join(f"line {i}: héllo {'x' * (i * 7 % 50)}\n" for i in range(30)) + "x" + "é" * 50 + "😀" * 40 + \
+        "\nlast line, no newline " + "✓" * 30
+    path = tmp_path / f"long.{suffix}"
+    path.write_bytes(compress(text.encode(), path.name))
+    records = list(read_records(collect_documents([path])[0]))
+    assert [r.text for r in records] == reference_pieces(text, limit)
+    assert "".join(r.text for r in records) == text and len(records) > 10
+    assert [r.number for r in records] == list(range(1, len(records) + 1))
+    assert records[0].location == f"{path} piece 1"
+    progress = [r.bytes_read for r in records]
+    assert progress == sorted(progress) and progress[-1] == path.stat().st_size
+    prepare_data([path], tmp_path / "out", ByteTokenizer(), eval_fraction=0.2, progress=False)
+    assert all_texts(tmp_path / "out") == sorted(reference_pieces(text, limit))
+    other = tmp_path / f"other.{suffix}"
+    other.write_bytes(compress(b"another file", other.name))
+    prepare_data([path, other], tmp_path / "out2", ByteTokenizer(), eval_fraction=0.5, progress=False)
+    eval_texts = decoded_documents(tmp_path / "out2", "eval")
+    assert eval_texts in (["another file"], reference_pieces(text, limit))  # a long file's pieces go with it
+
+
+def test_a_record_longer_than_the_limit_is_a_bad_record_naming_the_file_and_the_limit(tmp_path: Path) -> None:
+    """A record is read no further than MAX_DOCUMENT_BYTES (decompressed), so a small compressed file cannot make
+    prepare-data hold gigabytes (tests/integration/test_prepare_memory.py): a longer one is a bad record (its line or
+    row named), and the records after it are read as before."""
     limit = MAX_DOCUMENT_BYTES
-    fits = tmp_path / "fits.txt.zst"
-    fits.write_bytes(compress(b"a" * limit, fits.name))
-    prepare_data([fits], tmp_path / "out", ByteTokenizer(), progress=False)
-    assert ShardDataset(tmp_path / "out", "train").num_tokens + ShardDataset(tmp_path / "out", "eval").num_tokens \
-        == limit + 1
-    for name in ("long.txt", "long.txt.gz", "long.txt.zst"):
-        (tmp_path / name).write_bytes(compress(b"a" * (limit + 1), name))
-        with pytest.raises(DataError, match=rf"{name}: a text file is one document, and this one holds more than "
-                                             r"8 MiB \(decompressed\)"):
-            prepare_data([tmp_path / name], tmp_path / "out2", ByteTokenizer(), progress=False)
     long_text = "b" * (limit + 1)
     for name in ("records.jsonl.gz", "records.jsonl.zst", "records.csv.gz", "records.parquet"):
         path = write_records(tmp_path / name, ["first", long_text, "third" * 1000, "fourth"])
