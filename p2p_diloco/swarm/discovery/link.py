@@ -28,11 +28,12 @@ from p2p_diloco.swarm.discovery.records import record_owner
 logger = logging.getLogger(__name__)
 
 def ended_by_half(believed: list[ProgressRecord], round_index: int) -> bool:
-    """Whether the records ``believed`` end ``round_index`` for this stage: at least half of those on that round or the
-    next name the next round (at least one). A peer of unequal speed still meets the others at the round end when
-    most of them are faster; a minority of believed identities (ones that averaged honestly for a while, then lie)
-    cannot end every round after a step or two by naming the next one."""
-    near = [r for r in believed if round_index <= r.round <= round_index + 1]
+    """Whether the records ``believed`` end ``round_index`` for this stage: at least half of those on that round, the
+    next or the previous one (a slower peer, or a record not yet refreshed as a round begins) name the next round (at
+    least one). A peer of unequal speed still meets the others at the round end when most of them are faster; a
+    minority of believed identities (ones that averaged honestly for a while, then lie) cannot end every round after
+    a step or two by naming the next one."""
+    near = [r for r in believed if round_index - 1 <= r.round <= round_index + 1]
     ended = sum(r.round == round_index + 1 for r in near)
     return ended > 0 and 2 * ended >= len(near)
 
