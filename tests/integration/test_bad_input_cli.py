@@ -1,6 +1,6 @@
 """The catalogue of bad input through the real command line (``python -m p2p_diloco ...``): a one-line error that
 names the problem, a non-zero exit code (2: usage, 1: runtime), and nothing already saved overwritten. The
-in-process cases are in tests/unit/test_bad_input.py; the table is in README.md, "Bad input"."""
+in-process cases are in tests/unit/test_bad_input.py; the table is in docs/user-guide.md, "Bad input"."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The catalogue of bad input, in process: each case ends in the subsystem's error naming the problem (or, for a
 damaged latest checkpoint, a fallback to the previous good one), and a failed load changes nothing on disk.
 The same cases through the real command line are in tests/integration/test_bad_input_cli.py; the table is in
-README.md, "Bad input"."""
+docs/user-guide.md, "Bad input"."""
 
 from __future__ import annotations
 

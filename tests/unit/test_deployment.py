@@ -416,8 +416,8 @@ def readme_commands() -> list[list[str]]:
 
 
 def operating_commands() -> list[list[str]]:
-    """The p2p-diloco argument lists in the bash blocks of README.md's "Operating a swarm" section."""
-    text = (ROOT / "README.md").read_text()
+    """The p2p-diloco argument lists in the bash blocks of docs/user-guide.md's "Operating a swarm" section."""
+    text = (ROOT / "docs" / "user-guide.md").read_text()
     section = text.split("\n## Operating a swarm\n", 1)[1].split("\n## ", 1)[0]
     commands = []
     for block in re.findall(r"^```bash\n(.*?)^```", section, re.M | re.S):
@@ -450,9 +450,10 @@ def test_readme_commands_are_accepted_by_the_cli(compose):
 
 
 def all_readme_commands() -> list[list[str]]:
-    """The p2p-diloco argument lists in every bash block of README.md ("..." elisions dropped); a line of
-    ``peers/launch-torchrun.sh`` is the ``p2p-diloco peer --stages P ...`` it runs (P from its environment)."""
-    text = (ROOT / "README.md").read_text()
+    """The p2p-diloco argument lists in every bash block of README.md and docs/user-guide.md ("..." elisions
+    dropped); a line of ``peers/launch-torchrun.sh`` is the ``p2p-diloco peer --stages P ...`` it runs (P from its
+    environment)."""
+    text = "\n".join((ROOT / name).read_text() for name in ("README.md", "docs/user-guide.md"))
     commands = []
     for block in re.findall(r"^```bash\n(.*?)^```", text, re.M | re.S):
         for line in block.replace("\\\n", " ").splitlines():
@@ -468,8 +469,8 @@ def all_readme_commands() -> list[list[str]]:
 
 
 def test_no_readme_command_uses_an_option_the_cli_lacks():
-    """Every p2p-diloco command in README.md parses: its subcommand and options exist, and config overrides
-    (--section.key) name real keys with valid values."""
+    """Every p2p-diloco command in README.md and docs/user-guide.md parses: its subcommand and options exist, and
+    config overrides (--section.key) name real keys with valid values."""
     from p2p_diloco.cli.main import build_parser
     from p2p_diloco.config import load_config, split_overrides
 
