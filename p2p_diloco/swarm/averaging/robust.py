@@ -24,9 +24,9 @@ reported, never an offence: with 2 parts the clipped one may be the honest one (
 groupmate claims, capped by :func:`cap_weights`. Pure tensor logic, no network; called by
 :class:`p2p_diloco.swarm.averaging.allreduce.RobustPartReducer` and the averager.
 
-What one hostile sender can still do (stated in the README): with 3 or more parts and an honest majority, move the
-result by about tau times its weight share (CenteredClip), its weight being at most ``max_weight_ratio`` times the
-median claim; in a group of 2 there is no majority, and it keeps at most ``pair_ratio`` (3) times the honest part's
+What one hostile sender can still do (docs/threat-model.md, section 6): with 3 or more parts and an honest majority,
+move the result by about tau times its weight share (CenteredClip), its weight being at most ``max_weight_ratio`` times
+the median claim; in a group of 2 there is no majority, and it keeps at most ``pair_ratio`` (3) times the honest part's
 norm with at most ``max_weight_ratio / (1 + max_weight_ratio)`` (2/3) of the weight, so the result is at most
 ``(2 * 3 + 1) / 3``, about 2.3, times the honest part's norm, in any direction; and a tiny part shrinks the honest one
 to ``pair_ratio`` times its own norm (the round is then wasted, not poisoned). As the reducer of its slice it can
