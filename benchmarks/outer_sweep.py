@@ -1,4 +1,4 @@
-"""Tabulate the outer-step sweep of issue 32 (``benchmarks/results/outer-sweep/sweep.sh``): per group size K and
+"""Tabulate the outer-step sweep of issue 32 (``benchmarks/outer_sweep.sh``): per group size K and
 per (outer lr, outer momentum), the final eval loss of blocking DiLoCo (``none/none``) and of the default
 (``delayed/adaptive``), the share of the gap between one worker alone and per-step data parallel that each closes,
 and the speedup to alone's final loss (alone's tokens over the row's, at equal compute per worker).

@@ -1,6 +1,7 @@
 #!/bin/bash
-# Issue 32 section 2 on the long horizon: tabulates the quality.py runs of the outer step (lr, momentum) and H against K (commands in
-# BENCHMARKS.md, "The outer step against the group size"). Run from the repository root.
+# Tabulates the long-horizon quality.py runs of the outer step (lr, momentum) and of H against K into
+# benchmarks/results/outer-long (commands in BENCHMARKS.md, "How often the swarm averages" and "The outer step against
+# the group size"); each --point folder is one run's output. Run from the repository root.
 R=benchmarks/results
 .venv/bin/python benchmarks/outer_long.py --out $R/outer-long \
   --ref 2=$R/quality-tiny-k2-seeds --ref 4=$R/quality-tiny-seeds --ref 8=$R/quality-tiny-k8-seeds \
