@@ -11,7 +11,7 @@ TORCH_INDEX_URL ?=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.p2p-diloco-installed
 # make test runs two tests at a time (pytest-xdist, --dist worksteal; the longest first and the mixed-split test
-# alone: tests/conftest.py): 22-26 min of pytest on 2 busy cores (BENCHMARKS.md, "The test suite on 2 busy cores").
+# alone: tests/conftest.py): 22-27 min of pytest on 2 busy cores (BENCHMARKS.md, "The test suite on 2 busy cores").
 # TEST_WORKERS=0 runs them one after the other (about 25 min there before the cuts that brought two at a time
 # under 20 min)
 TEST_WORKERS ?= 2
