@@ -32,6 +32,8 @@ from contextlib import ExitStack
 
 import torch
 
+from p2p_diloco.training.run_end import NEAR_STEPS, distance
+
 logger = logging.getLogger(__name__)
 
 OWN_BATCHES = 4
@@ -43,9 +45,7 @@ against the swarm's newer state, two halves of a swarm at the end); a wiped mode
 by 7% 70% (the tiny model)."""
 GAIN_FROM_INIT = 0.01
 """How much lower (relative) than the run's initial model a state must score for a peer still holding that model."""
-NEAR_STEPS = 6.0
-"""Where the loss cannot be had: how far a state may be from this stage's own, in its own outer steps. Two groups of
-one swarm that split for one round are 1-3 apart (each is one step from the state they shared)."""
+# NEAR_STEPS (from the run's end): where the loss cannot be had, how far a state may be from this stage's own
 
 
 def steps_between(stage, anchor: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor]) -> float:
@@ -58,13 +58,9 @@ def steps_between(stage, anchor: Sequence[torch.Tensor], momentum: Sequence[torc
         return math.inf
     per_grad = outer.last_lr * (1 + outer.momentum if outer.nesterov else 1.0)
     with stage.state_lock:
-        to_anchor = _distance(anchor, stage.anchor)
-        to_momentum = _distance(momentum, outer.momentum_buffers)
+        to_anchor = distance(anchor, stage.anchor)
+        to_momentum = distance(momentum, outer.momentum_buffers)
     return max(to_anchor / (per_grad * grad), to_momentum / grad)
-
-
-def _distance(a, b) -> float:
-    return math.sqrt(sum(float((x.double() - y.double()).pow(2).sum()) for x, y in zip(a, b, strict=True)))
 
 
 class OwnCheck:

@@ -79,12 +79,13 @@ class FinalReference:
         if not self.grad_norm > 0:
             return math.inf
         count = len(self.anchor)
-        anchor = _distance(tensors[:count], self.anchor) / (self.anchor_per_grad * self.grad_norm)
-        momentum = _distance(tensors[count:], self.momentum) / self.grad_norm
+        anchor = distance(tensors[:count], self.anchor) / (self.anchor_per_grad * self.grad_norm)
+        momentum = distance(tensors[count:], self.momentum) / self.grad_norm
         return max(anchor, momentum)
 
 
-def _distance(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+def distance(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    """The Euclidean distance between two lists of tensors of the same shapes (in float64)."""
     return math.sqrt(sum(float((x.double() - y.double()).pow(2).sum()) for x, y in zip(a, b)))
 
 
