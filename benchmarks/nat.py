@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from local_bootstrap import start_bootstrap  # noqa: E402
-from netns import Namespaces, _run, cleanup, kill_namespace, netns_available  # noqa: E402
+from namespaces import Namespaces, cleanup, kill_namespace, netns_available, run_command  # noqa: E402
 
 from p2p_diloco.faults import HOLD_ENV  # noqa: E402
 from p2p_diloco.training.metrics import read_metrics  # noqa: E402
@@ -61,10 +61,10 @@ def nat_unavailable() -> str | None:
         return f"needs the nft command for the NAT router (apt-get install {NAT_PACKAGE})"
     probe = f"{PREFIX}-probe-{secrets.token_hex(3)}"
     try:
-        made = _run("ip", "netns", "add", probe, check=False)
+        made = run_command("ip", "netns", "add", probe, check=False)
         if made.returncode != 0:
             return f"cannot create a network namespace here: {made.stderr.strip()}"
-        table = _run("ip", "netns", "exec", probe, "nft", "add", "table", "ip", "probe", check=False)
+        table = run_command("ip", "netns", "exec", probe, "nft", "add", "table", "ip", "probe", check=False)
         if table.returncode != 0:
             return (f"nftables does not work here ({table.stderr.strip()}; needs the kernel's nf_tables and "
                     f"{NAT_PACKAGE})")
@@ -129,7 +129,7 @@ class NATNetwork(Namespaces):
             self.add_namespace(self.router)
             self.link(self.router, "wan0", self.internet, "rt", address=f"{self.router_ip}/24")
             self.link(self.router, "lan0", self.home, "rt", address=f"{PRIVATE_SUBNET}.1/24")
-            _run("ip", "netns", "exec", self.router, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+            run_command("ip", "netns", "exec", self.router, "sysctl", "-qw", "net.ipv4.ip_forward=1")
             self._apply_rules()
         except BaseException:
             self.close()
@@ -150,7 +150,7 @@ class NATNetwork(Namespaces):
         # the home network's way out; on the internet, packets for a home address reach the router and are
         # dropped there (as on the internet: a dial into a home network times out, it is not refused)
         gateway = self.router_ip if public else f"{PRIVATE_SUBNET}.1"
-        _run("ip", "-n", namespace, "route", "add", "default", "via", gateway)
+        run_command("ip", "-n", namespace, "route", "add", "default", "via", gateway)
         self.hosts[name] = address
         return address
 

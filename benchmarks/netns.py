@@ -9,8 +9,8 @@ Needs root (ip netns, veth, bridge, tc). Only the namespaces it creates are touc
 exit, on SIGINT/SIGTERM and at interpreter exit, and `python benchmarks/netns.py --cleanup` removes any that a
 killed run left behind. netem is not available here: links have a rate, not an added delay.
 
-:class:`Namespaces` is what every emulated network here is made of (this WAN, and the NAT router of
-``benchmarks/nat.py``, run by ``--nat``): namespaces, veths to a bridge, processes, all removed on close.
+This WAN is built of ``benchmarks/namespaces.py``'s :class:`Namespaces`, as is the NAT router of
+``benchmarks/nat.py`` (run by ``--nat``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import argparse
 import atexit
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -27,31 +26,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from namespaces import Namespaces, cleanup, run_command
+
 PREFIX = "p2pw"
 SUBNET = "10.88.0"
-
-
-def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(list(args), check=check, capture_output=True, text=True)
-
-
-def netns_available() -> str | None:
-    """None if this process may create network namespaces (root, ``ip`` installed), else why not."""
-    if os.geteuid() != 0:
-        return "needs root (network namespaces)"
-    if shutil.which("ip") is None:
-        return "needs the ip command (apt-get install iproute2)"
-    return None
-
-
-def kill_namespace(namespace: str) -> None:
-    """SIGKILL every process of ``namespace``, then delete it (nothing if it does not exist)."""
-    for pid in _run("ip", "netns", "pids", namespace, check=False).stdout.split():
-        try:
-            os.kill(int(pid), signal.SIGKILL)
-        except (ProcessLookupError, ValueError):
-            pass
-    _run("ip", "netns", "del", namespace, check=False)
 
 
 def run_prefix(letter: str = "t") -> str:
@@ -62,80 +40,9 @@ def run_prefix(letter: str = "t") -> str:
 
 def orphaned_prefixes() -> set[str]:
     """The :func:`run_prefix` prefixes of namespaces whose process is gone (a test or benchmark killed mid-run)."""
-    out = _run("ip", "netns", "list", check=False).stdout
+    out = run_command("ip", "netns", "list", check=False).stdout
     found = {m.group(1): int(m.group(2), 16) for m in re.finditer(r"^(p2p[a-z]([0-9a-f]+))-", out, re.M)}
     return {prefix for prefix, pid in found.items() if not Path(f"/proc/{pid}").exists()}
-
-
-def existing_namespaces(prefix: str = PREFIX) -> list[str]:
-    out = _run("ip", "netns", "list", check=False).stdout
-    return [line.split()[0] for line in out.splitlines() if line.startswith(prefix + "-")]
-
-
-def cleanup(prefix: str = PREFIX) -> None:
-    for namespace in existing_namespaces(prefix):
-        kill_namespace(namespace)
-
-
-class Namespaces:
-    """The network namespaces, links and processes one emulated network is made of: whatever it created, and only
-    that, is removed by ``close()`` (processes killed, namespaces deleted; their veths go with them). Links are made
-    inside their namespaces, never in this machine's own, so that two networks' interface names never collide."""
-
-    def __init__(self):
-        if (reason := netns_available()) is not None:
-            raise SystemExit(f"an emulated network {reason}")
-        self.namespaces: list[str] = []
-        self.processes: list[subprocess.Popen] = []
-
-    def add_namespace(self, name: str, bridge: str | None = None) -> str:
-        """A new namespace with its loopback up (and a bridge ``bridge``, up, if asked)."""
-        _run("ip", "netns", "add", name)
-        self.namespaces.append(name)
-        _run("ip", "-n", name, "link", "set", "lo", "up")
-        if bridge is not None:
-            _run("ip", "-n", name, "link", "add", bridge, "type", "bridge")
-            _run("ip", "-n", name, "link", "set", bridge, "up")
-        return name
-
-    def link(self, namespace: str, device: str, switch: str, port: str, bridge: str = "br0",
-             address: str | None = None) -> None:
-        """A veth from ``device`` in ``namespace`` (with ``address``, CIDR, if given) to ``port`` of ``bridge`` in
-        ``switch``; both ends up."""
-        _run("ip", "link", "add", device, "netns", namespace, "type", "veth", "peer", "name", port, "netns", switch)
-        _run("ip", "-n", switch, "link", "set", port, "master", bridge)
-        _run("ip", "-n", switch, "link", "set", port, "up")
-        if address is not None:
-            _run("ip", "-n", namespace, "addr", "add", address, "dev", device)
-        _run("ip", "-n", namespace, "link", "set", device, "up")
-
-    def popen(self, namespace: str, command: list[str], **kwargs) -> subprocess.Popen:
-        """Start ``command`` inside ``namespace`` (its own process group)."""
-        process = subprocess.Popen(["ip", "netns", "exec", namespace, *command], start_new_session=True, **kwargs)
-        self.processes.append(process)
-        return process
-
-    def stop_processes(self) -> None:
-        for process in self.processes:
-            if process.poll() is None:
-                try:
-                    os.killpg(process.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            process.wait()
-        self.processes.clear()
-
-    def close(self) -> None:
-        self.stop_processes()
-        for namespace in reversed(self.namespaces):
-            kill_namespace(namespace)
-        self.namespaces.clear()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 class EmulatedWAN(Namespaces):
@@ -171,11 +78,11 @@ class EmulatedWAN(Namespaces):
         self.rate_mbit = rate_mbit
         for i in range(self.num_hosts):
             for ns, dev in ((self.host(i), self.interface(i)), (self.core, self.bridge_port(i))):
-                _run("ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root", check=False)
+                run_command("ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root", check=False)
                 if rate_mbit is not None:
                     # burst: 10 ms at the rate (at least 32 KB); queue: 1 s of traffic before drops
                     burst = max(32 * 1024, int(rate_mbit * 1e6 / 8 * 0.01))
-                    _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
+                    run_command("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
                          "rate", f"{rate_mbit}mbit", "burst", str(burst), "latency", "1000ms")
 
     def interface(self, index: int) -> str:
@@ -313,7 +220,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("runs/nat"), help="--nat: logs and output folders")
     args = parser.parse_args()
     if args.nat:
-        from nat import run_benchmark
+        from nat import run_benchmark  # (imported here: nat imports torch, which the other modes do not need)
 
         run_benchmark(args.out, args.rounds, args.inner_steps, args.newcomer_after)
     if args.bare_averaging:
@@ -330,7 +237,7 @@ def main() -> None:
     if args.cleanup:
         from nat import cleanup_nat
 
-        cleanup()
+        cleanup(PREFIX)
         cleanup_nat()
         for prefix in orphaned_prefixes():
             cleanup(prefix)

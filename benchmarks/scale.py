@@ -154,12 +154,13 @@ def run_loopback(args, num_peers: int) -> dict:
 
 def run_netns(args, num_peers: int) -> dict:
     """One peer per namespace, links shaped to ``args.rate``; the bootstrap node in a namespace of its own."""
-    from netns import EmulatedWAN, existing_namespaces
+    from namespaces import existing_namespaces
+    from netns import PREFIX, EmulatedWAN
 
     from p2p_diloco.config import dump_config, load_config
 
-    if existing_namespaces():
-        raise SystemExit(f"emulated-WAN namespaces exist already ({existing_namespaces()}): another run is using "
+    if existing_namespaces(PREFIX):
+        raise SystemExit(f"emulated-WAN namespaces exist already ({existing_namespaces(PREFIX)}): another run is using "
                          "them, and EmulatedWAN would remove them")
     root = args.out / f"netns-{num_peers}"
     root.mkdir(parents=True, exist_ok=True)
