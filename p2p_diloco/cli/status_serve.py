@@ -16,6 +16,8 @@ import threading
 import time
 
 from p2p_diloco.cli.logs import configure_logging
+from p2p_diloco.cli.status_report import build_report, read_run
+from p2p_diloco.config import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +27,6 @@ MAX_CURVE_POINTS = 4096  # rounds of the eval-loss curve kept (the latest)
 
 def serve(cfg, args: argparse.Namespace) -> int:
     """Serve the page until SIGINT or SIGTERM; exit code 0."""
-    from p2p_diloco.config import ConfigError
     from p2p_diloco.monitoring.web import StatusPage
 
     if not 0 <= args.serve <= 65535:
@@ -84,7 +85,6 @@ class Watcher:
         """One read of the run: the report, or a document saying why there is none."""
         from hivemind.utils import get_dht_time
 
-        from p2p_diloco.cli.status import build_report, read_run
         from p2p_diloco.monitoring.nodes import PeerCounts
         from p2p_diloco.swarm import SwarmError
 

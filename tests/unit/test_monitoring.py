@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from p2p_diloco.cli.status import build_report, format_report, short_id
+from p2p_diloco.cli.status_report import build_report, format_report, short_id
 from p2p_diloco.config import ConfigError, load_config
 from p2p_diloco.monitoring import MetricsRegistry
 from p2p_diloco.swarm import ProgressRecord

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic.v1 import ValidationError
 
-from p2p_diloco.cli.status import build_report
+from p2p_diloco.cli.status_report import build_report
 from p2p_diloco.cli.status_serve import Watcher
 from p2p_diloco.config import ConfigError, load_config
 from p2p_diloco.monitoring.web import StatusPage, content_security_policy, page_html
