@@ -10,7 +10,7 @@ import logging
 
 def configure_logging(level: str = "INFO") -> None:
     """One format for our logs and hivemind's; hivemind's routine averaging noise only at DEBUG."""
-    from hivemind.utils.logging import use_hivemind_log_handler
+    from p2p_diloco.hivemind_adapter.logs import use_hivemind_log_handler
 
     use_hivemind_log_handler("in_root_logger")
     root = logging.getLogger()

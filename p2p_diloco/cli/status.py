@@ -241,8 +241,7 @@ def _read_status(args: argparse.Namespace, send: Callable[[dict], None], started
     except ConfigError as e:
         return {"usage": str(e)}
     send({"run_id": cfg.run.run_id, "initial_peers": cfg.dht.initial_peers})
-    from hivemind.utils import get_dht_time
-
+    from p2p_diloco.hivemind_adapter.dht import get_dht_time
     from p2p_diloco.monitoring.nodes import PeerCounts
     from p2p_diloco.swarm import SwarmError, start_dht
     from p2p_diloco.swarm.discovery.records import run_record_validators

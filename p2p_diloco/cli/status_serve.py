@@ -83,8 +83,7 @@ class Watcher:
 
     def read(self) -> dict:
         """One read of the run: the report, or a document saying why there is none."""
-        from hivemind.utils import get_dht_time
-
+        from p2p_diloco.hivemind_adapter.dht import get_dht_time
         from p2p_diloco.monitoring.nodes import PeerCounts
         from p2p_diloco.swarm import SwarmError
 

@@ -23,10 +23,15 @@ import math
 
 import numpy as np
 import torch
-from hivemind.compression import CompressionBase, CompressionInfo, Float16Compression, NoCompression
-from hivemind.proto import runtime_pb2
 
 from p2p_diloco.compression import sparse
+from p2p_diloco.hivemind_adapter.compression import (
+    CompressionBase,
+    CompressionInfo,
+    Float16Compression,
+    NoCompression,
+    runtime_pb2,
+)
 
 BLOCK = 256  # values per scale; a power of two, so hivemind's part boundaries fall on block boundaries
 MAX_DIMS = 8  # dimensions of a tensor on the wire: parts are 1-D, state tensors have their parameter's shape

@@ -30,8 +30,8 @@ import math
 
 import numpy as np
 import torch
-from hivemind.compression import CompressionBase, CompressionInfo
-from hivemind.proto import runtime_pb2
+
+from p2p_diloco.hivemind_adapter.compression import CompressionBase, CompressionInfo, runtime_pb2
 
 CHUNK = 4096  # values per chunk: a power of two, at most 2**16 (indices are u16)
 TOPK_NAME, AVERAGE_NAME = "p2p_diloco:topk2", "p2p_diloco:sparse8"

@@ -138,7 +138,7 @@ class AveragingConfig:
 
 
 def _check_peer_ids(peer_ids: list[str], key: str) -> None:
-    from hivemind.p2p import PeerID  # local import: config stays free of hivemind at import
+    from p2p_diloco.hivemind_adapter.p2p import PeerID  # local import: config stays free of hivemind at import
 
     for peer_id in peer_ids:
         try:

@@ -166,7 +166,7 @@ def test_averages_are_served_again_to_the_all_reduces_senders_only(swarm):
 
     from hivemind.p2p import P2P
 
-    from p2p_diloco.swarm.averaging.hivemind_api import averaging_pb2
+    from p2p_diloco.hivemind_adapter.averaging import averaging_pb2
 
     dhts, averagers = swarm
     averager = make(dhts[:1], averagers)[0]

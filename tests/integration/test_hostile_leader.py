@@ -12,8 +12,8 @@ import time
 import pytest
 import torch
 
+from p2p_diloco.hivemind_adapter.averaging import AveragingStage
 from p2p_diloco.swarm.averaging.guard import FORGED, OFFENCES, STALL
-from p2p_diloco.swarm.averaging.hivemind_api import AveragingStage
 from tests.integration.test_byzantine import (
     CFG,
     TEMPLATES,

@@ -21,6 +21,7 @@ from hivemind.proto import dht_pb2
 from hivemind.utils import get_dht_time
 
 from p2p_diloco.config import AveragingConfig, DHTConfig
+from p2p_diloco.hivemind_adapter.dht import STORE_HANDLER
 from p2p_diloco.swarm import PseudoGradientAverager, fetch_progress, publish_progress, start_dht, visible_maddrs
 from p2p_diloco.swarm.averaging.averager import group_prefix, round_bits
 from p2p_diloco.swarm.discovery.progress import ProgressRecord, progress_key
@@ -28,7 +29,6 @@ from p2p_diloco.swarm.discovery.records import swarm_validators
 from p2p_diloco.swarm.discovery.storage_budget import (
     SENDER_SHARE,
     SHARES,
-    STORE_HANDLER,
     entry_cost,
     storage_totals,
 )

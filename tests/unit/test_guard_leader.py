@@ -289,7 +289,7 @@ def test_a_step_cancelled_as_its_all_reduce_ends_stops_quietly_and_other_errors_
 
     from hivemind.averaging.control import StepControl
 
-    from p2p_diloco.swarm.averaging.hivemind_api import MPFuture, cancel_step, quiet_if_cancelled
+    from p2p_diloco.hivemind_adapter.averaging import MPFuture, cancel_step, quiet_if_cancelled
 
     def step_control():
         trigger, signal = MPFuture(), MPFuture()  # (first: a StepControl cannot start hivemind's MPFuture backend)

@@ -1,5 +1,7 @@
-"""Contracts of the hivemind internals the averager and the DHT node's storage bound rely on (hivemind 1.1.12), one
-test per hook."""
+"""Contracts of the hivemind internals the project relies on (hivemind 1.1.12): every patch of
+:data:`~p2p_diloco.hivemind_adapter.registry.PATCHES`, every method replaced or called, every private attribute and
+every subclassed hivemind class, one test per hook; and that nothing outside the adapter package imports hivemind
+or names one of its private attributes."""
 
 from __future__ import annotations
 
@@ -7,7 +9,10 @@ import ast
 import asyncio
 import dataclasses
 import inspect
+import logging
+import re
 import subprocess
+from contextvars import ContextVar
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -17,21 +22,12 @@ from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.key_manager import GroupKeyManager
 from hivemind.p2p import PeerID
 
-from p2p_diloco.swarm.averaging.hivemind_api import (
-    ATTRIBUTES,
-    BEHIND_NAT_FLAGS,
-    CALLED,
-    HIVEMIND_BASES,
-    P2P,
-    REPLACED,
-    SUPPORTED_VERSION,
-    DecentralizedAverager,
-    Matchmaking,
-    behind_nat_mode,
-    check_version,
-)
-from p2p_diloco.swarm.averaging.serving import keep_round_key
+from p2p_diloco.hivemind_adapter import SUPPORTED_VERSION, check_version
+from p2p_diloco.hivemind_adapter.averaging import DecentralizedAverager, Matchmaking, keep_round_key
+from p2p_diloco.hivemind_adapter.p2p import BEHIND_NAT_FLAGS, P2P, behind_nat_mode
+from p2p_diloco.hivemind_adapter.registry import ATTRIBUTES, CALLED, HIVEMIND_BASES, PATCHES, REPLACED
 
+ADAPTER = Path(__file__).resolve().parents[2] / "p2p_diloco" / "hivemind_adapter"
 ME, OTHER = PeerID(b"\x00" * 34), PeerID(b"\x01" * 34)
 
 
@@ -76,11 +72,13 @@ def _kind(function) -> str:
 
 
 def _our_overrides() -> list[tuple[type, str, type]]:
-    """(our class, method, the hivemind class it overrides it in) for every method our averaging redefines."""
+    """(our class, method, the hivemind class it overrides it in) for every method our subclasses of hivemind's
+    classes (:data:`HIVEMIND_BASES`: the averaging, the DHT, its stores and validators) redefine."""
     from p2p_diloco.swarm.averaging import allreduce, averager, guard, server, serving, slices
+    from p2p_diloco.swarm.discovery import averager_keys, dht, records, storage_budget
 
     found = []
-    for module in (averager, server, serving, allreduce, slices, guard):
+    for module in (averager, server, serving, allreduce, slices, guard, dht, storage_budget, records, averager_keys):
         for cls in vars(module).values():
             if not inspect.isclass(cls) or cls.__module__ != module.__name__:
                 continue
@@ -98,12 +96,14 @@ def _our_overrides() -> list[tuple[type, str, type]]:
     return found
 
 
-def test_every_method_our_averaging_overrides_exists_in_hivemind_with_the_same_parameters():
+def test_every_method_our_subclasses_override_exists_in_hivemind_with_the_same_parameters():
     overrides = _our_overrides()
     names = {(ours.__name__, name) for ours, name, _ in overrides}
     # the walk finds the hooks it must (a walk that found nothing would pass anything)
     assert {("AveragingServer", "_aggregate_with_group"), ("ExactAllReduceRunner", "rpc_aggregate_part"),
-            ("RobustPartReducer", "accumulate_part"), ("GuardedAverager", "_step")} <= names, names
+            ("RobustPartReducer", "accumulate_part"), ("GuardedAverager", "_step"), ("BoundedStorage", "store"),
+            ("BoundedStorage", "store_subkey"), ("_DHT", "shutdown"), ("SignatureValidator", "validate")} <= names, \
+        names
     for ours, name, base in overrides:
         theirs = vars(base)[name]
         mine = vars(ours)[name]
@@ -111,7 +111,7 @@ def test_every_method_our_averaging_overrides_exists_in_hivemind_with_the_same_p
         assert _positional(mine) == _positional(theirs)[:len(_positional(mine))], (ours.__name__, name)
 
 
-def test_every_method_our_averaging_replaces_exists_in_hivemind_with_the_parameters_it_is_called_with():
+def test_every_method_we_replace_or_call_exists_in_hivemind_with_the_parameters_it_is_called_with():
     for (cls, name), parameters in (REPLACED | CALLED).items():
         assert hasattr(cls, name), (cls.__name__, name)
         assert tuple(inspect.signature(getattr(cls, name)).parameters) == parameters, (cls.__name__, name)
@@ -120,35 +120,77 @@ def test_every_method_our_averaging_replaces_exists_in_hivemind_with_the_paramet
 def test_every_private_attribute_we_use_is_one_hivemind_sets():
     """Each private attribute of :data:`ATTRIBUTES` is assigned in its hivemind class (a renamed one would make the
     adapter's accessor raise AttributeError deep in a round)."""
-    import re
-
     for (cls, name), _what in ATTRIBUTES.items():
         if name in vars(cls):  # a method (replaced on instances: REPLACED checks its parameters)
             continue
         source = inspect.getsource(cls)
-        assert re.search(rf"self\.{name}\s*(:[^=\n]*)?=[^=]", source), (cls.__name__, name)
+        assert re.search(rf"self\.{name}\b[^=\n]*=[^=]", source), (cls.__name__, name)
+
+
+def test_every_patch_is_applied_from_the_adapter_and_covered_by_a_contract_test_here():
+    """:data:`PATCHES` is the whole list: each patch is a function of the adapter package, and each has the tests of
+    this file that check the hivemind internals it relies on (a patch added without one fails here)."""
+    covered = {
+        "cap_received_messages": ["test_hivemind_buffers_the_length_a_peer_declares_so_the_message_cap_replaces_its_"
+                                  "reader"],
+        "behind_nat_mode": ["test_a_reachability_mode_added_to_hiveminds_table_starts_the_daemon_with_its_flags"],
+        "swap_store_class": ["test_a_bounded_store_keeps_the_parameters_and_the_layout_of_hiveminds",
+                             "test_a_node_makes_its_two_stores_once_so_a_class_swap_in_place_bounds_them"],
+        "name_store_senders": [
+            "test_a_dht_node_serves_store_requests_through_the_handler_that_storage_budget_wraps_to_name_the_sender",
+            "test_the_wrapped_store_handler_names_the_sender_to_the_stores_it_makes_and_only_to_them"],
+        "quiet_vanished_senders": [
+            "test_hivemind_logs_a_vanished_senders_traceback_in_the_dht_loop_and_the_filter_drops_it"],
+        "wrap_join_request": [
+            "test_hivemind_relays_the_records_through_the_leader_and_forgets_it_so_a_follower_notes_both",
+            "test_guarded_matchmaking_hands_back_the_group_under_its_view_id_with_its_origin"],
+        "replace_group_assembly": [
+            "test_hivemind_relays_the_records_through_the_leader_and_forgets_it_so_a_follower_notes_both",
+            "test_guarded_matchmaking_hands_back_the_group_under_its_view_id_with_its_origin"],
+        "keep_round_key": ["test_hivemind_moves_the_group_key_after_every_assembled_group_and_keep_round_key_stops_it"],
+    }
+    assert set(covered) == set(PATCHES)
+    for name, patch in PATCHES.items():
+        assert patch.apply.__module__.startswith("p2p_diloco.hivemind_adapter."), name
+        assert patch.scope in ("process", "instance") and patch.target and patch.why, name
+        assert all(callable(globals().get(test)) for test in covered[name]), (name, covered[name])
+
+
+def _private_names() -> set[str]:
+    """The private names of hivemind the adapter lists (attributes read or written, methods replaced or called)."""
+    return {name for _cls, name in (*ATTRIBUTES, *REPLACED, *CALLED) if name.startswith("_")}
 
 
 def test_no_private_hivemind_name_is_used_outside_the_adapter():
-    """The private names of hivemind that the adapter lists (attributes read or written, methods replaced or called)
-    appear nowhere else in the package: everything reaches them through hivemind_api.py."""
-    private = {name for _cls, name in (*ATTRIBUTES, *REPLACED, *CALLED) if name.startswith("_")}
-    assert {"_running_groups", "_matchmaking", "_ban_sender", "_request_join_group"} <= private
+    """The private names of hivemind that the adapter lists appear nowhere else in the package, and no other module
+    swaps an object's class: everything reaches them through p2p_diloco/hivemind_adapter/."""
+    private = _private_names()
+    assert {"_running_groups", "_matchmaking", "_ban_sender", "_request_join_group", "_validators", "_client",
+            "_private_key", "__setstate__", "_data_for_gather"} <= private
     offenders = []
     for where, node in _nodes_outside_the_adapter():
         named = node.attr if isinstance(node, ast.Attribute) else \
             node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
         if named in private:
             offenders.append(f"{where}:{node.lineno}: {named}")
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Attribute) and t.attr == "__class__"
+                                                for t in node.targets):
+            offenders.append(f"{where}:{node.lineno}: __class__ swapped")
     assert not offenders, offenders
 
 
 def _nodes_outside_the_adapter():
-    """(file, AST node) of every module of the package but hivemind_api.py."""
-    package = Path(__file__).resolve().parents[2] / "p2p_diloco"
-    for path in package.rglob("*.py"):
-        if path.name != "hivemind_api.py":
+    """(file, AST node) of every module of the package but those of the adapter package."""
+    package = ADAPTER.parent
+    for path in sorted(package.rglob("*.py")):
+        if ADAPTER not in path.parents:
             yield from ((path.relative_to(package), node) for node in ast.walk(ast.parse(path.read_text())))
+
+
+def test_the_walk_of_the_package_sees_its_modules_and_skips_the_adapter():
+    files = {str(where) for where, node in _nodes_outside_the_adapter() if isinstance(node, ast.Module)}
+    assert {"swarm/discovery/dht.py", "swarm/averaging/serving.py", "compression/codecs.py"} <= files
+    assert not any(f.startswith("hivemind_adapter/") for f in files)
 
 
 def test_another_hivemind_version_is_refused_with_the_one_to_install():
@@ -157,14 +199,19 @@ def test_another_hivemind_version_is_refused_with_the_one_to_install():
         check_version("1.2.0")
 
 
-def test_only_the_adapter_imports_hivemind_internals():
-    """hivemind's averaging, its asyncio helpers, averaging protobufs and P2P contexts are reached through
-    p2p_diloco/swarm/averaging/hivemind_api.py only."""
-    internal = ("hivemind.averaging", "hivemind.utils.asyncio", "hivemind.utils.mpfuture")
-    internal_names = {"averaging_pb2", "P2PContext", "MPFuture"}
-    offenders = [f"{where}: from {node.module} import ..." for where, node in _nodes_outside_the_adapter()
-                 if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("hivemind") and (
-                     node.module.startswith(internal) or internal_names & {a.name for a in node.names})]
+def test_only_the_adapter_imports_hivemind():
+    """No module of the package outside p2p_diloco/hivemind_adapter/ imports hivemind, public names included: they
+    are re-exported by the adapter."""
+    offenders = []
+    for where, node in _nodes_outside_the_adapter():
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        else:
+            continue
+        offenders += [f"{where}:{node.lineno}: import {name}" for name in names
+                      if name == "hivemind" or name.startswith("hivemind.")]
     assert not offenders, offenders
 
 
@@ -256,16 +303,17 @@ def test_guarded_matchmaking_hands_back_the_group_under_its_view_id_with_its_ori
 
 
 def test_hivemind_buffers_the_length_a_peer_declares_so_the_message_cap_replaces_its_reader():
-    """Why limits.install_message_cap replaces P2P.receive_raw_data: hivemind reads an 8-byte length header and then
-    that many bytes, whatever the length; every protobuf message of a stream is read through P2P.receive_raw_data,
-    looked up on the class at each call (so replacing it there covers every stream of the process). Our copy reads
-    the header as hivemind does, and refuses a length above the cap before reading on."""
-    from p2p_diloco.swarm.averaging.hivemind_api import P2P
-    from p2p_diloco.swarm.averaging.limits import MessageTooLargeError, install_message_cap
+    """Why cap_received_messages (installed by limits.install_message_cap) replaces P2P.receive_raw_data: hivemind
+    reads an 8-byte length header and then that many bytes, whatever the length; every protobuf message of a stream
+    is read through P2P.receive_raw_data, looked up on the class at each call (so replacing it there covers every
+    stream of the process). Our copy reads the header as hivemind does, and refuses a length above the cap before
+    reading on."""
+    from p2p_diloco.hivemind_adapter.p2p import MessageTooLargeError, cap_received_messages
+    from p2p_diloco.swarm.averaging.limits import MAX_MESSAGE_BYTES, install_message_cap
 
     install_message_cap()
     installed = P2P.receive_raw_data
-    install_message_cap()  # idempotent
+    cap_received_messages(MAX_MESSAGE_BYTES)  # idempotent
     assert P2P.receive_raw_data is installed and installed.message_cap
     theirs = installed.__wrapped__
     source = _source(theirs)
@@ -292,7 +340,7 @@ def test_hivemind_signals_a_cancel_before_the_step_reads_cancelled_so_cancel_ste
     cancelled step matching in. cancel_step marks the step first; the signal is still sent, once."""
     from hivemind.averaging.control import StepControl
 
-    from p2p_diloco.swarm.averaging.hivemind_api import MPFuture, cancel_step
+    from p2p_diloco.hivemind_adapter.averaging import MPFuture, cancel_step
 
     def step_seen_at_signal(cancel) -> list[bool]:
         trigger, signal = MPFuture(), MPFuture()  # (first: a StepControl cannot start hivemind's MPFuture backend)
@@ -315,7 +363,7 @@ def test_set_data_for_gather_changes_what_a_step_gathers():
     from the training process): hivemind's StepControl keeps it in _data_for_gather, read by data_for_gather."""
     from hivemind.averaging.control import StepControl
 
-    from p2p_diloco.swarm.averaging.hivemind_api import MPFuture, set_data_for_gather
+    from p2p_diloco.hivemind_adapter.averaging import MPFuture, set_data_for_gather
 
     MPFuture()  # (first: a StepControl cannot start hivemind's MPFuture backend, and a test alone has none yet)
     control = StepControl(scheduled_time=0.0, deadline=float("inf"), allow_retries=True, weight=1.0,
@@ -378,16 +426,16 @@ def test_hivemind_keeps_the_last_state_served_until_the_next_request_so_a_state_
 
 
 def test_a_dht_node_serves_store_requests_through_the_handler_that_storage_budget_wraps_to_name_the_sender():
-    """Why storage_budget._name_senders wraps the entry of the daemon client's table of unary handlers named
-    ``DHTProtocol.rpc_store``: hivemind registers the node's rpc_store there (bound when the node starts, so a class
-    swap cannot reach it), the client calls it with the request and the sender's peer id from the daemon, and
-    rpc_store makes its stores within that call, through the node's storage or cache."""
+    """Why name_store_senders (called by storage_budget) wraps the entry of the daemon client's table of unary
+    handlers named ``DHTProtocol.rpc_store``: hivemind registers the node's rpc_store there (bound when the node
+    starts, so a class swap cannot reach it), the client calls it with the request and the sender's peer id from the
+    daemon, and rpc_store makes its stores within that call, through the node's storage or cache."""
     from hivemind.dht.node import DHTNode
     from hivemind.dht.protocol import DHTProtocol
     from hivemind.p2p.p2p_daemon_bindings.control import ControlClient
     from hivemind.p2p.p2p_daemon_bindings.p2pclient import Client
 
-    from p2p_diloco.swarm.discovery.storage_budget import STORE_HANDLER
+    from p2p_diloco.hivemind_adapter.dht import STORE_HANDLER
 
     assert DHTProtocol._get_handle_name(None, "rpc_store") == STORE_HANDLER
     assert "await self.add_p2p_handlers(self.p2p, AuthRPCWrapper(self, AuthRole.SERVICER, self.authorizer))" \
@@ -413,30 +461,30 @@ def test_a_dht_node_serves_store_requests_through_the_handler_that_storage_budge
 
 
 def test_the_wrapped_store_handler_names_the_sender_to_the_stores_it_makes_and_only_to_them():
-    from p2p_diloco.swarm.discovery import storage_budget
+    from p2p_diloco.hivemind_adapter.dht import STORE_HANDLER, name_store_senders
 
+    sender: ContextVar = ContextVar("sender", default=None)
     seen = []
 
     async def theirs(request: bytes, remote_id) -> bytes:
-        seen.append(storage_budget._SENDER.get())
+        seen.append(sender.get())
         return request
 
-    p2p = SimpleNamespace(_client=SimpleNamespace(control=SimpleNamespace(unary_handlers={
-        storage_budget.STORE_HANDLER: theirs})))
-    storage_budget._name_senders(p2p)
-    wrapped = p2p._client.control.unary_handlers[storage_budget.STORE_HANDLER]
-    storage_budget._name_senders(p2p)  # idempotent
-    assert p2p._client.control.unary_handlers[storage_budget.STORE_HANDLER] is wrapped
+    p2p = SimpleNamespace(_client=SimpleNamespace(control=SimpleNamespace(unary_handlers={STORE_HANDLER: theirs})))
+    name_store_senders(p2p, sender)
+    wrapped = p2p._client.control.unary_handlers[STORE_HANDLER]
+    name_store_senders(p2p, sender)  # idempotent
+    assert p2p._client.control.unary_handlers[STORE_HANDLER] is wrapped
     assert asyncio.run(wrapped(b"request", OTHER)) == b"request"
-    assert seen == [OTHER.to_bytes()] and storage_budget._SENDER.get() is None
-    storage_budget._name_senders(SimpleNamespace(_client=SimpleNamespace(control=SimpleNamespace(
-        unary_handlers={}))))  # a node in client mode serves no stores: nothing to wrap
+    assert seen == [OTHER.to_bytes()] and sender.get() is None
+    name_store_senders(SimpleNamespace(_client=SimpleNamespace(control=SimpleNamespace(unary_handlers={}))),
+                       sender)  # a node in client mode serves no stores: nothing to wrap
 
 
 def test_a_bounded_store_keeps_the_parameters_and_the_layout_of_hiveminds():
-    """storage_budget swaps the class of hivemind's stores for BoundedStorage: its two overrides take hivemind's
-    parameters; it reads ``data`` and deletes through ``__delitem__`` (of TimedStorage and of a dictionary value), and
-    releases a plain value that hivemind's store_subkey replaces with a new dictionary."""
+    """storage_budget swaps the class of hivemind's stores for BoundedStorage (swap_store_class): its two overrides
+    take hivemind's parameters; it reads ``data`` and deletes through ``__delitem__`` (of TimedStorage and of a
+    dictionary value), and releases a plain value that hivemind's store_subkey replaces with a new dictionary."""
     from hivemind.dht.storage import DHTLocalStorage, DictionaryDHTValue
     from hivemind.utils.timed_storage import TimedStorage
 
@@ -450,3 +498,92 @@ def test_a_bounded_store_keeps_the_parameters_and_the_layout_of_hiveminds():
     assert "if isinstance(previous_value, BinaryDHTValue) and expiration_time > previous_expiration_time: " \
            "new_storage = DictionaryDHTValue()" in replaced
     assert isinstance(DHTLocalStorage().data, dict)
+
+
+
+def test_a_node_makes_its_two_stores_once_so_a_class_swap_in_place_bounds_them():
+    """What swap_store_class relies on: a DHT node's protocol makes its storage and cache once, as plain
+    DHTLocalStorage objects (no __slots__: a subclass adding attributes shares their layout), and serves every store
+    through them; the swap keeps what a store holds and refuses a class that is not a subclass."""
+    from hivemind.dht.protocol import DHTProtocol
+    from hivemind.dht.routing import DHTID
+    from hivemind.dht.storage import DHTLocalStorage
+    from hivemind.utils import get_dht_time
+
+    from p2p_diloco.hivemind_adapter.dht import swap_store_class
+
+    assert "self.storage, self.cache = DHTLocalStorage(), DHTLocalStorage(maxsize=cache_size)" \
+        in _source(DHTProtocol._init_protocol) if hasattr(DHTProtocol, "_init_protocol") else \
+        "self.storage, self.cache = DHTLocalStorage(), DHTLocalStorage(maxsize=cache_size)" \
+        in " ".join(inspect.getsource(DHTProtocol).split())
+    assert all("__slots__" not in vars(cls) for cls in DHTLocalStorage.__mro__ if cls.__module__.startswith("hivemind"))
+
+    class Counted(DHTLocalStorage):
+        def store(self, key, value, expiration_time, subkey=None) -> bool:
+            self.count = getattr(self, "count", 0) + 1
+            return super().store(key, value, expiration_time, subkey)
+
+    store, key = DHTLocalStorage(), DHTID.generate(source="k")
+    store.store(key, b"kept", get_dht_time() + 60)
+    swap_store_class(store, Counted)
+    assert type(store) is Counted and store.get(key).value == b"kept"
+    assert store.store(DHTID.generate(source="other"), b"new", get_dht_time() + 60) and store.count == 1
+    with pytest.raises(TypeError):
+        swap_store_class(DHTLocalStorage(), dict)
+
+
+def test_hivemind_logs_a_vanished_senders_traceback_in_the_dht_loop_and_the_filter_drops_it():
+    """quiet_vanished_senders filters, on hivemind's DHT logger, the traceback DHT._run logs when the pipe of a
+    request's sender cannot be read (an OSError); anything else that logger logs passes."""
+    from hivemind.dht import dht as hivemind_dht
+
+    from p2p_diloco.hivemind_adapter.logs import DHT_LOGGER, _not_a_vanished_sender, quiet_vanished_senders
+
+    assert hivemind_dht.logger.name == DHT_LOGGER
+    loop = _source(hivemind_dht.DHT.run)
+    assert "async def _run():" in loop
+    assert "method, args, kwargs = self._inner_pipe.recv() except (OSError, ConnectionError, RuntimeError) as e: " \
+           "logger.exception(e)" in loop
+    quiet_vanished_senders()
+    quiet_vanished_senders()  # idempotent
+    assert logging.getLogger(DHT_LOGGER).filters.count(_not_a_vanished_sender) == 1
+
+    def record(function: str, error: BaseException | None) -> logging.LogRecord:
+        made = logging.LogRecord(DHT_LOGGER, logging.ERROR, __file__, 1, "message", None,
+                                 (type(error), error, None) if error else None, func=function)
+        return made
+
+    logger = logging.getLogger(DHT_LOGGER)
+    assert not logger.filter(record("_run", OSError("pipe gone")))
+    assert logger.filter(record("_run", ValueError("other")))
+    assert logger.filter(record("_run", None)) and logger.filter(record("store", OSError("elsewhere")))
+
+
+def test_a_private_key_comes_back_from_its_der_bytes_through_hiveminds_unpickling():
+    """private_key_from_der builds hivemind's RSAPrivateKey through __setstate__, which loads the DER bytes of
+    _private_key (the state hivemind's own __getstate__ makes)."""
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    from p2p_diloco.hivemind_adapter.crypto import private_key_from_der
+
+    assert "self._private_key = serialization.load_der_private_key(self._private_key, password=None)" \
+        in _source(RSAPrivateKey.__setstate__)
+    assert 'state["_private_key"] = self.to_bytes()' in _source(RSAPrivateKey.__getstate__)
+    original = RSAPrivateKey()
+    copy = private_key_from_der(original.to_bytes())
+    assert copy.get_public_key().to_bytes() == original.get_public_key().to_bytes()
+    assert original.get_public_key().verify(b"data", copy.sign(b"data"))
+
+
+def test_a_nodes_validators_are_read_from_hiveminds_composite():
+    """validators_of reads CompositeValidator._validators (the node's record_validator), in its order."""
+    from hivemind.dht.validation import CompositeValidator
+
+    from p2p_diloco.hivemind_adapter.crypto import RSAPrivateKey
+    from p2p_diloco.hivemind_adapter.dht import validators_of
+    from p2p_diloco.swarm.discovery.records import RecordBounds, SignatureValidator
+
+    bounds, signer = RecordBounds(), SignatureValidator(RSAPrivateKey())
+    composite = CompositeValidator([bounds, signer])
+    assert set(map(id, validators_of(composite))) == {id(bounds), id(signer)}
+    assert validators_of(bounds) == [bounds]

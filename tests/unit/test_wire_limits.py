@@ -22,8 +22,8 @@ from hivemind.utils.streaming import split_for_streaming
 
 from p2p_diloco.compression import CODECS, decode_tensor
 from p2p_diloco.config import AveragingConfig, ConfigError
+from p2p_diloco.hivemind_adapter.p2p import P2P
 from p2p_diloco.swarm.averaging import limits
-from p2p_diloco.swarm.averaging.hivemind_api import P2P
 from p2p_diloco.swarm.averaging.limits import MessageTooLargeError, StateGate
 
 SMALL_BYTES = 2**16  # more than any check should allocate; far less than what the attacks ask for

@@ -59,9 +59,7 @@ import torch
 
 from p2p_diloco.compression.codecs import average_rounding, decode_tensor
 from p2p_diloco.faults import HONEST, Honest
-from p2p_diloco.swarm.averaging.digests import slice_digest
-from p2p_diloco.swarm.averaging.guard import BAD_AVERAGE, IMPLAUSIBLE, MALFORMED, NOT_IN_GROUP, STALL
-from p2p_diloco.swarm.averaging.hivemind_api import (
+from p2p_diloco.hivemind_adapter.averaging import (
     AllreduceException,
     AllReduceRunner,
     BannedException,
@@ -78,6 +76,8 @@ from p2p_diloco.swarm.averaging.hivemind_api import (
     input_parts,
     outputs_registered,
 )
+from p2p_diloco.swarm.averaging.digests import slice_digest
+from p2p_diloco.swarm.averaging.guard import BAD_AVERAGE, IMPLAUSIBLE, MALFORMED, NOT_IN_GROUP, STALL
 from p2p_diloco.swarm.averaging.robust import RobustRule, pair_excess
 from p2p_diloco.swarm.averaging.slices import RobustPartReducer, ServedAverages
 

@@ -33,9 +33,9 @@ import torch
 
 from p2p_diloco.config import AveragingConfig
 from p2p_diloco.faults import HONEST, Honest
+from p2p_diloco.hivemind_adapter.averaging import AllreduceException, AveragingStage, cancel_step
 from p2p_diloco.round.outcome import RoundOutcome
 from p2p_diloco.swarm.averaging.allreduce import BYTES_RECEIVED, BYTES_SENT
-from p2p_diloco.swarm.averaging.hivemind_api import AllreduceException, AveragingStage, cancel_step
 from p2p_diloco.swarm.averaging.server import AveragingServer
 
 logger = logging.getLogger(__name__)

@@ -31,8 +31,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from typing import Optional
 
-from hivemind.utils import get_dht_time
-
+from p2p_diloco.hivemind_adapter.dht import get_dht_time
 from p2p_diloco.swarm.discovery.records import peer_id_of_owner
 
 logger = logging.getLogger(__name__)

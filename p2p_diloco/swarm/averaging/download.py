@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from p2p_diloco.swarm.averaging.hivemind_api import PeerID, averaging_pb2, p2p_of
+from p2p_diloco.hivemind_adapter.averaging import PeerID, averaging_pb2, p2p_of
 
 logger = logging.getLogger(__name__)
 

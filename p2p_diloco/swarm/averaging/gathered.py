@@ -26,7 +26,7 @@ from typing import Optional
 import msgpack
 
 from p2p_diloco.compression.sparse import CHUNK
-from p2p_diloco.swarm.averaging.hivemind_api import AveragingMode
+from p2p_diloco.hivemind_adapter.averaging import AveragingMode
 
 MAX_GATHERED_BYTES = 4096  # an honest record is about 150 bytes
 MAX_GROUP_SIZE = 256  # members of one group (hivemind's butterfly opens a stream per member pair)

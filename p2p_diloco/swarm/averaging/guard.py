@@ -36,17 +36,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional
 
+from p2p_diloco.hivemind_adapter.averaging import (
+    AllreduceException,
+    AveragingMode,
+    PeerID,
+    averaging_pb2,
+)
 from p2p_diloco.medians import lower_median
 from p2p_diloco.swarm.averaging.digests import EQUIVOCATED, OUTVOTED
 from p2p_diloco.swarm.averaging.gathered import (
     GatheredError,
     decode_record,
-)
-from p2p_diloco.swarm.averaging.hivemind_api import (
-    AllreduceException,
-    AveragingMode,
-    PeerID,
-    averaging_pb2,
 )
 from p2p_diloco.swarm.averaging.robust import MALFORMED, NONFINITE, TOO_LARGE, cap_weights
 

@@ -3,15 +3,15 @@
 - **Messages.** hivemind's ``P2P.receive_raw_data`` reads an 8-byte length header and then buffers as many bytes as
   it declares, before any handler (and any allowlist check) of ours sees the message: one peer could make this
   process buffer up to 2**64 bytes per stream. :func:`install_message_cap` replaces it, for the whole process, with a
-  copy that refuses a declared length above :data:`MAX_MESSAGE_BYTES` before reading it; hivemind closes a stream
-  whose read raises, and goes on serving the others. The cap does not depend on the model: hivemind cuts what an
+  copy that refuses a declared length above :data:`MAX_MESSAGE_BYTES` before reading it
+  (:func:`~p2p_diloco.hivemind_adapter.p2p.cap_received_messages`); hivemind closes a stream whose read raises, and
+  goes on serving the others. The cap does not depend on the model: hivemind cuts what an
   honest peer sends into messages of bounded size (all-reduce parts of ``part_size_bytes``, 512 KiB after
   compression, plus our codecs' scales; state tensors in chunks of 64 KiB; metadata of a few KiB), so 64 MiB is two
   orders of magnitude above the largest honest message, whatever the model. It is installed on import: every process
   that runs averaging code imports this module through :mod:`~p2p_diloco.swarm.averaging.guard`, and the averager's
   and the DHT's background processes are forked from one that did. (The DHT's own requests are unary calls, which
-  the p2p daemon bounds itself: 4 MiB.) Upstream fix to suggest: a ``max_msg_size`` of ``P2P`` checked in
-  ``receive_raw_data``, as the daemon's ``persistent_conn_max_msg_size`` is for unary calls.
+  the p2p daemon bounds itself: 4 MiB.)
 - **State streams.** Every state request makes the training process copy the stage's anchor and momentum, and the
   stream holds that copy until its reader has read it all. :class:`StateGate` serves at most
   ``averaging.state_streams`` streams at once, one per peer, refusing the others before any copy is made (a refused
@@ -26,15 +26,12 @@
   reads faster than they do: to keep it out they must take the state faster than it (their own bandwidth) or bring
   a fresh identity for every slot they take from another. Called by
   :meth:`~p2p_diloco.swarm.averaging.serving.GuardedAverager.rpc_download_state`.
-
-The hivemind internal replaced here is imported through :mod:`~p2p_diloco.swarm.averaging.hivemind_api`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import time
 from collections import OrderedDict
@@ -42,7 +39,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Optional, TypeVar
 
-from p2p_diloco.swarm.averaging.hivemind_api import P2P
+from p2p_diloco.hivemind_adapter.p2p import MessageTooLargeError, cap_received_messages, message_cap_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -54,39 +51,15 @@ MAX_COOLED_PEERS = 4096  # peers remembered as cooling down (the oldest are forg
 
 T = TypeVar("T")
 
-
-class MessageTooLargeError(ValueError):
-    """A peer declared a message larger than this process accepts."""
-
-
-_cap = {"bytes": MAX_MESSAGE_BYTES}
+__all__ = [
+    "MAX_MESSAGE_BYTES", "MessageTooLargeError", "StateGate", "install_message_cap", "message_cap_bytes",
+]
 
 
 def install_message_cap(max_bytes: int = MAX_MESSAGE_BYTES) -> None:
     """Refuse every message above ``max_bytes`` that this process's hivemind ``P2P`` receives (idempotent; a later
     call only changes the cap)."""
-    if max_bytes < 1:
-        raise ValueError(f"a message cap must be at least 1 byte, got {max_bytes}")
-    _cap["bytes"] = max_bytes
-    if getattr(P2P.receive_raw_data, "message_cap", False):
-        return
-
-    @functools.wraps(P2P.receive_raw_data)
-    async def receive_raw_data(reader: asyncio.StreamReader) -> bytes:
-        header = await reader.readexactly(P2P.HEADER_LEN)
-        length = int.from_bytes(header, P2P.BYTEORDER)
-        if length > _cap["bytes"]:
-            raise MessageTooLargeError(f"a peer declared a message of {length} bytes, more than this process accepts "
-                                       f"({_cap['bytes']}): stream closed")
-        return await reader.readexactly(length)
-
-    receive_raw_data.message_cap = True
-    P2P.receive_raw_data = staticmethod(receive_raw_data)
-
-
-def message_cap_bytes() -> int:
-    """The largest message this process accepts."""
-    return _cap["bytes"]
+    cap_received_messages(max_bytes)
 
 
 @dataclass(eq=False)

@@ -38,21 +38,7 @@ from p2p_diloco.compression.codecs import codec_for, result_codec
 from p2p_diloco.compression.policy import CompressionPolicy
 from p2p_diloco.config import AveragingConfig
 from p2p_diloco.faults import HONEST, Honest, fault_point
-from p2p_diloco.monitoring.memtrace import MemoryTrace
-from p2p_diloco.process import (
-    die_with_parent,
-    freeze_before_fork,
-    leave_signals_to_parent,
-    lower_priority,
-    name_process,
-    ready_or_killed,
-    release_free_memory,
-)
-from p2p_diloco.swarm.averaging.allreduce import BYTES_RECEIVED, ExactAllReduceRunner
-from p2p_diloco.swarm.averaging.digests import exchange_digests, judge
-from p2p_diloco.swarm.averaging.download import download_from
-from p2p_diloco.swarm.averaging.guard import MAX_CATCH_UP, GroupView, PeerGuard, read_group
-from p2p_diloco.swarm.averaging.hivemind_api import (
+from p2p_diloco.hivemind_adapter.averaging import (
     AllreduceException,
     CompressionInfo,
     DecentralizedAverager,
@@ -69,6 +55,20 @@ from p2p_diloco.swarm.averaging.hivemind_api import (
     quiet_if_cancelled,
     running_groups,
 )
+from p2p_diloco.monitoring.memtrace import MemoryTrace
+from p2p_diloco.process import (
+    die_with_parent,
+    freeze_before_fork,
+    leave_signals_to_parent,
+    lower_priority,
+    name_process,
+    ready_or_killed,
+    release_free_memory,
+)
+from p2p_diloco.swarm.averaging.allreduce import BYTES_RECEIVED, ExactAllReduceRunner
+from p2p_diloco.swarm.averaging.digests import exchange_digests, judge
+from p2p_diloco.swarm.averaging.download import download_from
+from p2p_diloco.swarm.averaging.guard import MAX_CATCH_UP, GroupView, PeerGuard, read_group
 from p2p_diloco.swarm.averaging.reduce import RoundReducer
 from p2p_diloco.swarm.averaging.robust import RobustRule, average_bound
 from p2p_diloco.swarm.averaging.serving import GuardedAverager

@@ -23,10 +23,7 @@ from functools import partial
 from typing import Optional
 
 from p2p_diloco.faults import HONEST, Honest
-from p2p_diloco.swarm.averaging.allreduce import BYTES_SENT
-from p2p_diloco.swarm.averaging.gathered import MAX_GATHERED_BYTES, join_refusal, relayed_group_refusal
-from p2p_diloco.swarm.averaging.guard import NOT_IN_GROUP, OVERSIZED, GroupViews, PeerGuard
-from p2p_diloco.swarm.averaging.hivemind_api import (
+from p2p_diloco.hivemind_adapter.averaging import (
     AllreduceException,
     P2PContext,
     achain,
@@ -38,6 +35,9 @@ from p2p_diloco.swarm.averaging.hivemind_api import (
     set_data_for_gather,
     wrap_join_request,
 )
+from p2p_diloco.swarm.averaging.allreduce import BYTES_SENT
+from p2p_diloco.swarm.averaging.gathered import MAX_GATHERED_BYTES, join_refusal, relayed_group_refusal
+from p2p_diloco.swarm.averaging.guard import NOT_IN_GROUP, OVERSIZED, GroupViews, PeerGuard
 from p2p_diloco.swarm.averaging.limits import StateGate
 from p2p_diloco.swarm.averaging.slices import ServedAverages
 from p2p_diloco.swarm.averaging.state_host import StateHost

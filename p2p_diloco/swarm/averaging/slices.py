@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from p2p_diloco.swarm.averaging.hivemind_api import AllreduceException, BannedException, TensorPartReducer
+from p2p_diloco.hivemind_adapter.averaging import AllreduceException, BannedException, TensorPartReducer
 from p2p_diloco.swarm.averaging.robust import RobustRule, combine
 
 

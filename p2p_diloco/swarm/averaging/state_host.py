@@ -22,7 +22,7 @@ import threading
 import weakref
 from collections.abc import Callable
 
-from p2p_diloco.swarm.averaging.hivemind_api import MPFuture
+from p2p_diloco.hivemind_adapter.averaging import MPFuture
 
 logger = logging.getLogger(__name__)
 

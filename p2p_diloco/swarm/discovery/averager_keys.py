@@ -29,8 +29,8 @@ import math
 from collections.abc import Callable, Sequence
 
 import numpy as np
-from hivemind.dht.protocol import DHTProtocol
-from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+
+from p2p_diloco.hivemind_adapter.dht import DHTProtocol, DHTRecord, RecordValidatorBase
 
 ROUND_BITS = 16
 """The group key's round bits (``p2p_diloco.swarm.averaging.averager.ROUND_BITS``; a unit test keeps them equal)."""
@@ -113,7 +113,7 @@ class AveragerKeys(RecordValidatorBase):
 def _is_declaration(record: DHTRecord, value_ok: Callable[[object], bool]) -> bool:
     """Whether ``record`` is an entry as an averager declares it: a peer id's subkey, a short value that
     ``value_ok``, an expiration at most :data:`MAX_DECLARATION_TTL_S` ahead."""
-    from hivemind.utils import get_dht_time
+    from p2p_diloco.hivemind_adapter.dht import get_dht_time
 
     if not record.expiration_time <= get_dht_time() + MAX_DECLARATION_TTL_S:  # NaN too
         return False

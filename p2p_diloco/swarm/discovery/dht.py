@@ -1,8 +1,9 @@
 """Starting a hivemind DHT node from a :class:`DHTConfig`, with errors a user can act on.
 
 Called by the peer and bootstrap commands and by tests. The node is hivemind's, running its own p2pd daemon; a node
-behind NAT with ``use_auto_relay`` takes its initial peers as relays at once (``hivemind_api.behind_nat_mode``), and
-every node that accepts connections answers dial-back checks (:mod:`~p2p_diloco.swarm.discovery.reachability`).
+behind NAT with ``use_auto_relay`` takes its initial peers as relays at once
+(:func:`~p2p_diloco.hivemind_adapter.p2p.behind_nat_mode`), and every node that accepts connections answers
+dial-back checks (:mod:`~p2p_diloco.swarm.discovery.reachability`).
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Optional
 
-import hivemind
-
 from p2p_diloco.config import DHTConfig
 from p2p_diloco.config.network import JOIN_MARGIN_S
+from p2p_diloco.hivemind_adapter.dht import DHT
+from p2p_diloco.hivemind_adapter.logs import quiet_vanished_senders
+from p2p_diloco.hivemind_adapter.p2p import behind_nat_mode
 from p2p_diloco.process import (
     die_with_parent,
     freeze_before_fork,
@@ -26,7 +28,6 @@ from p2p_diloco.process import (
     name_process,
     ready_or_killed,
 )
-from p2p_diloco.swarm.averaging.hivemind_api import behind_nat_mode
 from p2p_diloco.swarm.discovery.identity import IdentityLock, ensure_identity, load_signing_key
 from p2p_diloco.swarm.discovery.reachability import serve_dial_back
 from p2p_diloco.swarm.discovery.records import bind_signer, with_signer
@@ -40,7 +41,7 @@ READY_MARGIN_S = JOIN_MARGIN_S  # see its docstring in config.network
 RETRY_AFTER_S = 1.0  # between two starts of a node whose initial peers did not answer a ping in time
 
 
-class _DHT(hivemind.DHT):
+class _DHT(DHT):
     """hivemind's DHT process, which dies with the process that started it (no orphans). It and the p2pd daemon it
     starts run at training's CPU priority: they use little CPU, but every message of the swarm waits for them (at a
     lower priority, on a busy machine, matchmaking requests timed out and groups formed without their members). It
@@ -53,7 +54,7 @@ class _DHT(hivemind.DHT):
         name_process("diloco-dht")
         leave_signals_to_parent(own_group=True)  # a signal to the peer's group is for the peer to handle
         behind_nat_mode()  # (registered by the parent already, unless this process was not forked from it)
-        logging.getLogger("hivemind.dht.dht").addFilter(_not_a_vanished_sender)
+        quiet_vanished_senders()  # the traceback of a request whose sender vanished
         try:
             super().run()
         except (EOFError, OSError) as e:
@@ -75,14 +76,6 @@ class _DHT(hivemind.DHT):
         finally:
             if self.identity_lock is not None:
                 self.identity_lock.release()
-
-
-def _not_a_vanished_sender(record: logging.LogRecord) -> bool:
-    """Drops the traceback hivemind logs when a process that sent this DHT a request (an averager shutting down
-    with its periodic store in flight) is gone before the request could be read (the pipe's resources went with
-    it): harmless, the DHT carries on, but it would print a traceback above the one-line error of a peer that
-    stops early."""
-    return not (record.funcName == "_run" and record.exc_info and isinstance(record.exc_info[1], OSError))
 
 
 def start_dht(cfg: DHTConfig, record_validators: Iterable = (), check_identity_free: bool = True,

@@ -124,7 +124,7 @@ def _well_formed(value) -> bool:
 
 
 def publish_fingerprint(dht, run_id: str, fingerprint: dict[str, Any], ttl_s: float) -> None:
-    from hivemind.utils import get_dht_time
+    from p2p_diloco.hivemind_adapter.dht import get_dht_time
 
     dht.store(config_key(run_id), subkey=record_owner(dht, run_id), value=fingerprint,
               expiration_time=get_dht_time() + ttl_s, return_future=True)

@@ -20,15 +20,14 @@ from p2p_diloco.swarm.errors import SwarmError
 
 
 def _generate_key_bytes() -> bytes:
-    from hivemind.proto import crypto_pb2
-    from hivemind.utils.crypto import RSAPrivateKey
+    from p2p_diloco.hivemind_adapter.crypto import RSAPrivateKey, crypto_pb2
 
     private_key = RSAPrivateKey()
     return crypto_pb2.PrivateKey(key_type=crypto_pb2.KeyType.RSA, data=private_key.to_bytes()).SerializeToString()
 
 
 def _peer_id_of(data: bytes, path: Path) -> str:
-    from hivemind.p2p import PeerID
+    from p2p_diloco.hivemind_adapter.p2p import PeerID
 
     try:
         return PeerID.from_identity(data).to_base58()
@@ -39,8 +38,7 @@ def _peer_id_of(data: bytes, path: Path) -> str:
 def load_signing_key(path: str | Path):
     """The RSA private key of an identity file, as hivemind's ``RSAPrivateKey``: the key the node's DHT records are
     signed with, so that a record's writer is the node's libp2p identity (see ``swarm.discovery.records``)."""
-    from hivemind.proto import crypto_pb2
-    from hivemind.utils.crypto import RSAPrivateKey
+    from p2p_diloco.hivemind_adapter.crypto import crypto_pb2, private_key_from_der
 
     path = Path(path).expanduser()
     try:
@@ -50,9 +48,7 @@ def load_signing_key(path: str | Path):
     if private.key_type != crypto_pb2.KeyType.RSA:
         raise SwarmError(f"identity file {path} holds a {crypto_pb2.KeyType.Name(private.key_type)} key; this "
                          "version signs its records with RSA identities only: remove the file to have one created")
-    key = RSAPrivateKey.__new__(RSAPrivateKey)
-    key.__setstate__({"_private_key": private.data})  # hivemind's own unpickling: the DER-encoded private key
-    return key
+    return private_key_from_der(private.data)
 
 
 def ensure_identity(path: str | Path) -> tuple[str, bool]:

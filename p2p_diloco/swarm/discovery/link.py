@@ -115,7 +115,7 @@ class SwarmLink:
 
     def publish(self, position: Position, loss: float, tokens_per_s: float, force: bool = False) -> None:
         """Refresh this stage's record (at most every ``publish_every_s`` unless ``force``)."""
-        from hivemind.utils import get_dht_time
+        from p2p_diloco.hivemind_adapter.dht import get_dht_time
 
         now = time.monotonic()
         if not force and now - self._last_publish < self.publish_every_s:
@@ -286,7 +286,7 @@ class SwarmLink:
     def _next_watch(self, round_index: int) -> float:
         """The wait before the watch's next read: short while a believed peer may end ``round_index`` soon, by the
         pace of its records (:mod:`~p2p_diloco.swarm.discovery.pace`), or while the pace of one is unknown."""
-        from hivemind.utils import get_dht_time
+        from p2p_diloco.hivemind_adapter.dht import get_dht_time
 
         believed = self.believed(self._watched)[0]
         if not believed:

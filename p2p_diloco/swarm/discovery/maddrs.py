@@ -15,7 +15,7 @@ def check_maddrs(maddrs: Sequence[str], key: str, require_peer_id: bool = False)
         key: the config key they came from, for the message.
         require_peer_id: initial peers must end with ``/p2p/<peer id>`` so libp2p can authenticate them.
     """
-    from hivemind.utils.multiaddr import Multiaddr
+    from p2p_diloco.hivemind_adapter.p2p import Multiaddr
 
     for maddr in maddrs:
         try:

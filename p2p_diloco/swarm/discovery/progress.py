@@ -82,7 +82,7 @@ class ProgressRecord:
 
 def publish_progress(dht, run_id: str, record: ProgressRecord, ttl_s: float) -> None:
     """Store (or refresh) this node's record, signed, without waiting for the DHT."""
-    from hivemind.utils import get_dht_time
+    from p2p_diloco.hivemind_adapter.dht import get_dht_time
 
     value = {f.name: getattr(record, f.name) for f in fields(record) if f.name != "expiration"}
     value.update(node=dht.peer_id.to_base58(), loss=float(record.loss) if math.isfinite(record.loss) else None,

@@ -134,7 +134,7 @@ def serve_dial_back(dht, timeout_s: float = 10.0) -> None:
 
 
 async def _ask_one(node, peer_id: str, maddrs: list[str]):
-    from hivemind.p2p import PeerID
+    from p2p_diloco.hivemind_adapter.p2p import PeerID
 
     _, reader, writer = await node.p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), PROTOCOL)
     try:

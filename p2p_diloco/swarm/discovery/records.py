@@ -31,14 +31,18 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Optional
 
-from hivemind.dht.crypto import RSASignatureValidator
-from hivemind.dht.protocol import DHTProtocol
-from hivemind.dht.routing import DHTID
-from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
-from hivemind.dht.validation import DHTRecord, RecordValidatorBase
-from hivemind.utils.crypto import RSAPrivateKey
 from pydantic.v1 import BaseModel, Extra, Field, StrictBool, confloat, conint, conlist, constr, root_validator
 
+from p2p_diloco.hivemind_adapter.crypto import RSAPrivateKey
+from p2p_diloco.hivemind_adapter.dht import (
+    DHTID,
+    BytesWithPublicKey,
+    DHTProtocol,
+    DHTRecord,
+    RecordValidatorBase,
+    RSASignatureValidator,
+    SchemaValidator,
+)
 from p2p_diloco.swarm.discovery.averager_keys import AveragerKeys, averager_prefixes
 from p2p_diloco.swarm.errors import SwarmError
 
@@ -156,8 +160,9 @@ def peer_id_of_owner(owner: bytes) -> str:
     none. The libp2p rule: the multihash (sha2-256) of the key's protobuf (type RSA, DER SubjectPublicKeyInfo)."""
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import rsa
-    from hivemind.p2p import PeerID
-    from hivemind.proto import crypto_pb2
+
+    from p2p_diloco.hivemind_adapter.crypto import crypto_pb2
+    from p2p_diloco.hivemind_adapter.p2p import PeerID
 
     found = _OWNER.search(owner) if isinstance(owner, bytes) else None
     if found is None:
@@ -208,7 +213,7 @@ def bound_to_writer(owner, value: Optional[dict], expiration_time: float) -> boo
     :data:`MAX_RECORD_TTL_S` ahead, and a progress record's ``value`` names that key's peer id as its ``node`` (pass
     None for a config entry). :class:`IdentityBinding` checks it in the DHT; readers check it again, as a node
     that got the run's validators late (``p2p-diloco status``) may have taken an entry before."""
-    from hivemind.utils import get_dht_time
+    from p2p_diloco.hivemind_adapter.dht import get_dht_time
 
     if expiration_time > get_dht_time() + MAX_RECORD_TTL_S:
         return False
@@ -266,7 +271,7 @@ class RecordBounds(RecordValidatorBase):
     What it does not bound is the number of keys and subkeys a stranger stores (docs/threat-model.md)."""
 
     def validate(self, record: DHTRecord) -> bool:
-        from hivemind.utils import get_dht_time
+        from p2p_diloco.hivemind_adapter.dht import get_dht_time
 
         try:
             expiration = float(record.expiration_time)

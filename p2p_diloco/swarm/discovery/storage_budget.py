@@ -36,9 +36,10 @@ leaves the ledger at its expiration time (at most 600 s ahead: ``RecordBounds``)
 when it is dropped for a fairer sender. An entry hivemind drops early (a dictionary replaced by a plain value)
 stays charged until it expires: the ledger overcounts, never undercounts. A subkey must also be of a sort Python can
 order beside the subkeys its key's dictionary holds (:meth:`BoundedStorage._fits_dictionary`). Installed by
-:func:`bound_storage` in the node's own process (hivemind's store objects change class in place, and the node's
-handler of store requests is wrapped to name their sender: both checked by ``tests/unit/test_hivemind_contract.py``);
-pure logic but for that.
+:func:`bound_storage` in the node's own process: hivemind's store objects change class in place
+(:func:`~p2p_diloco.hivemind_adapter.dht.swap_store_class`), and the node's handler of store requests is wrapped to
+name their sender (:func:`~p2p_diloco.hivemind_adapter.dht.name_store_senders`), both patches of the hivemind
+adapter, checked by ``tests/unit/test_hivemind_contract.py``; pure logic but for that.
 """
 
 from __future__ import annotations
@@ -50,8 +51,15 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
 
-from hivemind.dht.routing import DHTID
-from hivemind.dht.storage import DHTLocalStorage, DictionaryDHTValue
+from p2p_diloco.hivemind_adapter.dht import (
+    DHTID,
+    DHTLocalStorage,
+    DictionaryDHTValue,
+    get_dht_time,
+    name_store_senders,
+    swap_store_class,
+    validators_of,
+)
 
 ENTRY_OVERHEAD = 256
 """Bytes charged per entry beyond its value and subkey: the dictionary slot, the value-with-expiration tuple and the
@@ -63,8 +71,6 @@ CACHE_SHARE = 0.25
 SENDER_SHARE = 1 / 8
 """The most of a class's share one sender holds (the node itself excepted): an honest peer stores a few entries per
 key, and a flood from fewer than 8 identities leaves a class room without dropping anything."""
-STORE_HANDLER = "DHTProtocol.rpc_store"
-"""The name hivemind's DHT node serves store requests under (``ServicerBase._get_handle_name``)."""
 
 _SENDER: ContextVar[Optional[bytes]] = ContextVar("dht_store_sender", default=None)
 """The peer id (bytes) of the node whose store request this node is handling; None: this node's own store."""
@@ -326,7 +332,7 @@ def key_classifier(record_validator) -> Callable[[bytes], str]:
     from p2p_diloco.swarm.discovery.records import IdentityBinding
 
     def classify(key: bytes) -> str:
-        validators = getattr(record_validator, "_validators", [record_validator])
+        validators = validators_of(record_validator)
         if any(isinstance(v, IdentityBinding) and v.holds(key) for v in validators):
             return "records"
         if any(isinstance(v, AveragerKeys) and v.holds(key) for v in validators):
@@ -346,40 +352,17 @@ def _bound(store: DHTLocalStorage, limit_bytes: float, classify, clock) -> Ledge
                 ledger.add(kind, key, subkey, entry_cost(sub.value, subkey), sub.expiration_time)
         else:
             ledger.add(kind, key, None, entry_cost(item.value), item.expiration_time)
-    store.__class__ = BoundedStorage
+    swap_store_class(store, BoundedStorage)
     store.ledger = ledger
     ledger.evict = store._drop
     return ledger
 
 
-def _name_senders(p2p) -> None:
-    """Wraps the node's handler of store requests so that the stores it makes are charged to the request's sender:
-    the peer id the p2p daemon hands it with the request (that of the libp2p connection the request came on). The
-    handler is hivemind's, taken from the daemon client's table of unary handlers, where hivemind put it when the
-    node started, bound to the node's protocol; a node in client mode has none (it stores nothing for others)."""
-    handlers = p2p._client.control.unary_handlers
-    handler = handlers.get(STORE_HANDLER)
-    if handler is None or getattr(handler, "names_sender", False):
-        return
-
-    async def with_sender(request: bytes, remote_id) -> bytes:
-        token = _SENDER.set(remote_id.to_bytes())
-        try:
-            return await handler(request, remote_id)
-        finally:
-            _SENDER.reset(token)
-
-    with_sender.names_sender = True
-    handlers[STORE_HANDLER] = with_sender
-
-
 async def _install(_dht, node, limit_bytes: float) -> None:
-    from hivemind.utils import get_dht_time
-
     classify = key_classifier(node.protocol.record_validator)
     _bound(node.protocol.storage, limit_bytes * (1 - CACHE_SHARE), classify, get_dht_time)
     _bound(node.protocol.cache, limit_bytes * CACHE_SHARE, classify, get_dht_time)
-    _name_senders(node.protocol.p2p)
+    name_store_senders(node.protocol.p2p, _SENDER)  # a store is charged to the sender of its request
 
 
 def node_totals(node) -> tuple:

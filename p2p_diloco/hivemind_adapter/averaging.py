@@ -1,39 +1,28 @@
-"""The hivemind internals the averaging builds on, in one place: imported here and nowhere else.
+"""The hivemind averaging internals our averager builds on: the classes, the accessors of their private attributes,
+and the methods of their collaborators replaced on instances.
 
-The averager subclasses hivemind's ``DecentralizedAverager``, ``AllReduceRunner`` and ``TensorPartReducer`` and
-replaces five methods of their collaborators. None of that is hivemind's public API, and it changes between
-versions, so the version is checked on import (:func:`check_version`) and ``tests/unit/test_hivemind_contract.py``
-checks every hook: each method overridden (:data:`OVERRIDDEN`: found by walking our subclasses) or replaced
-(:data:`REPLACED`) still exists in hivemind with the parameters we call it with, and the behaviour a hook exists for
-is still there. The DHT, its validators and the compression codecs are hivemind's public API and are imported
-where they are used.
+The averager subclasses hivemind's ``DecentralizedAverager``, ``AllReduceRunner`` and ``TensorPartReducer``
+(:data:`~p2p_diloco.hivemind_adapter.registry.HIVEMIND_BASES`: every method a subclass redefines is a hook the
+contract test checks) and replaces four methods of their collaborators, on instances, each through one function of
+this module listed in :data:`~p2p_diloco.hivemind_adapter.registry.PATCHES`:
 
-Hooks replaced on instances:
-
-- ``Matchmaking._request_join_group`` (:mod:`~p2p_diloco.swarm.averaging.serving`): a follower never asks a banned peer
-  or an outsider to lead its group;
-- ``Matchmaking.follower_assemble_group`` (:class:`~p2p_diloco.swarm.averaging.guard.GroupViews`): a follower notes
-  which leader relayed its group's records (hivemind forgets it before the group is averaged);
-- ``Matchmaking.look_for_group`` (:class:`~p2p_diloco.swarm.averaging.guard.GroupViews`): the group comes back under
-  its view id (hivemind's group id and a digest of the records as this peer read them), with the exact record this
-  peer sent noted;
-- ``GroupKeyManager.update_key_on_group_assembled`` (:func:`~p2p_diloco.swarm.averaging.serving.keep_round_key`): the
-  group key stays the round's after a group assembles, so that a failed all-reduce's survivors meet again;
-
-Replaced on the class, for the whole process: ``P2P.receive_raw_data``
-(:func:`~p2p_diloco.swarm.averaging.limits.install_message_cap`): a message whose header declares more bytes
-than the cap is refused before they are read (hivemind buffers whatever length a peer declares).
-
-Added to, for the whole process: ``P2P.FORCE_REACHABILITY_MAPPING`` (:data:`BEHIND_NAT`, the p2p daemon's flags for
-a node that reserves a slot on its initial peers as relays at once; see :func:`behind_nat_mode`).
+- ``Matchmaking._request_join_group`` (:func:`wrap_join_request`, called by
+  :mod:`~p2p_diloco.swarm.averaging.serving`): a follower never asks a banned peer or an outsider to lead its group;
+- ``Matchmaking.follower_assemble_group`` and ``Matchmaking.look_for_group`` (:func:`replace_group_assembly`, called
+  by :mod:`~p2p_diloco.swarm.averaging.serving` with the hooks of
+  :class:`~p2p_diloco.swarm.averaging.guard.GroupViews`): a follower notes which leader relayed its group's records
+  (hivemind forgets it before the group is averaged), and the group comes back under its view id (hivemind's group
+  id and a digest of the records as this peer read them), with the exact record this peer sent noted;
+- ``GroupKeyManager.update_key_on_group_assembled`` (:func:`keep_round_key`): the group key stays the round's after a
+  group assembles, so that a failed all-reduce's survivors meet again.
 
 Written by a test hook only: ``StepControl._data_for_gather`` (:func:`set_data_for_gather`: a hostile test peer's
 record, made in the averager process).
 
-Read or written, never named elsewhere: the private attributes of :data:`ATTRIBUTES` (the running groups, the
-matchmaking, the pipe to the background process, the P2P, a container's parts by reducer), each through one function
-of this module (``running_groups``, ``matchmaking_of``, ...); ``tests/unit/test_hivemind_contract.py`` checks that
-hivemind still sets each one and that no other module of the package names any of them.
+Read or written, never named elsewhere: the private attributes of
+:data:`~p2p_diloco.hivemind_adapter.registry.ATTRIBUTES` (the running groups, the matchmaking, the pipe to the
+background process, the P2P, a container's parts by reducer), each through one function of this module
+(``running_groups``, ``matchmaking_of``, ...).
 
 Wrapped, not replaced: ``StepControl.cancel`` (:func:`cancel_step`): the step reads as cancelled before the cancel's
 signal reaches the averager process (hivemind sends the signal first); ``DecentralizedAverager._step``
@@ -57,7 +46,6 @@ import logging
 import typing
 from concurrent.futures import InvalidStateError
 
-import hivemind
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner, AveragingMode
 from hivemind.averaging.control import AveragingStage, StepControl
@@ -66,7 +54,6 @@ from hivemind.averaging.load_balancing import load_balance_peers
 from hivemind.averaging.matchmaking import Matchmaking, MatchmakingException
 from hivemind.averaging.partition import BannedException, TensorPartContainer, TensorPartReducer
 from hivemind.compression import CompressionInfo, PerTensorCompression
-from hivemind.p2p import P2P, P2PContext, P2PDaemonError, P2PHandlerError, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture, get_logger
 from hivemind.utils.asyncio import (
@@ -78,57 +65,9 @@ from hivemind.utils.asyncio import (
     enter_asynchronously,
 )
 
+from p2p_diloco.hivemind_adapter.p2p import P2P, P2PContext, P2PDaemonError, P2PHandlerError, PeerID
+
 logger = logging.getLogger(__name__)
-
-SUPPORTED_VERSION = "1.1.12"
-
-REPLACED = {
-    (Matchmaking, "_request_join_group"): ("self", "leader"),
-    (Matchmaking, "follower_assemble_group"): ("self", "leader", "msg"),
-    (Matchmaking, "look_for_group"): ("self", "step"),
-    (GroupKeyManager, "update_key_on_group_assembled"): ("self", "group_info"),
-    (P2P, "receive_raw_data"): ("reader",),
-}
-"""(hivemind class, method) -> its parameters, as the replacement is called."""
-
-CALLED = {
-    (DecentralizedAverager, "get_stub"): ("p2p", "peer", "namespace"),
-    (AllReduceRunner, "_ban_sender"): ("self", "peer_id"),
-}
-"""hivemind internals called directly (not replaced) -> their parameters, as we call them."""
-
-ATTRIBUTES = {
-    (DecentralizedAverager, "_running_groups"): "group id -> the future of its all-reduce runner (this process's)",
-    (DecentralizedAverager, "_pending_groups_registered"): "set whenever a group's runners are registered",
-    (DecentralizedAverager, "_matchmaking"): "the background process's Matchmaking",
-    (DecentralizedAverager, "_outer_pipe"): "the training process's end of the pipe to the background process",
-    (DecentralizedAverager, "_p2p"): "the background process's P2P",
-    (TensorPartContainer, "_input_parts_by_peer"): "reducer index -> this peer's parts of that reducer's slice",
-    (TensorPartContainer, "_outputs_registered_by_peer"): "reducer index -> the averaged parts taken from it so far",
-    (Matchmaking, "_request_join_group"): "the follower's join request (replaced on the instance: REPLACED)",
-}
-"""hivemind's private attributes our averaging reads or writes -> what they hold; only through the functions below."""
-
-BEHIND_NAT = "p2p_diloco-behind-nat"
-BEHIND_NAT_FLAGS = {"forceReachabilityPrivate": 1, "relayDiscovery": 0}
-"""The p2p daemon's flags for a node behind NAT that relays make reachable (``dht.use_auto_relay``): its reachability
-is private from the start (libp2p's AutoNAT never concludes for a node with private addresses only: nobody dials
-those back) and its relays are the trusted ones it is given, its initial peers, without discovery (with discovery,
-libp2p waits for 4 relay candidates or 3 minutes before it takes a reservation; a swarm seldom has 4 relays)."""
-
-HIVEMIND_BASES = (DecentralizedAverager, AllReduceRunner, TensorPartReducer)
-"""The hivemind classes our averaging subclasses; every method a subclass redefines is a hook."""
-
-
-def check_version(version: str) -> None:
-    """ImportError unless ``version`` is the hivemind version these internals are known for."""
-    if version != SUPPORTED_VERSION:
-        raise ImportError(f"p2p_diloco's averaging is built on hivemind {SUPPORTED_VERSION} internals (see "
-                          f"p2p_diloco/swarm/averaging/hivemind_api.py), but hivemind {version} is installed: "
-                          f"pip install hivemind=={SUPPORTED_VERSION}")
-
-
-check_version(hivemind.__version__)
 
 
 def cancel_step(control: StepControl) -> None:
@@ -212,28 +151,40 @@ def wrap_join_request(matchmaking: Matchmaking, wrap) -> bool:
     return True
 
 
-def behind_nat_mode() -> str:
-    """The ``force_reachability`` value of hivemind's ``P2P.create`` that starts the daemon with
-    :data:`BEHIND_NAT_FLAGS` (registered in hivemind's table of reachability modes on first use; call it in the process
-    that starts the daemon). Pass the relays as ``trusted_relays``: the daemon refuses to start without any."""
-    P2P.FORCE_REACHABILITY_MAPPING.setdefault(BEHIND_NAT, dict(BEHIND_NAT_FLAGS))
-    return BEHIND_NAT
-
-
 def set_data_for_gather(control: StepControl, data: bytes) -> None:
     """Replace the record a step gathers into its groups (hivemind keeps it read-only; a test hook's use)."""
     control._data_for_gather = data
 
 
+def replace_group_assembly(matchmaking: Matchmaking, follower_assemble_group, look_for_group) -> None:
+    """Replace ``matchmaking``'s ``follower_assemble_group(leader, msg)`` and ``look_for_group(step)`` by the two
+    given (which call the originals, read from the instance before)."""
+    matchmaking.follower_assemble_group = follower_assemble_group
+    matchmaking.look_for_group = look_for_group
+
+
+def keep_round_key(key_manager: GroupKeyManager) -> None:
+    """Keep a hivemind ``GroupKeyManager``'s key as it was set (the round's key, set when the round starts) until it
+    is set again: hivemind moves each member's key to a bucket of its own after every group it assembles, so that
+    after a group whose all-reduce failed (a member gone) the survivors retried under different keys and never met
+    again. Idempotent."""
+    if "update_key_on_group_assembled" in vars(key_manager):
+        return
+
+    async def keep_the_round_key(group_info) -> None:
+        return None
+
+    key_manager.update_key_on_group_assembled = keep_the_round_key
+
+
 __all__ = [
-    "ATTRIBUTES", "BEHIND_NAT", "BEHIND_NAT_FLAGS", "CALLED", "P2P", "behind_nat_mode",
+    "P2P",
     "AllReduceRunner", "AllreduceException", "AveragingMode", "AveragingStage", "BannedException", "CompressionInfo",
-    "DecentralizedAverager", "GroupKeyManager", "HIVEMIND_BASES", "MPFuture", "Matchmaking", "MatchmakingException",
-    "P2PContext", "P2PDaemonError", "P2PHandlerError", "PeerID", "PerTensorCompression", "REPLACED",
-    "SUPPORTED_VERSION", "StepControl",
+    "DecentralizedAverager", "GroupKeyManager", "MPFuture", "Matchmaking", "MatchmakingException",
+    "P2PContext", "P2PDaemonError", "P2PHandlerError", "PeerID", "PerTensorCompression", "StepControl",
     "TensorPartReducer", "achain", "aiter_with_timeout", "amap_in_executor", "as_aiter", "attach_event_on_finished",
-    "averaging_pb2", "cancel_signalled", "cancel_step", "check_version", "enter_asynchronously", "get_logger",
-    "load_balance_peers",
+    "averaging_pb2", "cancel_signalled", "cancel_step", "enter_asynchronously", "get_logger", "keep_round_key",
+    "load_balance_peers", "replace_group_assembly",
     "TensorPartContainer", "ban_sender", "groups_registered", "input_parts", "matchmaking_of", "outer_pipe",
     "outputs_registered", "p2p_of", "quiet_if_cancelled", "running_groups", "set_data_for_gather", "wrap_join_request",
 ]
