@@ -14,7 +14,6 @@ import os
 import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Optional
@@ -22,7 +21,7 @@ from typing import Optional
 import torch
 
 from p2p_diloco.config import AveragingConfig, Config, ConfigError, DHTConfig, dump_config
-from p2p_diloco.data import ShardDataset, WindowSampler, eval_batches, resolve_data_path, seed_from_peer_id
+from p2p_diloco.data import WindowSampler, eval_batches, read_meta, resolve_data_path, seed_from_peer_id
 from p2p_diloco.memory import (
     RunShape,
     available_host_memory,
@@ -33,19 +32,23 @@ from p2p_diloco.memory import (
     peer_memory,
     shortfall,
 )
-from p2p_diloco.model import ModelArgs, balanced_split, build_stage_model, check_split, model_args_from_config
-from p2p_diloco.model.fragments import (
-    FragmentView,
-    check_split_fits,
-    fitting_split,
-    fragment_parts,
-    split_parameters,
-)
+from p2p_diloco.model import ModelArgs, build_stage_model, model_args_from_config
+from p2p_diloco.model.fragments import fragment_parts
 from p2p_diloco.model.hf_folder import HFFolder, load_stage
-from p2p_diloco.model.init_from import check_tokenizer, init_digest, open_init
+from p2p_diloco.model.init_from import check_tokenizer, init_digest
 from p2p_diloco.model.split import stage_shapes
+from p2p_diloco.pipeline.launch import LAUNCHED_BY_US
+from p2p_diloco.pipeline.replicas import ReplicaBatches, ReplicaLeader
 from p2p_diloco.round.stage import Stage
-from p2p_diloco.training.executor import LocalExecutor
+from p2p_diloco.stage_setup import (
+    check_vocab,
+    load_data,
+    make_executor,
+    max_seq_len,
+    resolve_init,
+    resolve_split,
+    stage_units,
+)
 from p2p_diloco.training.ledger import Held
 from p2p_diloco.training.summary import Reporter, TrainSummary
 from p2p_diloco.training.sync import SwarmSync
@@ -85,65 +88,10 @@ def select_device(spec: str) -> torch.device:
     return device
 
 
-@dataclass
-class StageData:
-    train: ShardDataset
-    eval: Optional[ShardDataset]
-    seq_len: int
-
-
-def load_data(cfg: Config, max_seq_len: int) -> StageData:
-    path = resolve_data_path(cfg.data)
-    train = ShardDataset(path, "train")
-    eval_split = ShardDataset(path, "eval") if "eval" in train.meta.get("splits", {}) else None
-    seq_len = cfg.data.seq_len or max_seq_len
-    if seq_len > max_seq_len:
-        raise ConfigError(f"data.seq_len: {seq_len} is longer than the model's max_seq_len {max_seq_len}")
-    return StageData(train, eval_split, seq_len)
-
-
-def check_vocab(data: StageData, vocab_size: int) -> None:
-    """Refuse, before training, data with token ids the model's embedding does not have (a model.vocab_size below
-    the data's); DataError names the file and its largest id."""
-    if vocab_size < data.train.vocab_size:
-        for split in (data.train, data.eval):
-            if split is not None:
-                split.check_token_range(vocab_size)
-
-
-def resolve_split(cfg: Config, model_args, parts: Optional[list[int]] = None) -> list[int]:
-    """Blocks per stage: the configured split, or one balanced by parameter count. In a run averaged by fragment
-    (``parts``: the model's fragment cut), a stage holds whole fragments: a configured split that cuts one is refused,
-    and the balanced one is of whole fragments."""
-    if cfg.pipeline.stage_layers is not None:
-        check_split(model_args, cfg.pipeline.stage_layers)
-        if parts is not None:
-            check_split_fits(cfg.pipeline.stage_layers, parts)
-        return list(cfg.pipeline.stage_layers)
-    if parts is not None:
-        return fitting_split(model_args, parts, cfg.pipeline.stages)
-    return balanced_split(model_args, cfg.pipeline.stages)
-
-
-def resolve_init(cfg: Config) -> tuple[HFFolder, ModelArgs]:
-    """The checked ``model.init_from`` folder and the model's shape it gives (:func:`open_init`).
-
-    Raises:
-        ConfigError: see :func:`open_init`; or a folder of tied embeddings for a peer of several stages.
-    """
-    folder, args = open_init(cfg.model)
-    if args.tie_embeddings and cfg.pipeline.stages > 1:
-        raise ConfigError(f"pipeline.stages: {folder.path / 'config.json'} ties the output head to the embedding "
-                          f"(tie_word_embeddings), which needs both on one stage; got {cfg.pipeline.stages} stages")
-    return folder, args
-
-
 def check_init_from(cfg: Config) -> None:
     """What a pipelined peer checks of ``model.init_from`` before it starts its stage processes: the folder, its
     shape against the config and the split, its tokenizer against the data's; and the weights digest, computed
     once here for its stages (:func:`init_digest` caches it in the output folder)."""
-    from p2p_diloco.data import read_meta
-
     folder, args = resolve_init(cfg)
     resolve_split(cfg, args, fragment_parts(args, cfg.diloco.fragments) if cfg.diloco.fragments else None)
     data_path = resolve_data_path(cfg.data)
@@ -166,8 +114,6 @@ def check_memory(cfg: Config, model_args: ModelArgs, split: list[int], stage_ind
     Raises:
         ConfigError: naming ``run.check_memory`` and what to change.
     """
-    from p2p_diloco.pipeline.launch import LAUNCHED_BY_US
-
     memory = peer_memory(stage_shapes(model_args, split), run_shape(cfg, seq_len, device.type),
                          replicas=cfg.pipeline.replicas)
     if len(split) == 1 or os.environ.get(LAUNCHED_BY_US) == "1":
@@ -240,7 +186,7 @@ def run_stage(cfg: Config, *, pipeline=None, reporter: Optional[Reporter] = None
     device = pipeline.device if pipeline is not None else select_device(cfg.run.device)
     output_dir = Path(cfg.run.output_dir)
     folder, init_args = resolve_init(cfg) if cfg.model.init_from is not None else (None, None)
-    data = load_data(cfg, max_seq_len=init_args.max_seq_len if init_args else _max_seq_len(cfg))
+    data = load_data(cfg, max_seq_len=init_args.max_seq_len if init_args else max_seq_len(cfg))
     model_args = init_args or model_args_from_config(cfg.model, data.train.vocab_size)
     check_vocab(data, model_args.vocab_size)
     parts = fragment_parts(model_args, cfg.diloco.fragments) if cfg.diloco.fragments else None
@@ -269,24 +215,22 @@ def run_stage(cfg: Config, *, pipeline=None, reporter: Optional[Reporter] = None
         check_fingerprint(dht, cfg.run.run_id, fingerprint, allowlist=frozenset(cfg.averaging.allowlist))
         own_name = dht.peer_id.to_base58()
         peer_name = pipeline.broadcast_object(own_name) if pipeline is not None else own_name
-        for fragment, _, params in _units(skeleton, parts):  # (their processes fork here: before the weights)
+        for fragment, _, params in stage_units(skeleton, parts):  # (their processes fork here: before the weights)
             averagers.append(PseudoGradientAverager(
                 [p for _, p in params], dht, run_id=cfg.run.run_id, stage_index=stage_index, num_stages=len(split),
                 cfg=cfg.averaging, behaviour=behaviour or HONEST, fragment=fragment))
         model = build_model(model_args, split, stage_index, folder).to(device)
         if stage_index == 0:  # only once config, data and model passed their checks: a bad start leaves the old one
             (output_dir / "config.toml").write_text(dump_config(cfg))
-        units = _units(model, parts)
+        units = stage_units(model, parts)
         total_steps = cfg.inner.total_steps or cfg.train.num_rounds * cfg.diloco.inner_steps
         seed = cfg.data.seed if cfg.data.seed is not None else seed_from_peer_id(peer_name)
         sampler = WindowSampler(data.train, data.seq_len, cfg.data.batch_size * cfg.pipeline.replicas, seed)
         if cfg.pipeline.replicas > 1:  # replica 0's share of the batches the peer's D replicas draw together
-            from p2p_diloco.pipeline.replicas import ReplicaBatches
-
             sampler = ReplicaBatches(sampler, cfg.pipeline.replicas, 0)
         eval_data = eval_batches(data.eval, data.seq_len, cfg.data.batch_size, cfg.data.eval_batches) \
             if data.eval is not None else []
-        executor = _make_executor(cfg, pipeline, model, device)
+        executor = make_executor(cfg, pipeline, model, device)
         for (fragment, module, _), averager in zip(units, list(averagers)):
             swarm = SwarmLink(dht, cfg.run.run_id, peer_name, stage_index=stage_index, num_stages=len(split),
                               inner_steps=cfg.diloco.inner_steps, fingerprint=fingerprint,
@@ -308,8 +252,6 @@ def run_stage(cfg: Config, *, pipeline=None, reporter: Optional[Reporter] = None
                              end_wait_s=cfg.averaging.round_timeout_s + cfg.averaging.allreduce_timeout_s)
             held[-1].swarm, held[-1].sync = swarm, sync
         if pipeline is not None and pipeline.num_replicas > 1:  # replica 0 leads this stage's other replicas
-            from p2p_diloco.pipeline.replicas import ReplicaLeader
-
             executor.replicas = ReplicaLeader(pipeline, [(u.stage.params, u.stage.inner_optimizer) for u in held],
                                               sampler)
         first = held[0]
@@ -331,36 +273,3 @@ def run_stage(cfg: Config, *, pipeline=None, reporter: Optional[Reporter] = None
         if own_dht:
             dht.shutdown()
 
-
-def _units(model, parts) -> list[tuple]:
-    """What this stage process averages, as (fragment or None, module, named parameters): its stage, or each fragment
-    it holds (each with its own group key, records, state sharing and sync: peers of any split meet per
-    fragment)."""
-    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-    if parts is None:
-        return [(None, model, named)]
-    return [((f, len(parts)), _fragment_view(model, params), params)
-            for f, params in split_parameters(named, parts).items()]
-
-
-def _fragment_view(model, params) -> FragmentView:
-    """A fragment's parameters as a module of their own (the same tensors), which still knows the model's shape
-    (checkpoints record it for ``export`` and ``generate``)."""
-    view = FragmentView(params)
-    view.args = getattr(model, "args", None)
-    return view
-
-
-def _make_executor(cfg: Config, pipeline, model, device):
-    if pipeline is None or pipeline.num_stages == 1:
-        return LocalExecutor(model, device, cfg.pipeline.microbatches,
-                             replica_group=pipeline.replica_group if pipeline is not None else None)
-    from p2p_diloco.pipeline.executor import PipelineExecutor
-
-    return PipelineExecutor(pipeline, model, cfg.pipeline)
-
-
-def _max_seq_len(cfg: Config) -> int:
-    from p2p_diloco.model import PRESETS
-
-    return cfg.model.max_seq_len or PRESETS[cfg.model.preset_name]["max_seq_len"]

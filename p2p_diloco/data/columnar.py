@@ -21,8 +21,8 @@ import pyarrow as pa
 from pyarrow import csv as pa_csv
 from pyarrow import parquet as pa_parquet
 
+from p2p_diloco.data.documents import MAX_DOCUMENT_BYTES, Document, Record, open_input, too_long
 from p2p_diloco.data.errors import DataError
-from p2p_diloco.data.readers import MAX_DOCUMENT_BYTES, Document, Record, open_input, too_long
 from p2p_diloco.data.watched import watched
 
 BATCH_ROWS = 1024

@@ -25,15 +25,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from tqdm import tqdm
 
+from p2p_diloco.data.documents import Document
 from p2p_diloco.data.errors import DataError
-from p2p_diloco.data.readers import (
-    BadRecords,
-    Document,
-    collect_documents,
-    input_format,
-    read_records,
-    usable_documents,
-)
+from p2p_diloco.data.readers import BadRecords, collect_documents, input_format, read_records, usable_documents
 from p2p_diloco.data.shards import (
     DEFAULT_TOKENS_PER_SHARD,
     META_FILE,

@@ -19,71 +19,23 @@ Who calls this: :mod:`p2p_diloco.data.prepare`.
 from __future__ import annotations
 
 import codecs
-import gzip
 import json
 import logging
 import os
-import zlib
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+from p2p_diloco.data.documents import MAX_DOCUMENT_BYTES, Document, Record, open_input, too_long
 from p2p_diloco.data.errors import DataError
-from p2p_diloco.data.streams import COMPRESSIONS, CorruptStream, open_decompressed
+from p2p_diloco.data.streams import COMPRESSIONS
 
 logger = logging.getLogger(__name__)
 
 RECORD_FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".csv": "csv", ".parquet": "parquet"}
 SUPPORTED = ".jsonl, .ndjson, .json, .csv, .parquet (each but .parquet also as .gz or .zst) or plain text"
 _BINARY_SNIFF_BYTES = 8192
-MAX_DOCUMENT_BYTES = 8 << 20
-"""The longest document (a text file or a piece of a longer one, or one record) in bytes, decompressed: preparing one
-takes some 20 times its size (its text, its tokens as Python ints, then as int64), so this bounds prepare-data's
-memory to a few hundred MB."""
 _UTF8_MAX_BYTES = 4
-
-
-@dataclass(frozen=True)
-class Document:
-    """One input file; ``key`` (its path relative to the input folder) decides its split, or its records'."""
-
-    path: Path
-    key: str
-    given: bool = False
-    """Named on the command line (an unusable one is an error), not found in a folder (skipped with a warning)."""
-
-
-@dataclass(frozen=True)
-class Record:
-    """One document read from an input file: a whole text file (or a piece of a long one), or one record of a JSON
-    Lines, CSV or Parquet file."""
-
-    document: Document
-    number: int | None
-    """Line (JSON Lines), row (CSV, Parquet; 1 is the first under the header) or piece (a text file longer than a
-    document; 1 is the first) number; None for a whole text file."""
-    text: str | None
-    problem: str | None = None
-    """Why the record is unusable (then ``text`` is None)."""
-    bytes_read: int = 0
-    """How far into the input file this record ends, in bytes of the file as stored (for progress)."""
-    unit: str = "line"
-
-    @property
-    def key(self) -> str:
-        """A stable name of the record, unique among the inputs, that decides its split."""
-        return self.document.key if self.number is None else f"{self.document.key}:{self.number}"
-
-    @property
-    def location(self) -> str:
-        """Where the record is, for messages: ``path:line``, ``path row N`` or ``path piece N``."""
-        if self.number is None:
-            return str(self.document.path)
-        if self.unit == "line":
-            return f"{self.document.path}:{self.number}"
-        return f"{self.document.path} {self.unit} {self.number}"
 
 
 def input_format(path: Path) -> tuple[str, str | None]:
@@ -214,27 +166,6 @@ def _piece_end(buffer: bytes, limit: int) -> int:
     return limit
 
 
-@contextmanager
-def open_input(doc: Document, compression: str | None) -> Iterator[tuple[BinaryIO, BinaryIO]]:
-    """Yield ``(raw, stream)``: the file as stored and its decompressed bytes.
-
-    Raises:
-        DataError: the file cannot be opened, or reading it (in the ``with`` block) fails or finds corrupt data.
-    """
-    try:
-        raw = open(doc.path, "rb")  # noqa: SIM115 - closed below
-    except OSError as exc:
-        raise DataError(f"{doc.path}: cannot read it ({exc.strerror or exc})") from None
-    try:
-        yield raw, open_decompressed(raw, compression)
-    except (EOFError, zlib.error, gzip.BadGzipFile, CorruptStream) as exc:
-        raise DataError(f"{doc.path}: corrupt {compression} data ({exc})") from None
-    except OSError as exc:
-        raise DataError(f"{doc.path}: cannot read it ({exc})") from None
-    finally:
-        raw.close()
-
-
 def _jsonl_records(doc: Document, raw: BinaryIO, stream: BinaryIO, text_field: str) -> Iterator[Record]:
     for number, line in enumerate(_lines(stream, MAX_DOCUMENT_BYTES), start=1):
         if line is None:
@@ -261,15 +192,6 @@ def _lines(stream: BinaryIO, limit: int) -> Iterator[bytes | None]:
         while (rest := stream.readline(limit)) and not rest.endswith(b"\n"):
             pass
         yield None
-
-
-def too_long() -> str:
-    """The problem of a record longer than a document may be."""
-    return f"longer than {_mib(MAX_DOCUMENT_BYTES)}, the most a document may hold"
-
-
-def _mib(num_bytes: int) -> str:
-    return f"{num_bytes / 2**20:g} MiB"
 
 
 def _json_text(line: bytes, text_field: str) -> tuple[str | None, str | None]:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from p2p_diloco.data.readers import Document, Record
+from p2p_diloco.data.documents import Document, Record
 from p2p_diloco.data.shards import ShardWriter
 
 logger = logging.getLogger(__name__)

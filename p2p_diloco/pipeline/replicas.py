@@ -20,10 +20,17 @@ the trainer (:class:`ReplicaLeader`, through ``executor.replicas``).
 from __future__ import annotations
 
 import logging
+import signal
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
+
+from p2p_diloco.data import WindowSampler
+from p2p_diloco.model import build_stage_model, model_args_from_config
+from p2p_diloco.model.fragments import fragment_parts
+from p2p_diloco.round.inner import inner_lr, make_inner_optimizer
+from p2p_diloco.stage_setup import load_data, make_executor, max_seq_len, resolve_init, resolve_split, stage_units
 
 logger = logging.getLogger(__name__)
 
@@ -131,30 +138,22 @@ class ReplicaLeader:
 def run_follower(cfg, context) -> None:
     """Replica ``context.replica_index`` > 0 of stage ``context.stage_index``: inner steps on its own batches, in step
     with replica 0, until replica 0 says stop."""
-    import signal
-
     # Ctrl-C and SIGTERM are replica 0's to handle (it stops at a step's end and saves its checkpoint, then tells
     # this replica to stop): the launcher sends them to every process of the peer
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
-    from p2p_diloco.data import WindowSampler
-    from p2p_diloco.model import build_stage_model, model_args_from_config
-    from p2p_diloco.model.fragments import fragment_parts
-    from p2p_diloco.round.inner import inner_lr, make_inner_optimizer
-    from p2p_diloco.stage_process import _make_executor, _max_seq_len, _units, load_data, resolve_init, resolve_split
-
     folder, init_args = resolve_init(cfg) if cfg.model.init_from is not None else (None, None)
-    data = load_data(cfg, max_seq_len=init_args.max_seq_len if init_args else _max_seq_len(cfg))
+    data = load_data(cfg, max_seq_len=init_args.max_seq_len if init_args else max_seq_len(cfg))
     model_args = init_args or model_args_from_config(cfg.model, data.train.vocab_size)
     parts = fragment_parts(model_args, cfg.diloco.fragments) if cfg.diloco.fragments else None
     split = resolve_split(cfg, model_args, parts)
     # weights come from replica 0 (DDP's start, then the first control): no need to read them from a folder
     model = build_stage_model(model_args, split, context.stage_index, initialize=False).to(context.device)
-    units = [[p for _, p in params] for _, _, params in _units(model, parts)]  # as replica 0's units, in order
-    named = [(name, p) for _, _, params in _units(model, parts) for name, p in params]
+    units = [[p for _, p in params] for _, _, params in stage_units(model, parts)]  # as replica 0's units, in order
+    named = [(name, p) for _, _, params in stage_units(model, parts) for name, p in params]
     params = [p for _, p in named]
     optimizer = make_inner_optimizer(named, cfg.inner)
-    executor = _make_executor(cfg, context, model, context.device)  # DDP: joins replica 0's gradient averaging
+    executor = make_executor(cfg, context, model, context.device)  # DDP: joins replica 0's gradient averaging
     total_steps = cfg.inner.total_steps or cfg.train.num_rounds * cfg.diloco.inner_steps
     sampler, steps, replicas = None, 0, context.num_replicas
     label = f"stage {context.stage_index} replica {context.replica_index}"

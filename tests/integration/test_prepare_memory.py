@@ -20,7 +20,7 @@ import pytest
 import zstandard
 
 from p2p_diloco.data import BadRecords, ByteTokenizer, DataError, ShardDataset, prepare_data
-from p2p_diloco.data.readers import MAX_DOCUMENT_BYTES
+from p2p_diloco.data.documents import MAX_DOCUMENT_BYTES
 
 REPO = Path(__file__).resolve().parents[2]
 BENCHMARK = REPO / "benchmarks" / "prepare_memory.py"

@@ -16,7 +16,7 @@ import torch
 from p2p_diloco.config import ConfigError, load_config
 from p2p_diloco.data import DataError, ShardDataset, WindowSampler, resolve_data_path
 from p2p_diloco.model import ModelArgs, Transformer
-from p2p_diloco.stage_process import StageData, check_vocab
+from p2p_diloco.stage_setup import StageData, check_vocab
 from p2p_diloco.training import CheckpointError, LocalExecutor, Stage
 from p2p_diloco.training.state.persist import resume_stage, save_stage
 from p2p_diloco.training.summary import TrainSummary

@@ -19,7 +19,8 @@ import zstandard
 
 from p2p_diloco.cli.main import main
 from p2p_diloco.data import BadRecords, ByteTokenizer, DataError, ShardDataset, prepare_data, read_records, readers
-from p2p_diloco.data.readers import MAX_DOCUMENT_BYTES, collect_documents
+from p2p_diloco.data.documents import MAX_DOCUMENT_BYTES
+from p2p_diloco.data.readers import collect_documents
 from tests.unit.test_data import all_tokens, decoded_documents
 
 TEXTS = [f'record {i}: héllo, "quoted", a,comma\nsecond line ✓ {"x" * (i % 9)}' for i in range(60)] + ["", "😀 end"]
