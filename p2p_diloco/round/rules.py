@@ -7,69 +7,107 @@ round's starting point. The modes differ in which round step 5 collects and when
 
 - ``none`` (blocking DiLoCo, arXiv 2311.08105): 3-4-5-6 on this round; the peer waits for the network.
 - ``delayed`` (one-step delay, DiLoCoX): 3-4 now; this round's average is collected and applied a few steps
-  into the next round (:meth:`Stage.merge`), the working params rebased on the new anchor.
+  into the next round (:meth:`Delayed.merge`), the working params rebased on the new anchor.
 - ``eager`` (arXiv 2502.12996): 5-6 on the previous round's average, then 3 and this peer's eager outer step
   with its fresh contribution standing in for its stale one, then 4.
 
-Stage owns the state; a rule only orders its steps. Called by :meth:`Stage.end_round`.
+A rule is given the stage's outer state, the round's pseudo-gradient (step 2), the stage's averaging and what the
+round end tells it, orders steps 3-6 on them and returns the round's report; it holds no state of its own. Called by
+:meth:`p2p_diloco.round.stage.Stage.end_round`.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from abc import ABC, abstractmethod
 
 import torch
 
+from p2p_diloco.round.exchange import Exchange, RoundEnd
 from p2p_diloco.round.outcome import PendingRound, RoundReport
-
-if TYPE_CHECKING:
-    from p2p_diloco.round.stage import Stage
+from p2p_diloco.round.outer_state import OuterState
 
 
-class Blocking:
-    """``none``: the round's own average is applied at its end."""
+class Rule(ABC):
+    """The round end of one ``diloco.mode``."""
 
-    name = "none"
-    overlaps = False
+    name: str
+    overlaps: bool = False
     """Whether a round's averaging runs on while the next round trains (then its budget is that round's compute)."""
-    keeps_eager_state = False
+    keeps_eager_state: bool = False
     """Whether the peer keeps its own eager copy of the outer state besides the shared anchor."""
 
-    def end(self, stage: Stage, delta: list[torch.Tensor], report: RoundReport, start) -> None:
-        contribution = stage.with_feedback(delta)  # 3.
-        start(contribution)  # 4.
-        average = stage.collect(report)  # 5. this round's
-        stage.outer_optimizer.step(average, stage.applied_group_size)  # 6. theta = outer_step(theta, avg) ...
-        stage.set_params(stage.anchor)  # ... phi0 = phi = theta
+    @abstractmethod
+    def end(self, state: OuterState, delta: list[torch.Tensor], exchange: Exchange, end: RoundEnd) -> RoundReport:
+        """Steps 3-6 of the round ``end.round_index`` on ``state``, given its pseudo-gradient ``delta`` (step 2;
+        step 3 writes into it)."""
 
-    def merge_due(self, stage: Stage) -> bool:
+    def merge_due(self, exchange: Exchange, deadline_reached: bool) -> bool:
+        """Whether the pending round's average is applied now, in the middle of a round (``delayed`` only)."""
         return False
 
 
-class Delayed(Blocking):
+def _report(end: RoundEnd, delta: list[torch.Tensor]) -> RoundReport:
+    """The report of a round end, with the norm of the round's progress (before step 3 adds to ``delta``)."""
+    return RoundReport(end.round_index, tokens=int(end.tokens),
+                       delta_norm=float(torch.sqrt(sum(d.pow(2).sum() for d in delta))))
+
+
+class Blocking(Rule):
+    """``none``: the round's own average is applied at its end."""
+
+    name = "none"
+
+    def end(self, state: OuterState, delta: list[torch.Tensor], exchange: Exchange, end: RoundEnd) -> RoundReport:
+        report = _report(end, delta)
+        contribution = state.with_feedback(delta, exchange.averager)  # 3.
+        exchange.start(end, contribution)  # 4.
+        average = exchange.collect(report, state)  # 5. this round's
+        state.outer_optimizer.step(average, exchange.applied_group_size)  # 6. theta = outer_step(theta, avg) ...
+        state.set_params(state.anchor)  # ... phi0 = phi = theta
+        return report
+
+
+class Delayed(Rule):
     """``delayed``: the round's average is applied ``merge_step`` steps into the next round (or when it arrives)."""
 
     name = "delayed"
     overlaps = True
 
-    def end(self, stage: Stage, delta: list[torch.Tensor], report: RoundReport, start) -> None:
-        if stage.pending is not None:  # 5-6 of the previous round, not merged yet (merge_step = H, or a resume)
-            stage.merge_now(report)
-            delta = stage.pseudo_gradient()  # 2. again: phi and phi0 were rebased on the new anchor
+    def end(self, state: OuterState, delta: list[torch.Tensor], exchange: Exchange, end: RoundEnd) -> RoundReport:
+        report = _report(end, delta)
+        if exchange.pending is not None:  # 5-6 of the previous round, not merged yet (merge_step = H, or a resume)
+            self.merge(state, exchange, report)
+            delta = state.pseudo_gradient()  # 2. again: phi and phi0 were rebased on the new anchor
         else:  # merged earlier in this round: this round end reports it
-            stage.report_merge(report)
-        contribution = stage.with_feedback(delta)  # 3.
-        start(contribution)  # 4. in the background; this round's progress stays in phi until its average lands
-        stage.restart_from_params()
+            merged, exchange.merged = exchange.merged, None
+            if merged is not None:
+                report.applied_round, report.outcome, report.waited_s, report.outer_lr = \
+                    merged.applied_round, merged.outcome, merged.waited_s, merged.outer_lr
+        contribution = state.with_feedback(delta, exchange.averager)  # 3.
+        exchange.start(end, contribution)  # 4. in the background; this round's progress stays in phi until its
+        state.restart_from_params()  # average lands (the merge)
+        return report
 
-    def merge_due(self, stage: Stage) -> bool:
-        if stage.pending is None:
-            return False
-        steps_in = stage.inner_step - stage.round_index * stage.diloco_cfg.inner_steps + stage.round_shift
-        return steps_in >= stage.overlap_steps or stage.average_arrived()
+    def merge_due(self, exchange: Exchange, deadline_reached: bool) -> bool:
+        """The previous round's average is pending, and has arrived or this round has reached ``overlap_steps``
+        (``deadline_reached``: the merge then waits for it). The anchor does not depend on when."""
+        return exchange.pending is not None and (deadline_reached or exchange.average_arrived())
+
+    @staticmethod
+    @torch.no_grad()
+    def merge(state: OuterState, exchange: Exchange, report: RoundReport) -> None:
+        """Steps 5-6 of a delayed round: theta = outer_step(theta, avg_prev); phi = theta - progress since the
+        round started; the round now starts from theta."""
+        exchange.merged = None
+        applied = exchange.collect(report, state)
+        if applied is None:
+            return
+        state.own_round_start()
+        state.outer_optimizer.step(applied, exchange.applied_group_size)
+        state.rebase(restart_from=state.anchor)
 
 
-class Eager(Blocking):
+class Eager(Rule):
     """``eager``: the previous round's average is applied at this round's end, this round's own contribution
     stands in for its part of it in the peer's eager outer state."""
 
@@ -77,20 +115,22 @@ class Eager(Blocking):
     overlaps = True
     keeps_eager_state = True
 
-    def end(self, stage: Stage, delta: list[torch.Tensor], report: RoundReport, start) -> None:
-        previous = stage.pending
-        applied = stage.collect(report)  # 5. the previous round's (bounded wait), its residual into e
-        contribution = stage.with_feedback(delta)  # 3.
+    def end(self, state: OuterState, delta: list[torch.Tensor], exchange: Exchange, end: RoundEnd) -> RoundReport:
+        report = _report(end, delta)
+        previous = exchange.pending
+        applied = exchange.collect(report, state)  # 5. the previous round's (bounded wait), its residual into e
+        contribution = state.with_feedback(delta, exchange.averager)  # 3.
         if applied is not None:
-            stage.outer_optimizer.step(applied, stage.applied_group_size)  # 6. theta = outer_step(theta, avg_prev)
-        share = self.eager_step(stage, previous, applied, contribution)  # 6'. the eager state, this round included
-        start(contribution, share)  # 4.
-        stage.set_params(stage.eager_anchor)
-        stage.restart_from_params()
+            state.outer_optimizer.step(applied, exchange.applied_group_size)  # 6. theta = outer_step(theta, avg_prev)
+        share = self.eager_step(state, previous, applied, contribution, exchange.applied_group_size)  # 6'. eager's
+        exchange.start(end, contribution, share)  # 4.
+        state.set_params(state.eager_anchor)
+        state.restart_from_params()
+        return report
 
     @staticmethod
-    def eager_step(stage: Stage, previous: PendingRound | None, applied: list[torch.Tensor] | None,
-                   fresh: list[torch.Tensor]) -> float:
+    def eager_step(state: OuterState, previous: PendingRound | None, applied: list[torch.Tensor] | None,
+                   fresh: list[torch.Tensor], group_size: int) -> float:
         """Step this peer's eager outer state (arXiv 2502.12996) and return the share of ``fresh`` it took.
 
         The eager outer gradient is the previous round's applied average with this peer's stale contribution
@@ -99,7 +139,8 @@ class Eager(Blocking):
         are ``theta0 - lr (sum of the applied averages + s(r) c(r))``). ``s(r)`` is this peer's share in its
         last group (its tokens over the group's), 1 before its first group, after a failed round, and alone:
         then eager is blocking DiLoCo exactly. A failed round's own contribution is applied whole (``applied``
-        is that contribution), so nothing of it is dropped.
+        is that contribution), so nothing of it is dropped. ``group_size``: the group of ``applied`` (its step
+        grows with it as the shared anchor's does).
         """
         done = previous.outcome if previous is not None else None
         previous_ok = done is not None and done.averaged and done.group_tokens > 0
@@ -107,8 +148,8 @@ class Eager(Blocking):
         gradient = [share * c for c in fresh]
         if previous is not None:
             gradient = [g + a - previous.share * old for g, a, old in zip(gradient, applied, previous.contribution)]
-        stage.eager_optimizer.step(gradient, stage.applied_group_size)
+        state.eager_optimizer.step(gradient, group_size)
         return share
 
 
-RULES = {rule.name: rule for rule in (Blocking(), Delayed(), Eager())}
+RULES: dict[str, Rule] = {rule.name: rule for rule in (Blocking(), Delayed(), Eager())}

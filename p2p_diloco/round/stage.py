@@ -1,17 +1,18 @@
 """One pipeline stage's DiLoCo state and its round, as in docs/design.md §2.4 ("One round on one stage").
 
-A :class:`Stage` owns a slice of the model (the whole model when P = 1) and everything DiLoCo keeps
-for it: the working parameters phi (on the device), the anchor theta (fp32, CPU, identical on every
-peer that saw the same averages), the outer momentum, the inner AdamW, the round's starting point phi0
-and the averager that talks to the same stage of other peers. The trainer drives the inner steps and
-calls :meth:`Stage.end_round` every H steps. Called by :class:`p2p_diloco.training.trainer.Trainer`.
+A :class:`Stage` owns a slice of the model (the whole model when P = 1), its inner AdamW, and the parts DiLoCo keeps
+for it: the outer state (:class:`~p2p_diloco.round.outer_state.OuterState`: the anchor theta, identical on every peer
+that saw the same averages, the outer momentum, the round's starting point phi0, error feedback, eager's copy), the
+averaging of its rounds with the same unit of other peers (:class:`~p2p_diloco.round.exchange.Exchange`), and where it
+stands (:class:`~p2p_diloco.round.position.Clock`). Its mode's rule (:mod:`.rules`) orders each round end on them;
+its checkpoint (:mod:`.stage_state`) and the state it shares with the swarm (:mod:`.swarm_state`) are functions of
+them. The trainer drives the inner steps and calls :meth:`Stage.end_round` every H steps. Called by
+:class:`p2p_diloco.training.trainer.Trainer`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -20,19 +21,36 @@ import torch
 from torch import nn
 
 from p2p_diloco.config import DiLoCoConfig, InnerConfig
+from p2p_diloco.round import stage_state, swarm_state
 from p2p_diloco.round.averager import RoundAverager, RoundRecords
+from p2p_diloco.round.exchange import Exchange, RoundEnd
 from p2p_diloco.round.inner import inner_lr, make_inner_optimizer
-from p2p_diloco.round.outcome import PendingRound, RoundOutcome, RoundReport
-from p2p_diloco.round.outer import OuterOptimizer
-from p2p_diloco.round.position import Position
-from p2p_diloco.round.rules import RULES
-from p2p_diloco.round.stage_state import StageCheckpoint
-from p2p_diloco.round.swarm_state import StateSharing
+from p2p_diloco.round.outcome import RoundReport
+from p2p_diloco.round.outer_state import OuterState
+from p2p_diloco.round.position import Clock, Position
+from p2p_diloco.round.rules import RULES, Delayed
 
 logger = logging.getLogger(__name__)
 
 
-class Stage(StageCheckpoint, StateSharing):
+class _Part:
+    """A Stage attribute that one of its parts holds, read and written through the Stage under the name callers
+    use (``stage.anchor`` is ``stage.outer.anchor``)."""
+
+    def __init__(self, part: str, name: str | None = None):
+        self.part, self.name = part, name
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = self.name or name
+
+    def __get__(self, stage, owner=None):
+        return self if stage is None else getattr(getattr(stage, self.part), self.name)
+
+    def __set__(self, stage, value) -> None:
+        setattr(getattr(stage, self.part), self.name, value)
+
+
+class Stage:
     """DiLoCo state of one pipeline stage.
 
     Args:
@@ -51,6 +69,29 @@ class Stage(StageCheckpoint, StateSharing):
             ``stage_index``; its state is the fragment's, served to and taken from peers of any split.
     """
 
+    # the outer state's (round/outer_state.py)
+    anchor = _Part("outer")
+    outer_optimizer = _Part("outer")
+    round_start = _Part("outer")
+    feedback = _Part("outer")
+    eager_anchor = _Part("outer")
+    eager_optimizer = _Part("outer")
+    applied_round = _Part("outer")
+    state_lock = _Part("outer", "lock")
+    # the averaging's (round/exchange.py)
+    averager = _Part("exchange")
+    records = _Part("exchange")
+    pending = _Part("exchange")
+    applied_group_size = _Part("exchange")
+    _merged = _Part("exchange", "merged")
+    # the clock's (round/position.py)
+    round_index = _Part("clock")
+    inner_step = _Part("clock")
+    round_first_step = _Part("clock")
+    round_shift = _Part("clock")
+    last_round = _Part("clock")
+    seconds_per_step = _Part("clock")
+
     def __init__(self, module: nn.Module, *, stage_index: int, num_stages: int, inner_cfg: InnerConfig,
                  diloco_cfg: DiLoCoConfig, total_steps: int, averager: RoundAverager | None = None,
                  fragment: tuple[int, int] | None = None, records: RoundRecords | None = None):
@@ -58,40 +99,19 @@ class Stage(StageCheckpoint, StateSharing):
         self.stage_index, self.num_stages = stage_index, num_stages
         self.fragment = fragment  # (f, F) in a run averaged by fragment: this Stage is fragment f of the model
         self.inner_cfg, self.diloco_cfg, self.total_steps = inner_cfg, diloco_cfg, total_steps
-        self.averager, self.records = averager, records
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         self.param_names = [name for name, _ in named]
         self.params = [p for _, p in named]
-        self.anchor = [p.detach().to(device="cpu", dtype=torch.float32, copy=True) for p in self.params]
         self.rule = RULES[diloco_cfg.mode]  # the round end of this mode (round/rules.py)
         self.mode = self.rule.name
-        # phi0: in blocking mode every round starts from the anchor; with overlap, from the rebased params
-        self.round_start = [t.clone() for t in self.anchor] if self.rule.overlaps else self.anchor
-        self.pending: PendingRound | None = None
-        self.applied_group_size = 1  # the group of the average step 5 last collected (1: a fallback, or none)
-        # error feedback e (fp32, CPU), kept while pseudo-gradients are compressed
-        compressed = averager is not None and averager.compresses
-        self.feedback = [torch.zeros_like(t) for t in self.anchor] if compressed else None
+        self.outer = OuterState(self.param_names, self.params, diloco_cfg, overlaps=self.rule.overlaps,
+                                keeps_eager_state=self.rule.keeps_eager_state,
+                                compressed=averager is not None and averager.compresses)
+        self.exchange = Exchange(averager, records, overlaps=self.rule.overlaps, label=self.label)
+        self.clock = Clock(diloco_cfg.inner_steps)
         self.inner_optimizer = make_inner_optimizer(named, inner_cfg)
-        self.outer_optimizer = self._make_outer(self.anchor)
-        # eager mode: this peer's own copy of the outer state (docs/design.md §2.7); the shared anchor stays the
-        # agreed one (state sharing, fingerprints, evaluation) and this copy is where the peer trains from
-        self.eager_anchor = [t.clone() for t in self.anchor] if self.rule.keeps_eager_state else None
-        self.eager_optimizer = self._make_outer(self.eager_anchor) if self.rule.keeps_eager_state else None
         # delayed mode: the latest inner step of round r+1 at which round r's average is applied
         self.overlap_steps = min(diloco_cfg.merge_step, diloco_cfg.inner_steps)
-        # streaming sync (model/fragments.py): this stage's rounds end this many steps before every H-th step
-        self.round_shift = 0
-        # the run's last round (train.num_rounds - 1) when its rounds are shifted: the last one ends on the run's
-        # last step (it is longer by the shift), so that no step is left out of a round
-        self.last_round: int | None = None
-        self._merged: RoundReport | None = None  # a merge done mid-round, reported with the round end
-        self.inner_step = 0
-        self.round_first_step: int | None = None  # set when this round's work began mid-round (after a reload)
-        self.seconds_per_step = 0.0  # recent inner step time (set by the trainer; served to newcomers)
-        self.round_index = 0
-        self.applied_round = -1  # the last round whose average the anchor took
-        self.state_lock = threading.RLock()  # held while the round end changes the anchor; state serving reads it
 
     # ---- inner steps --------------------------------------------------------------------------------
     def grad_norms(self) -> torch.Tensor:
@@ -129,11 +149,11 @@ class Stage(StageCheckpoint, StateSharing):
     def end_round(self, tokens: int, expected_group_size: int | None, compute_s: float = 0.0) -> RoundReport:
         """Steps 2-6 of the round (docs/design.md §2.4) (see :meth:`_end_round`), under the state lock.
 
-        In delayed/eager mode the wait for the previous round's average comes first, outside the lock: state
-        serving goes on meanwhile. (Held through the wait, the lock keeps a peer whose rounds all fail after
-        their timeouts from serving newcomers almost all the time: a peer one round behind it can
-        never download and catch up, so the two never meet in a round again.)"""
-        waited = self._settle(self.pending) if self.pending is not None and self.rule.overlaps else 0.0
+        In delayed/eager mode the wait for the previous round's average comes first, outside the lock, so that
+        state serving goes on meanwhile: held through the wait, the lock would keep a peer whose rounds all fail
+        after their timeouts from serving newcomers almost all the time, and a peer one round behind it could never
+        download and catch up."""
+        waited = self.exchange.settle(self.outer.feedback) if self.rule.overlaps else 0.0
         with self.state_lock:
             report = self._end_round(tokens, expected_group_size, compute_s)
         report.waited_s += waited
@@ -151,98 +171,38 @@ class Stage(StageCheckpoint, StateSharing):
             compute_s: how long the round's inner steps took (for the compression's bandwidth budget).
         """
         started = time.monotonic()
-        delta = self.pseudo_gradient()  # 2. this round's local progress
-        report = RoundReport(self.round_index, tokens=int(tokens),
-                             delta_norm=float(torch.sqrt(sum(d.pow(2).sum() for d in delta))))
-        round_index = self.round_index
-
-        def start(contribution: list[torch.Tensor], share: float = 1.0) -> None:  # 4.
-            self._start(round_index, contribution, tokens, expected_group_size, compute_s, share)
-
-        self.rule.end(self, delta, report, start)  # 3-6, in this mode's order
+        delta = self.outer.pseudo_gradient()  # 2. this round's local progress
+        end = RoundEnd(self.round_index, tokens, expected_group_size, compute_s)
+        report = self.rule.end(self.outer, delta, self.exchange, end)  # 3-6, in this mode's order
         self.round_index += 1
         report.round_end_s = time.monotonic() - started
         return report
 
     def pseudo_gradient(self) -> list[torch.Tensor]:
         """phi0 - phi: the progress since the round's starting point (fp32, CPU)."""
-        return [start - p.detach().to(device="cpu", dtype=torch.float32)
-                for start, p in zip(self.round_start, self.params)]
-
-    def restart_from_params(self) -> None:
-        """The next round starts from the working params as they are (overlap modes), copied into phi0's own
-        buffers: a round end allocates no new copy of the weights."""
-        self._own_round_start()
-        for start, p in zip(self.round_start, self.params):
-            start.copy_(p.detach())
-
-    def _own_round_start(self) -> None:
-        """phi0 in buffers of its own (in blocking mode it is the anchor itself), before it is written in place."""
-        if self.round_start is self.anchor:
-            self.round_start = [t.clone() for t in self.anchor]
+        return self.outer.pseudo_gradient()
 
     @property
     def merge_due(self) -> bool:
         """delayed mode: apply the previous round's average now, because it has arrived, or because this round
         has reached ``overlap_steps`` (the merge then waits for it). The anchor does not depend on when."""
-        return self.rule.merge_due(self)
-
-    def average_arrived(self) -> bool:
-        pending = self.pending
-        if pending.settled:
-            return True
-        return pending.in_flight and self.averager is not None and self.averager.round_settled
+        return self.rule.merge_due(self.exchange, self.clock.steps_into_round() >= self.overlap_steps)
 
     def merge(self) -> float:
         """delayed mode, once the previous round's average has arrived (at the latest ``overlap_steps`` into this
         round): apply it to the anchor and rebase the working params on it (the new anchor minus this round's
         progress so far). Returns the time spent waiting for it; the round end that follows reports the merge."""
-        waited = self._settle(self.pending) if self.pending is not None else 0.0
+        waited = self.exchange.settle(self.outer.feedback)
         with self.state_lock:
             report = RoundReport(self.round_index)
             self.merge_now(report)
             report.waited_s += waited
-            self._merged = report
+            self.exchange.merged = report
         return waited
 
-    def report_merge(self, report: RoundReport) -> None:
-        """delayed mode, at a round end: report the merge done earlier in the round (if any) with it."""
-        merged, self._merged = self._merged, None
-        if merged is not None:
-            report.applied_round, report.outcome, report.waited_s, report.outer_lr = \
-                merged.applied_round, merged.outcome, merged.waited_s, merged.outer_lr
-
-    @torch.no_grad()
     def merge_now(self, report: RoundReport) -> None:
-        """Step 5-6 of a delayed round: theta = outer_step(theta, avg_prev); phi = theta - progress since the
-        round started; the round now starts from theta."""
-        self._merged = None
-        applied = self.collect(report)
-        if applied is None:
-            return
-        self._own_round_start()
-        self.outer_optimizer.step(applied, self.applied_group_size)
-        self._rebase(restart_from=self.anchor)
-
-    def _rebase(self, restart_from: list[torch.Tensor] | None) -> None:
-        """phi = theta - (phi0 - phi), the progress since the round started carried onto the new anchor, then phi0
-        = ``restart_from`` (None: the rebased params). One tensor at a time, in place: one tensor's temporary,
-        not three copies of the weights (the progress, the new params, the new phi0)."""
-        for i, (p, start, theta) in enumerate(zip(self.params, self.round_start, self.anchor)):
-            progress = start - p.detach().to(device="cpu", dtype=torch.float32)
-            p.copy_(theta - progress)
-            start.copy_(p.detach() if restart_from is None else restart_from[i])
-
-    def with_feedback(self, delta: list[torch.Tensor]) -> list[torch.Tensor]:
-        """delta + beta e, written into ``delta`` (the round end's own tensors, used for nothing else after): what
-        the compressor left out of earlier rounds goes out with this one (beta: the averager's ``feedback_decay``,
-        below 1 for SparseLoCo, whose decaying feedback plays the outer momentum)."""
-        if self.feedback is None:
-            return delta
-        decay = self.averager.feedback_decay
-        for d, e in zip(delta, self.feedback):
-            d.add_(e if decay == 1.0 else decay * e)
-        return delta
+        """Steps 5-6 of a delayed round, now (:meth:`Delayed.merge <p2p_diloco.round.rules.Delayed.merge>`)."""
+        Delayed.merge(self.outer, self.exchange, report)
 
     @torch.no_grad()
     def flush(self) -> RoundReport | None:
@@ -254,117 +214,77 @@ class Stage(StageCheckpoint, StateSharing):
         if self.pending is None:
             return None
         report = RoundReport(self.round_index - 1)
-        self._own_round_start()  # (phi0 - phi is the progress of a round stopped half-way: the outer step keeps it)
-        self.outer_optimizer.step(self.collect(report), self.applied_group_size)
-        if self.eager_anchor is not None:  # the shared anchor now holds every contribution, exactly once
-            outer = self.outer_optimizer
-            self.eager_optimizer.load_state_tensors(outer.momentum_buffers, outer.num_steps)
-            for theta_e, theta in zip(self.eager_anchor, self.anchor):
-                theta_e.copy_(theta)
-        self._rebase(restart_from=None)
+        outer = self.outer
+        outer.own_round_start()  # (phi0 - phi is the progress of a round stopped half-way: the outer step keeps it)
+        outer.outer_optimizer.step(self.exchange.collect(report, outer), self.exchange.applied_group_size)
+        outer.reset_eager()  # the shared anchor now holds every contribution, exactly once
+        outer.rebase(restart_from=None)
         return report
 
     def settle(self) -> None:
         """Wait (bounded) for the round in flight and keep its average for the next round end, without applying
         it: before a shutdown, so that the checkpoint holds it and a resume continues exactly."""
-        if self.pending is not None:
-            self._settle(self.pending)
+        self.exchange.settle(self.outer.feedback)
 
     def restart_pending(self, expected_group_size: int | None) -> None:
         """After a resume from a checkpoint written while a round was in flight: average that contribution again
         (the swarm may have finished the round meanwhile, and then it falls back like any failed round)."""
         pending = self.pending
         if pending is not None and not pending.settled:
-            self._start(pending.round_index, pending.contribution, pending.weight, expected_group_size, 0.0,
-                        pending.share)
-
-    def _start(self, round_index: int, contribution: list[torch.Tensor], tokens: float,
-               expected_group_size: int | None, compute_s: float, share: float = 1.0) -> None:
-        """Step 4: start averaging a round's contribution (or note why the network is skipped)."""
-        pending = PendingRound(round_index, contribution, float(tokens), share=share)
-        if self.averager is None:
-            pending.outcome = RoundOutcome(fallback_reason="training without a swarm")
-        elif expected_group_size is not None and expected_group_size <= 1:
-            pending.outcome = RoundOutcome(fallback_reason="no other live peer of this stage in the swarm")
-        else:
-            self.averager.set_expected_group_size(expected_group_size)
-            # a failed all-reduce (a groupmate gone) is retried by the rest of the group within the round's budget:
-            # with overlap, the next round's compute (docs/design.md §2.6); blocking, the matchmaking bound
-            budget = compute_s if self.rule.overlaps else 0.0
-            self.averager.start_round(contribution, round_index, weight=float(tokens), compute_s=compute_s,
-                                      budget_s=budget)
-            pending.in_flight = True
-        self.pending = pending
-
-    def _settle(self, pending: PendingRound) -> float:
-        """Wait for ``pending``'s averaging (at most what is left of its own timeouts); returns the wait."""
-        if not pending.in_flight:
-            return 0.0
-        started = time.monotonic()
-        outcome = self.averager.finish_round(hopeless=None if self.records is None else self.records.moved_past,
-                                             feedback=self.feedback)
-        waited = time.monotonic() - started
-        pending.in_flight, pending.outcome = False, outcome
-        if outcome.suspects:
-            logger.warning(f"{self.label} round {pending.round_index}: flagged groupmates "
-                           f"{outcome.suspects}")
-        if not outcome.averaged:
-            logger.warning(f"{self.label} round {pending.round_index}: averaging failed "
-                           f"({outcome.fallback_reason}); applying this peer's own pseudo-gradient")
-        return waited
-
-    def collect(self, report: RoundReport) -> list[torch.Tensor] | None:
-        """Step 5: the pending round's average, or its own contribution if that round failed; None if nothing
-        is pending. ``applied_group_size`` is then the size of the group that averaged it (1: a fallback)."""
-        pending = self.pending
-        self.applied_group_size = 1
-        if pending is None:
-            return None
-        report.waited_s = self._settle(pending)
-        self.pending = None
-        report.applied_round = self.applied_round = pending.round_index
-        outcome = pending.outcome
-        # the report keeps the facts, not the tensors: the average is the caller's until its outer step, the
-        # residual becomes e (held past the step, the report's copy of the average was a whole copy of the weights
-        # kept until the next round end)
-        report.outcome = dataclasses.replace(outcome, average=None, residual=None)
-        if outcome.averaged:  # the outer step of an average grows with its group (round/outer.py, group_lr)
-            self.applied_group_size = outcome.group_size
-        report.outer_lr = self.outer_optimizer.lr_for(self.applied_group_size)
-        if not outcome.averaged:  # the whole own contribution, feedback included, is applied: nothing is owed
-            if self.feedback is not None:
-                self.feedback = [torch.zeros_like(e) for e in self.feedback]
-            return pending.contribution
-        if self.feedback is not None and outcome.residual is not None:
-            self.feedback = outcome.residual
-        return outcome.average
-
-    def _make_outer(self, anchor: list[torch.Tensor]) -> OuterOptimizer:
-        cfg = self.diloco_cfg
-        return OuterOptimizer(anchor, lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=cfg.nesterov,
-                              group_exponent=cfg.outer_lr_group_exponent, largest_group=cfg.outer_lr_largest_group)
+            self.exchange.start(RoundEnd(pending.round_index, pending.weight, expected_group_size, 0.0),
+                                pending.contribution, pending.share)
 
     def set_params(self, values: list[torch.Tensor]) -> None:
-        for p, value in zip(self.params, values):
-            p.copy_(value)
+        """phi = ``values``."""
+        self.outer.set_params(values)
 
     # ---- where rounds start and end (streaming sync shifts them: docs/design.md 2.11) -------------------
     def round_start_step(self, round_index: int) -> int:
-        """The inner step after which round ``round_index`` begins: ``r H`` less this stage's shift (0 for round 0)."""
-        return max(0, round_index * self.diloco_cfg.inner_steps - self.round_shift)
+        """The inner step after which round ``round_index`` begins: :meth:`Clock.round_start_step`."""
+        return self.clock.round_start_step(round_index)
 
     def round_end_step(self, round_index: int) -> int:
-        """The inner step after which round ``round_index`` ends: ``(r + 1) H`` less the shift; the run's last round
-        ends on the run's last step."""
-        H = self.diloco_cfg.inner_steps
-        if self.last_round is not None and round_index >= self.last_round:
-            return (round_index + 1) * H
-        return (round_index + 1) * H - self.round_shift
+        """The inner step after which round ``round_index`` ends: :meth:`Clock.round_end_step`."""
+        return self.clock.round_end_step(round_index)
 
     def round_at(self, inner_step: int) -> int:
         """The round the step after ``inner_step`` belongs to."""
-        r = (inner_step + self.round_shift) // self.diloco_cfg.inner_steps
-        return min(r, self.last_round) if self.last_round is not None else r
+        return self.clock.round_at(inner_step)
+
+    # ---- its checkpoint (round/stage_state.py) and the state it shares (round/swarm_state.py) ----------
+    def state_dict(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """(tensors, metadata) of everything a resume needs: :func:`~p2p_diloco.round.stage_state.state_dict`."""
+        header = {"stage": self.stage_index, "num_stages": self.num_stages, **self.unit, "mode": self.mode}
+        return stage_state.state_dict(self.outer, self.exchange, self.clock, self.inner_optimizer, header)
+
+    def load_state_dict(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+        """Restore the stage from :meth:`state_dict`'s tensors and metadata; ValueError naming the first mismatch."""
+        stage_state.check_unit(meta, self.unit, self.mode)
+        stage_state.load_state_dict(self.outer, self.exchange, self.clock, self.inner_optimizer, tensors, meta)
+
+    def shareable_state(self, run_id: str, finished_average: list[torch.Tensor] | None = None,
+                        finished_group_size: int = 1) -> tuple[dict, list[torch.Tensor]]:
+        """What this stage serves to others: :func:`~p2p_diloco.round.swarm_state.shareable_state`."""
+        names = {"stage": self.stage_index, "num_stages": self.num_stages, **self.unit}
+        return swarm_state.shareable_state(self.outer, self.exchange, self.clock, names, run_id, finished_average,
+                                           finished_group_size)
+
+    def check_state(self, run_id: str, meta: dict, tensors: list[torch.Tensor]) -> None:
+        """Raise StateError unless a served state fits this stage: :func:`~p2p_diloco.round.swarm_state.check_state`."""
+        swarm_state.check_state(self.outer, self.clock, self.unit, run_id, meta, tensors)
+
+    def state_fingerprint(self) -> tuple[str, str]:
+        """(fingerprint of the state this stage would serve now, sha256 of its anchor):
+        :func:`~p2p_diloco.round.swarm_state.fingerprint`."""
+        return swarm_state.fingerprint(self.outer)
+
+    def served_fingerprint(self, meta: dict, tensors: list[torch.Tensor]) -> str:
+        """The fingerprint of a served state that passed :meth:`check_state`."""
+        return swarm_state.served_fingerprint(self.outer, meta, tensors)
+
+    def adopt(self, meta: dict, tensors: list[torch.Tensor], how: str, inner_step: int | None = None) -> None:
+        """Take a checked state over, as a ``reload`` or a ``resync``: :func:`~p2p_diloco.round.swarm_state.adopt`."""
+        swarm_state.adopt(self.outer, self.exchange, self.clock, meta, tensors, how, inner_step)
 
     # ---- helpers ------------------------------------------------------------------------------------
     @property
@@ -415,14 +335,8 @@ class Stage(StageCheckpoint, StateSharing):
         params = sum(p.numel() * p.element_size() for p in self.params)
         inner = sum(t.numel() * t.element_size() for state in self.inner_optimizer.state.values()
                     for t in state.values() if torch.is_tensor(t))
-        outer_state = self.anchor + self.outer_optimizer.momentum_buffers
-        if self.eager_anchor is not None:
-            outer_state += self.eager_anchor + self.eager_optimizer.momentum_buffers
-        outer = sum(t.numel() * t.element_size() for t in outer_state)
-        return {"params": params, "inner_optimizer": inner, "outer_state": outer}
+        return {"params": params, "inner_optimizer": inner, "outer_state": self.outer.num_bytes()}
 
     def shutdown(self) -> None:
-        if self.averager is not None:
-            self.averager.cancel_round()
-            self.averager.shutdown()
-            self.averager = None
+        """Cancel the round in flight, if any, and stop the averager."""
+        self.exchange.shutdown()
