@@ -2,12 +2,12 @@
 
 Loopback: ``p2p-diloco swarm --peers N`` for every N of --peers (default 2 4 8 12 16), all processes on this
 machine. Emulated WAN (root only, ``--netns 2 4 8``): one peer per network namespace with links shaped to --rate
-Mbit/s (``benchmarks/netns.py``'s EmulatedWAN), plus the bootstrap node in its own. The issue's setting: the tiny
+Mbit/s (``benchmarks/netns.py``'s EmulatedWAN), plus the bootstrap node in its own. The setting: the tiny
 model, H = 20, 4 rounds, one thread a peer, the default mode (delayed, adaptive compression: int8 on the tiny
 model). So that 16 peers fit 2 cores, every peer's compute is slowed (``train.slowdown`` = --slowdown, 16 by
 default: a peer sleeps 15 times its step's time after each step, so N peers ask N/16 of a core for training,
-whatever N) and its steps are shorter than the issue's 4 x 64 tokens: 2 x 32 (with 4 x 64 and the slowdown, a step
-took 3-6 s on 2 busy cores, too coarse for the matchmaking window); the swarms of --crowded peers or more
+whatever N) and its steps are shorter than 4 x 64 tokens: 2 x 32 (with 4 x 64 and the slowdown, a step takes
+3-6 s on 2 busy cores, too coarse for the matchmaking window); the swarms of --crowded peers or more
 (12 by default) get the timeouts of the crowded tests (matchmaking 15 s, requests 6 s, rounds and all-reduces
 90 s, a silent sender 20 s) against CPU starvation, the others the demo's (10, 3, 60, 60, 10 s).
 

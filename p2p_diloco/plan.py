@@ -45,8 +45,8 @@ PAPER_SPEEDUP = 357.0
 # Our assumptions for what the paper does not state in a form we can use, as (field, value, why).
 # The paper's example infrastructure is 2 decentralized clusters, each PP=8 (its Figure 1), and its run
 # used 160 A800 GPUs, i.e. 80 per cluster. The step time is ours: 6 * 107e9 FLOPs per token, ~155k tokens
-# per inner step per cluster, 80 A800 at 312 TFLOP/s bf16 and 40% MFU -> ~10 s. H = 50 (this project's
-# default before issue 32 measured H on a real link; a round of about 8 minutes here). Bits stay fp32 (no
+# per inner step per cluster, 80 A800 at 312 TFLOP/s bf16 and 40% MFU -> ~10 s. H = 50 (a round of about
+# 8 minutes of compute at that step time). Bits stay fp32 (no
 # compression) so that the table shows what overlap alone buys; the paper's 357x includes its adaptive low-rank
 # + low-bit compression, see "bits/param that hide" for that budget.
 PAPER_ASSUMPTIONS: tuple[tuple[str, Any, str], ...] = (

@@ -114,8 +114,8 @@ def run(args: argparse.Namespace, overrides: list[tuple[str, str]]) -> int:
     deadline = started + args.timeout
     if args.serve is not None:
         return serve(status_config(args), args)
-    # the config is checked in the reader: its addresses' check imports hivemind (and torch), which took 15-20 s
-    # beside ten busy loops on 2 cores, and the bound must not wait for them
+    # the config is checked in the reader: its addresses' check imports hivemind (and torch), which can take 15-20 s
+    # on a loaded machine, and the bound must not wait for them
     progress = _Progress(args.run_id or f"of {args.config}", args.timeout)
     progress.initial_peers = list(args.initial_peers or [])
     answer = supervise(lambda send: _read_status(args, send, started, deadline), progress.update,
@@ -209,8 +209,8 @@ def _reader_main(read: Callable, writable: int, until: float) -> None:
 
 def _end_group(pid: int, reap_s: float = 1.0) -> None:
     """Kills the reader's process group and reaps the reader if it is gone within ``reap_s``. A killed process
-    still unmaps its memory before it can be reaped, which took 6 s for a reader in the middle of torch's imports
-    beside ten busy loops on 2 cores: past ``reap_s`` the command exits without it and init reaps it, as it does the
+    still unmaps its memory before it can be reaped, which can take seconds for a reader in the middle of torch's
+    imports on a loaded machine: past ``reap_s`` the command exits without it and init reaps it, as it does the
     reader's DHT process and daemon."""
     try:
         os.killpg(pid, signal.SIGKILL)

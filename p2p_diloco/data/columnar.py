@@ -33,7 +33,7 @@ PARQUET_MEMORY_BYTES = 256 << 20
 PARQUET_MEMORY_PER_FILE_BYTE = 16
 """How much the process reading one Parquet file may grow: :data:`PARQUET_MEMORY_BYTES` and this many times the file's
 size. pyarrow holds a row group's dictionary page whole, and its writer puts up to 1,024 values in one before it falls
-back to plain pages: 1,600 documents of 100 KB, written with its defaults (80 MB), took 200 MB to read, 4 MB ones
+back to plain pages: 1,600 documents of 100 KB, written with its defaults (80 MB), take 200 MB to read, 4 MB ones
 340 MB. A bomb, a small file that decodes to far more, gets the base alone."""
 PARQUET_BUFFER_BYTES = 1 << 20  # read buffer of a column chunk: pages are read one at a time through it
 

@@ -1,15 +1,16 @@
 """Reading the inputs of ``prepare-data``: which files, in which format, and their documents one at a time.
 
-A plain text file (any suffix that is not one below) is one document, as it always was, up to
-:data:`MAX_DOCUMENT_BYTES` (decompressed); a longer one is read as consecutive documents of at most that many bytes,
-each cut after its last newline (a piece without one at a UTF-8 character boundary), so an end-of-document token
-lands at those cuts. A JSON Lines (``.jsonl``, ``.ndjson``, ``.json``), CSV (``.csv``) or Parquet (``.parquet``) file
-holds one document per record, the string in its ``text_field``. Text, JSON Lines and CSV may be compressed
-(``.gz``, ``.zst``). Folders are walked recursively in sorted order, so every machine reads the same inputs in the
-same order.
+A plain text file (any suffix that is not one below) is one document, up to
+:data:`~p2p_diloco.data.documents.MAX_DOCUMENT_BYTES` (decompressed); a longer one is read as consecutive documents
+of at most that many bytes, each cut after its last newline (a piece without one at a UTF-8 character boundary), so
+an end-of-document token lands at those cuts. A JSON Lines (``.jsonl``, ``.ndjson``, ``.json``), CSV (``.csv``)
+or Parquet (``.parquet``) file holds one document per record, the string in its ``text_field``. Text, JSON Lines
+and CSV may be compressed (``.gz``, ``.zst``). Folders are walked recursively in sorted order, so every machine reads
+the same inputs in the same order.
 Records are streamed: memory holds one record (a Parquet or CSV batch at most), never the whole input, and a
-document holds at most :data:`MAX_DOCUMENT_BYTES` (decompressed), read no further than that: a 299 KiB ``.txt.gz``
-(300 MB of text, one document) made prepare-data peak at 5.3 GB, its memory some 20 times the document's size.
+document holds at most ``MAX_DOCUMENT_BYTES`` (decompressed), read no further than that: preparing a document takes
+some 20 times its size, and a small compressed file can hold one huge document (300 MB of text fit in a 299 KiB
+``.txt.gz``).
 A record that cannot be used (invalid JSON, no text field, a text that is not a string, a longer one) is yielded with
 its ``problem`` set; the caller chooses to skip it or stop (:class:`BadRecords`). A file that cannot be read at all
 (unreadable, unknown format, no text column, corrupt compression) raises a :class:`DataError` naming it.

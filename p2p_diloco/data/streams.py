@@ -3,7 +3,7 @@
 zstandard's ``stream_reader`` ends silently at a truncated frame, so zstd goes through :class:`ZstdReader`, which
 decodes frame after frame and raises :class:`CorruptStream` when the file ends inside one. Neither decompressor
 makes more at once than a bounded piece: gzip's reads are bounded by what is asked for, and zstd, whose
-decompressor returns all it can make of its input (4 bytes make a block of 128 KiB: 64 KiB of a bomb made 2 GiB),
+decompressor returns all it can make of its input (4 bytes make a block of 128 KiB: 64 KiB of a bomb make 2 GiB),
 is fed :data:`_ZSTD_FEED_BYTES` at a time.
 Who calls this: :mod:`p2p_diloco.data.readers`.
 """

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Protocol
 
 from p2p_diloco.data.errors import DataError
+from p2p_diloco.data.shards import META_FILE, TOKENIZER_FILE
 
 # Special tokens that conventionally end a document, in order of preference.
 EOT_TOKEN_NAMES = ("<|endoftext|>", "</s>", "<eos>")
@@ -123,11 +124,9 @@ def shards_tokenizer(data_path: str | Path) -> Tokenizer:
     ``prepare-data`` copies into the folder.
 
     Raises:
-        DataError: the folder has no readable meta.json, or its HF tokenizer file is not in it (shards made before
-            the copy was kept: give the tokenizer explicitly).
+        DataError: the folder has no readable meta.json, or its HF tokenizer file is not in it (a folder without
+            the copy: give the tokenizer explicitly).
     """
-    from p2p_diloco.data.shards import META_FILE, TOKENIZER_FILE
-
     folder = Path(data_path).expanduser()
     try:
         name = json.loads((folder / META_FILE).read_text(encoding="utf-8"))["tokenizer"]

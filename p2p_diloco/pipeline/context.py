@@ -27,6 +27,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from p2p_diloco.config import ConfigError
+
 ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")  # torchrun's
 STORE_FILE = "P2P_DILOCO_STORE_FILE"  # our local launcher's instead of MASTER_ADDR and MASTER_PORT
 logger = logging.getLogger(__name__)
@@ -62,8 +64,6 @@ class PipelineContext:
                          replicas: int = 1) -> PipelineContext:
         """Join the peer's process group (blocks until all D x P processes are up, at most ``timeout_s``). Rank r is
         stage r mod P of replica r div P."""
-        from p2p_diloco.config import ConfigError
-
         rank, world, local_rank = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
         if world != num_stages * replicas:
             raise ConfigError(f"pipeline.stages: is {num_stages} (x pipeline.replicas {replicas}) but {world} "
@@ -168,8 +168,6 @@ def _private_store(world: int, timeout: timedelta):
     path = os.environ.get(STORE_FILE)
     if path is None:
         return None
-    from p2p_diloco.config import ConfigError
-
     folder = os.stat(os.path.dirname(os.path.abspath(path)))
     if folder.st_uid != os.getuid() or folder.st_mode & 0o077:
         raise ConfigError(f"{STORE_FILE}: the folder of {path} must be private to this user (mode 0700), "
@@ -225,8 +223,6 @@ def check_one_gpu_per_stage(device: torch.device, spec: str, local_stages: int) 
     Raises:
         ConfigError: naming the stages, the GPUs and what to change.
     """
-    from p2p_diloco.config import ConfigError
-
     if device.type != "cuda" or local_stages <= 1:
         return
     gpus = torch.cuda.device_count()

@@ -71,8 +71,8 @@ class PipelineExecutor:
                                             group=context.pipeline_group)
         self.schedule = SCHEDULES[cfg.schedule](self.pipeline_stage, n_microbatches=cfg.microbatches,
                                                 loss_fn=loss_fn)
-        # replica 0 evaluates alone: through the bare module (an evaluation through DDP left its next training step
-        # waiting forever on the gradients' all-reduce: seen with 2 replicas x 2 stages)
+        # replica 0 evaluates alone: through the bare module (an evaluation through DDP can leave its next training
+        # step waiting forever on the gradients' all-reduce, which the other replicas never join)
         self.eval_schedule = self.schedule if context.num_replicas == 1 else SCHEDULES[cfg.schedule](
             PipelineStage(_Autocast(module, self.device), context.stage_index, context.num_stages, self.device,
                           group=context.pipeline_group), n_microbatches=cfg.microbatches, loss_fn=loss_fn)

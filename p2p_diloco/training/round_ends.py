@@ -2,10 +2,11 @@
 
 A unit (:class:`~p2p_diloco.training.ledger.Held`: a whole stage, or one fragment) ends its round with its
 pseudo-gradient weighted by the tokens it trained in the round and the group size its records lead it to expect.
-Several units end theirs at the same time, each in its own thread: one after the other, blocking mode took F
-averagings, and the records' reads of a P = 1 peer's four fragments took over a second on a busy machine, so it came
-late to the last fragment's group. At the end of the run, a unit stays until the groupmates of its last round have
-that round's result too (:func:`wait_for_groupmates`). Called by :class:`p2p_diloco.training.trainer.Trainer`.
+Several units end theirs at the same time, each in its own thread: one after the other, blocking mode would take F
+averagings, and the records' reads of a P = 1 peer's four fragments can take over a second on a busy machine, so it
+would come late to the last fragment's group. At the end of the run, a unit stays until the groupmates of its last
+round have that round's result too (:func:`wait_for_groupmates`). Called by
+:class:`p2p_diloco.training.trainer.Trainer`.
 """
 
 from __future__ import annotations

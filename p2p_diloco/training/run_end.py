@@ -280,8 +280,9 @@ def wait_for_the_end(syncs, executor, swarm_rounds: list[int]) -> None:
     polling until then, at most the units' ``end_wait_s``. The peer announces the swarm's round first: a finishing
     peer waits for a peer on the last round to apply it before it leaves (:meth:`RunEnd.step`), so the holders of the
     final state are still there to serve it. Where it does not come in time, the peer trains its round and tries
-    again after it (and stops with the run-over error once the holders have left). Before this, a peer restarted on
-    its checkpoint just as its groupmates finished the run trained the rounds left alone and ended on another model."""
+    again after it (and stops with the run-over error once the holders have left). Without this wait, a peer
+    restarted on its checkpoint just as its groupmates finish the run would train the rounds left alone and end on
+    another model."""
     for sync, swarm_round in zip(syncs, swarm_rounds):
         sync.swarm.announce(sync.stage.position(), max(swarm_round, sync.stage.round_index))
     bound = max(sync.end_wait_s for sync in syncs)

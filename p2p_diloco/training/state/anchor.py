@@ -118,7 +118,7 @@ def check_whole_model(args: ModelArgs, tensors: dict[str, torch.Tensor], where: 
 
 
 def _model_args(meta: dict, config_path: Optional[Path], tensors: dict, root: Path) -> ModelArgs:
-    """The model's shape: from the checkpoint (written since issue 17), else from the peer's config.toml beside it
+    """The model's shape: from the checkpoint where it records it, else from the peer's config.toml beside it
     with the vocabulary of the embedding."""
     from p2p_diloco.config import ConfigError, load_config
     from p2p_diloco.model import model_args_from_config
