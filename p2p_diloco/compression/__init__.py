@@ -1,7 +1,24 @@
-"""Compression of pseudo-gradients: wire codecs (hivemind's fp32/fp16, our blockwise int8/int4), PowerSGD low
-rank with warm-started Q, and the policy that picks rank and bits every round, identically on every peer."""
+"""Compression of pseudo-gradients: wire codecs behind one interface (``base.py``) and their registry
+(``codecs.py``), PowerSGD low rank with warm-started Q, and the policy that picks rank, bits and k every round,
+identically on every peer.
 
-from p2p_diloco.compression.codecs import CODECS, decode_tensor, encoded_size, roundtrip
-from p2p_diloco.compression.policy import SCHEMES, CompressionPolicy, RoundPlan
+Only the scheme list is imported with the package; the rest (torch, hivemind) when first asked for, so that the
+config, which checks ``averaging.compression`` against :data:`SCHEMES`, stays free of both.
+"""
 
-__all__ = ["CODECS", "SCHEMES", "CompressionPolicy", "RoundPlan", "decode_tensor", "encoded_size", "roundtrip"]
+import importlib
+
+from p2p_diloco.compression.schemes import SCHEMES
+
+_HOMES = {"CODECS": "codecs", "REGISTERED": "codecs", "codec_for": "codecs", "decode_tensor": "codecs",
+          "roundtrip": "codecs", "Codec": "base", "CompressionPolicy": "policy", "RoundPlan": "policy"}
+
+__all__ = ["CODECS", "REGISTERED", "SCHEMES", "Codec", "CompressionPolicy", "RoundPlan", "codec_for", "decode_tensor",
+           "roundtrip"]
+
+
+def __getattr__(name: str):
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{home}"), name)

@@ -31,14 +31,12 @@ from dataclasses import dataclass
 
 import torch
 
-from p2p_diloco.compression.codecs import encoded_size
+from p2p_diloco.compression.codecs import codec_for
 from p2p_diloco.compression.lowrank import desired_rank, lowrank_size
-from p2p_diloco.compression.sparse import CHUNK
-from p2p_diloco.compression.sparse import encoded_size as sparse_size
+from p2p_diloco.compression.sparse import CHUNK, TopK2Bit
 from p2p_diloco.config import AveragingConfig
 from p2p_diloco.medians import lower_median, upper_median
 
-SCHEMES = ("none", "fp16", "int8", "lowrank", "adaptive", "sparseloco")
 LINK_SPREAD = 4.0  # a member's link counts as at most this many times slower than the group's median link
 # (in a pair: its rank, k, and link times compute, than the other member's)
 
@@ -48,7 +46,8 @@ class RoundPlan:
     """One round's compression, identical on every groupmate."""
 
     codecs: tuple[str, ...]
-    """Codec of each tensor sent whole (fp32, fp16, int8, int4); for low-rank tensors, of their factors."""
+    """Codec of each tensor sent whole (fp32, fp16, int8, int4, topk2:<k>), as the registry names it
+    (:func:`~p2p_diloco.compression.codecs.codec_for`); for low-rank tensors, of their factors."""
     lowrank: tuple[int, ...]
     """Indices of the tensors averaged in low rank."""
     rank: int
@@ -127,12 +126,9 @@ class CompressionPolicy:
         """Half the bytes one member moves per peer it exchanges with under ``plan``: its contribution plus the
         average it sends back, over 2 (so that for codecs whose average is sent as the contribution was, this is
         :meth:`payload_bytes`, which :meth:`_budget` is in units of)."""
-        sent = self.payload_bytes(plan)
-        if not any(c.startswith("topk2:") for c in plan.codecs):
-            return sent
-        returned = sum(sparse_size("sparse8", math.prod(shape), int(plan.codecs[i].split(":")[1]), group_size)
-                       for i, shape in enumerate(self.shapes))
-        return (sent + returned) / 2
+        returned = sum(codec_for(plan.codecs[i]).average_size(values, group_size)
+                       for i, values in enumerate(self._num_values(plan)))
+        return (self.payload_bytes(plan) + returned) / 2
 
     def _budget(self, members: list[dict]) -> float | None:
         """Bytes one contribution may take so that the round's transfer fits ``averaging.bandwidth_budget`` of a
@@ -153,7 +149,7 @@ class CompressionPolicy:
         return budget
 
     def _sparse_plan(self, k: int) -> RoundPlan:
-        return RoundPlan(codecs=(f"topk2:{k}",) * len(self.shapes), lowrank=(), rank=0, warm_round=None)
+        return RoundPlan(codecs=(TopK2Bit(k).name,) * len(self.shapes), lowrank=(), rank=0, warm_round=None)
 
     def _fit_budget(self, rank: int, bits: int, members: list[dict]) -> tuple[int, int]:
         """The largest rank up to ``rank`` (at ``bits``, else at 4 bits) whose round fits the bandwidth budget."""
@@ -168,11 +164,12 @@ class CompressionPolicy:
 
     def payload_bytes(self, plan: RoundPlan) -> int:
         """Bytes one contribution takes on the wire under ``plan`` (before the all-reduce's 2(N-1)/N)."""
-        total = 0
-        for i, shape in enumerate(self.shapes):
-            values = lowrank_size(shape, plan.rank) if i in plan.lowrank else math.prod(shape)
-            total += encoded_size(plan.codecs[i], values)
-        return total
+        return sum(codec_for(plan.codecs[i]).encoded_size(values) for i, values in enumerate(self._num_values(plan)))
+
+    def _num_values(self, plan: RoundPlan) -> list[int]:
+        """Values each tensor sends under ``plan``: its own, or for a low-rank one its factors'."""
+        return [lowrank_size(shape, plan.rank) if i in plan.lowrank else math.prod(shape)
+                for i, shape in enumerate(self.shapes)]
 
     def next_proposal(self, plan: RoundPlan, q_avgs: dict[int, torch.Tensor], round_index: int) -> dict:
         """This peer's proposal for the next round, from what the group shares after this one (every groupmate

@@ -20,8 +20,8 @@ chunk its two magnitudes (f32, f32), then per chunk its kept indices within the 
 then the 2-bit codes of all kept values, four to a byte.
 ``SparseAverage``: per chunk its count (u16), then per chunk its scale (f32, at most :data:`MAX_AVERAGE_SCALE`),
 then all indices (u16, strictly increasing within a chunk), then all codes (i8, in [-127, 127]). Every length
-follows from the shape and ``k`` or the counts; :func:`decode` checks each before it allocates anything from the
-message's claims.
+follows from the shape and ``k`` or the counts; each class's ``decode`` checks every one before it allocates
+anything from the message's claims.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ import math
 import numpy as np
 import torch
 
-from p2p_diloco.hivemind_adapter.compression import CompressionBase, CompressionInfo, runtime_pb2
+from p2p_diloco.compression.base import Codec, half_steps
+from p2p_diloco.hivemind_adapter.compression import CompressionInfo, runtime_pb2
 
 CHUNK = 4096  # values per chunk: a power of two, at most 2**16 (indices are u16)
 TOPK_NAME, AVERAGE_NAME = "p2p_diloco:topk2", "p2p_diloco:sparse8"
@@ -55,20 +56,30 @@ def _blocks(tensor: torch.Tensor) -> torch.Tensor:
     return padded.view(-1, CHUNK)
 
 
-class TopK2Bit(CompressionBase):
-    """Top-k per chunk, each kept value as 2 bits (see the module's docstring).
+class TopK2Bit(Codec):
+    """Top-k per chunk, each kept value as 2 bits (see the module's docstring); a plan names it ``topk2:<k>``.
 
     Args:
         k: values kept per chunk of :data:`CHUNK` (1 to CHUNK).
     """
 
+    family, wire_dtype, parameter = "topk2", TOPK_NAME, "k"
     compression_type = runtime_pb2.NONE  # our codecs travel as NONE tensors whose dtype field names the codec
-    name = TOPK_NAME
 
     def __init__(self, k: int):
         if not 1 <= k <= CHUNK:
             raise ValueError(f"k must be in [1, {CHUNK}], got {k}")
         self.k = k
+
+    @classmethod
+    def parse(cls, parameter: str | None) -> TopK2Bit:
+        if parameter is None or not parameter.isdigit():
+            raise ValueError(f"codec 'topk2' takes k, an integer, as 'topk2:<k>'; got {parameter!r}")
+        return cls(int(parameter))
+
+    @property
+    def name(self) -> str:
+        return f"{self.family}:{self.k}"
 
     def sparsify(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(kept values per chunk, their indices within their chunk in chunk order, each chunk's (lo, hi)
@@ -97,57 +108,17 @@ class TopK2Bit(CompressionBase):
         buffer = (np.uint32(self.k).tobytes() + kept.sum(1).numpy().astype("<u2").tobytes()
                   + scales.numpy().astype("<f4").tobytes() + order[kept].numpy().astype("<u2").tobytes()
                   + _pack2(codes[kept].numpy()))
-        return runtime_pb2.Tensor(compression=self.compression_type, dtype=self.name, size=tensor.shape,
+        return runtime_pb2.Tensor(compression=self.compression_type, dtype=self.wire_dtype, size=tensor.shape,
                                   buffer=buffer, requires_grad=False)
 
     def estimate_compression_ratio(self, info: CompressionInfo) -> float:
         return 2 / 32  # hivemind's parts are then 2**21 values: whole chunks (see the module docstring)
 
-    def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
-        shape = tuple(serialized_tensor.size)
-        return decode(serialized_tensor, shape, math.prod(shape))
-
-
-class SparseAverage(CompressionBase):
-    """A sparse average: its non-zero values' indices and 8-bit codes, one fp32 scale per chunk."""
-
-    compression_type = runtime_pb2.NONE
-    name = AVERAGE_NAME
-
-    def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:
-        blocks = _blocks(tensor)
-        nonzero = blocks != 0
-        scales = blocks.abs().amax(1) / 127 if blocks.numel() else torch.zeros(0)
-        safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-        codes = torch.round(blocks / safe[:, None]).clamp_(-127, 127).to(torch.int8)
-        columns = torch.arange(CHUNK).expand_as(blocks)
-        buffer = (nonzero.sum(1).numpy().astype("<u2").tobytes() + scales.numpy().astype("<f4").tobytes()
-                  + columns[nonzero].numpy().astype("<u2").tobytes() + codes[nonzero].numpy().tobytes())
-        return runtime_pb2.Tensor(compression=self.compression_type, dtype=self.name, size=tensor.shape,
-                                  buffer=buffer, requires_grad=False)
-
-    def estimate_compression_ratio(self, info: CompressionInfo) -> float:
-        return 2 / 32  # as TopK2Bit's: the same parts
-
-    def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
-        shape = tuple(serialized_tensor.size)
-        return decode(serialized_tensor, shape, math.prod(shape))
-
-
-def decode(serialized: runtime_pb2.Tensor, shape: tuple[int, ...], num_values: int) -> torch.Tensor:
-    """The dense tensor a sparse message carries (its shape and number of values already checked by the caller).
-
-    Raises:
-        ValueError: a length that does not fit, an index out of its chunk or out of order, a code out of range, a
-            non-finite or negative scale, a ``sparse8`` scale whose codes would decode past float32.
-    """
-    buffer, num_chunks = serialized.buffer, math.ceil(num_values / CHUNK)
-    header = 4 + 10 * num_chunks if serialized.dtype == TOPK_NAME else 6 * num_chunks
-    if len(buffer) < header:  # before anything of the size of the shape is made: the header holds every chunk
-        raise ValueError(f"{serialized.dtype[:40]} payload of {len(buffer)} bytes is shorter than its {header}-byte "
-                         f"header for shape {list(shape)[:8]}")
-    lengths = [CHUNK] * (num_values // CHUNK) + ([num_values % CHUNK] if num_values % CHUNK else [])
-    if serialized.dtype == TOPK_NAME:
+    @classmethod
+    def decode(cls, serialized: runtime_pb2.Tensor, shape: tuple[int, ...], num_values: int) -> torch.Tensor:
+        """Any k in [1, CHUNK] is read from the message (see :class:`~p2p_diloco.compression.base.Codec`)."""
+        buffer, num_chunks = serialized.buffer, math.ceil(num_values / CHUNK)
+        _check_header(serialized, shape, 4 + 10 * num_chunks)
         k = int(np.frombuffer(buffer, dtype="<u4", count=1)[0])
         if not 1 <= k <= CHUNK:
             raise ValueError(f"{TOPK_NAME} keeps {k} values per chunk, not in [1, {CHUNK}]")
@@ -166,8 +137,52 @@ def decode(serialized: runtime_pb2.Tensor, shape: tuple[int, ...], num_values: i
         codes = _unpack2(buffer[index_at + 2 * total:], total)
         magnitudes = np.where(codes & 2, np.repeat(scales[:, 1], counts), np.repeat(scales[:, 0], counts))
         values = np.where(codes & 1, -magnitudes, magnitudes)
-    elif serialized.dtype == AVERAGE_NAME:
+        return _scatter(serialized, shape, num_values, scales, counts, indices, values)
+
+    def encoded_size(self, num_values: int) -> int:
+        kept = sum(kept_per_chunk(num_values, self.k))
+        return 4 + 10 * math.ceil(num_values / CHUNK) + 2 * kept + (kept + 3) // 4
+
+    def result_codec(self) -> SparseAverage:
+        return SparseAverage()  # the average of several top-k parts is not a top-k of 2-bit values
+
+    def average_size(self, num_values: int, group_size: int) -> int:
+        """The most an average of ``group_size`` contributions with disjoint supports takes as ``sparse8``."""
+        kept = min(num_values, group_size * sum(kept_per_chunk(num_values, self.k)))
+        return 6 * math.ceil(num_values / CHUNK) + 3 * kept
+
+    @classmethod
+    def average_rounding(cls, serialized: runtime_pb2.Tensor, decoded: torch.Tensor) -> float:
+        return 0.0  # no reducer sends an average as a top-k contribution
+
+
+class SparseAverage(Codec):
+    """A sparse average: its non-zero values' indices and 8-bit codes, one fp32 scale per chunk."""
+
+    family, wire_dtype = "sparse8", AVERAGE_NAME
+    compression_type = runtime_pb2.NONE
+
+    def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:
+        blocks = _blocks(tensor)
+        nonzero = blocks != 0
+        scales = blocks.abs().amax(1) / 127 if blocks.numel() else torch.zeros(0)
+        safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+        codes = torch.round(blocks / safe[:, None]).clamp_(-127, 127).to(torch.int8)
+        columns = torch.arange(CHUNK).expand_as(blocks)
+        buffer = (nonzero.sum(1).numpy().astype("<u2").tobytes() + scales.numpy().astype("<f4").tobytes()
+                  + columns[nonzero].numpy().astype("<u2").tobytes() + codes[nonzero].numpy().tobytes())
+        return runtime_pb2.Tensor(compression=self.compression_type, dtype=self.wire_dtype, size=tensor.shape,
+                                  buffer=buffer, requires_grad=False)
+
+    def estimate_compression_ratio(self, info: CompressionInfo) -> float:
+        return 2 / 32  # as TopK2Bit's: the same parts
+
+    @classmethod
+    def decode(cls, serialized: runtime_pb2.Tensor, shape: tuple[int, ...], num_values: int) -> torch.Tensor:
+        buffer, num_chunks = serialized.buffer, math.ceil(num_values / CHUNK)
         head = 6 * num_chunks
+        _check_header(serialized, shape, head)
+        lengths = _chunk_lengths(num_values)
         counts = np.frombuffer(buffer, dtype="<u2", count=num_chunks).astype(np.int64)
         if (counts > np.asarray(lengths, dtype=np.int64)).any():
             raise ValueError(f"{AVERAGE_NAME} declares more values in a chunk than the chunk holds")
@@ -180,33 +195,52 @@ def decode(serialized: runtime_pb2.Tensor, shape: tuple[int, ...], num_values: i
         codes = np.frombuffer(buffer, dtype=np.int8, count=total, offset=head + 2 * total)
         if (codes == -128).any():
             raise ValueError(f"{AVERAGE_NAME} has codes out of [-127, 127]")
-        if not (scales <= MAX_AVERAGE_SCALE).all():  # NaN too; checked again below with the sign
+        if not (scales <= MAX_AVERAGE_SCALE).all():  # NaN too; checked again in _scatter with the sign
             raise ValueError(f"{AVERAGE_NAME} has non-finite scales or scales above {MAX_AVERAGE_SCALE:.4g} (a code "
                              "of 127 would decode past float32)")
         counts = counts.tolist()
         values = codes.astype(np.float32) * np.repeat(scales, counts)
-    else:
-        raise ValueError(f"{serialized.dtype[:40]!r} is not a sparse codec")
+        return _scatter(serialized, shape, num_values, scales, counts, indices, values)
+
+    def encoded_size(self, num_values: int) -> int:
+        """The most an average takes: every value non-zero (:meth:`TopK2Bit.average_size` bounds it by k)."""
+        return 6 * math.ceil(num_values / CHUNK) + 3 * num_values
+
+    @classmethod
+    def average_rounding(cls, serialized: runtime_pb2.Tensor, decoded: torch.Tensor) -> float:
+        """Half the scale of its chunk for each value the chunk sends."""
+        flat = decoded.detach().reshape(-1).float()
+        sent = np.frombuffer(serialized.buffer, dtype="<u2", count=math.ceil(flat.numel() / CHUNK))
+        return half_steps(flat, CHUNK, 127, torch.from_numpy(sent.astype(np.float64)))
+
+
+def _chunk_lengths(num_values: int) -> list[int]:
+    return [CHUNK] * (num_values // CHUNK) + ([num_values % CHUNK] if num_values % CHUNK else [])
+
+
+def _check_header(serialized: runtime_pb2.Tensor, shape: tuple[int, ...], header: int) -> None:
+    """Refuse a payload shorter than its header, before anything of the size of the shape is made: the header holds
+    every chunk."""
+    if len(serialized.buffer) < header:
+        raise ValueError(f"{serialized.dtype[:40]} payload of {len(serialized.buffer)} bytes is shorter than its "
+                         f"{header}-byte header for shape {list(shape)[:8]}")
+
+
+def _scatter(serialized: runtime_pb2.Tensor, shape: tuple[int, ...], num_values: int, scales: np.ndarray,
+             counts: list[int], indices: np.ndarray, values: np.ndarray) -> torch.Tensor:
+    """The dense tensor of a sparse message's values, after the checks both codecs share: scales finite and >= 0,
+    each index inside its chunk and strictly increasing within it."""
     if not np.isfinite(scales).all() or (scales < 0).any():
         raise ValueError(f"{serialized.dtype} has non-finite or negative scales")
     chunk_of = np.repeat(np.arange(len(counts)), counts)  # each sent value's chunk, all chunks at once
     index = indices.astype(np.int64)
     same_chunk = chunk_of[1:] == chunk_of[:-1]
-    if (index >= np.asarray(lengths, dtype=np.int64)[chunk_of]).any() or (np.diff(index)[same_chunk] <= 0).any():
+    lengths = np.asarray(_chunk_lengths(num_values), dtype=np.int64)
+    if (index >= lengths[chunk_of]).any() or (np.diff(index)[same_chunk] <= 0).any():
         raise ValueError(f"{serialized.dtype} indices are out of their chunk or out of order within it")
     dense = np.zeros(num_values, dtype=np.float32)
     dense[chunk_of * CHUNK + index] = values
     return torch.from_numpy(dense).reshape(shape)
-
-
-def encoded_size(codec_name: str, num_values: int, k: int, group_size: int = 1) -> int:
-    """Bytes of payload for ``num_values`` values: a contribution (``topk2``), or an average of ``group_size``
-    contributions with disjoint supports, the most it can hold (``sparse8``)."""
-    num_chunks, kept = math.ceil(num_values / CHUNK), sum(kept_per_chunk(num_values, k))
-    if codec_name == "topk2":
-        return 4 + 10 * num_chunks + 2 * kept + (kept + 3) // 4
-    kept = min(num_values, group_size * kept)
-    return 6 * num_chunks + 3 * kept
 
 
 def _pack2(codes: np.ndarray) -> bytes:

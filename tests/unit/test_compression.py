@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import math
 
 import numpy as np
 import pytest
 import torch
 from hivemind.compression import CompressionInfo
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from p2p_diloco.compression import CODECS, CompressionPolicy, decode_tensor, encoded_size, roundtrip, sparse
-from p2p_diloco.compression.codecs import BLOCK, average_rounding, codec_for
+from p2p_diloco.compression import CODECS, CompressionPolicy, decode_tensor, roundtrip, sparse
+from p2p_diloco.compression.blockwise import BLOCK
+from p2p_diloco.compression.codecs import REGISTERED, average_rounding, codec_for, result_codec
 from p2p_diloco.compression.lowrank import desired_rank, fit_q, orthonormalize, reconstruct, seeded_q
 from p2p_diloco.compression.policy import LINK_SPREAD
 from p2p_diloco.config import AveragingConfig
@@ -43,9 +47,91 @@ def test_codec_round_trip_error_bounds(shape):
 def test_payload_sizes_and_ratios(name):
     x = sample(10_000)
     message = CODECS[name].compress(x, CompressionInfo.from_tensor(x))
-    assert len(message.buffer) == encoded_size(name, x.numel())
+    assert len(message.buffer) == CODECS[name].encoded_size(x.numel())
     ratio = len(message.buffer) / (4 * x.numel())
     assert ratio <= {"fp32": 1.0, "fp16": 0.5, "int8": 0.26, "int4": 0.14}[name]
+
+
+# ---- the registry: every codec behind one interface ------------------------------------------------------------
+
+WIRE_DIGESTS = {  # sha256 of each codec's message for WIRE_SAMPLE: the wire format, pinned
+    "fp32": "d32a648d078514c3693df44feb70f885",
+    "fp16": "8129774c913db548ace7092aa819169c",
+    "int8": "77e4180e494ccbe4056d37afe39065d1",
+    "int4": "17ebb0c4fe26602de95f4013dd2fc0f1",
+    "topk2:64": "c96ae361df5427235771910569af4f11",
+    "sparse8": "f990132f47647840650f132c7940f372",
+}
+PARAMETERS = {"k": st.integers(min_value=1, max_value=sparse.CHUNK)}
+"""A strategy for each kind of parameter a codec's name carries (``Codec.parameter``)."""
+
+
+def wire_sample() -> torch.Tensor:
+    """Values of distinct magnitudes (no ties for a top-k to break) whose every sum is exact in float64."""
+    i = torch.arange(15000)
+    x = (((i * 7919) % 15013 + 1) * (1 - 2 * (i % 2))).float().reshape(3, 5000) * 2.0**-14
+    x[0, :7] = 0
+    return x
+
+
+@pytest.mark.parametrize("name", sorted(WIRE_DIGESTS))
+def test_every_codecs_wire_format_is_unchanged(name):
+    x = wire_sample()
+    message = codec_for(name).compress(x, CompressionInfo.from_tensor(x))
+    assert hashlib.sha256(message.SerializeToString()).hexdigest()[:32] == WIRE_DIGESTS[name]
+
+
+def test_the_registry_parses_every_name_a_plan_gives_and_refuses_others():
+    assert [codec_for(name).name for name in ("fp32", "fp16", "int8", "int4", "sparse8", "topk2:64")] == \
+        ["fp32", "fp16", "int8", "int4", "sparse8", "topk2:64"]
+    assert result_codec("topk2:64") == "sparse8" and result_codec("int4") == "int4"
+    for bad in ("int2", "int8:4", "topk2", "topk2:", "topk2:x", "topk2:0", f"topk2:{sparse.CHUNK + 1}", ""):
+        with pytest.raises(ValueError):
+            codec_for(bad)
+    assert len({codec.family for codec in REGISTERED}) == len(REGISTERED)
+    assert len({(codec.compression_type, codec.wire_dtype) for codec in REGISTERED}) == len(REGISTERED)
+
+
+def test_the_config_takes_the_scheme_list_of_the_compression_package():
+    from p2p_diloco.compression import SCHEMES
+    from p2p_diloco.config.network import COMPRESSIONS
+
+    assert COMPRESSIONS is SCHEMES
+
+
+@pytest.mark.parametrize("codec_class", REGISTERED, ids=lambda codec: codec.family)
+@settings(max_examples=25, deadline=None)
+@given(data=st.data(), rows=st.integers(min_value=1, max_value=3), columns=st.integers(min_value=1, max_value=5000),
+       seed=st.integers(min_value=0, max_value=2**16), scale=st.sampled_from([0.0, 1e-38, 1e-3, 1.0, 1e30]),
+       density=st.sampled_from([1.0, 0.1, 0.001]))
+def test_every_registered_codec_decodes_what_it_encodes_within_its_size(codec_class, data, rows, columns, seed,
+                                                                         scale, density):
+    """What a codec adds by being registered: its name parses back to it, its messages carry its wire pair and
+    decode (through the registry) to its roundtrip, finite, of the tensor's shape, in at most its encoded size, an
+    average of two sent back fits the size the planner counts, and a payload one byte short or long is refused."""
+    name = codec_class.family
+    if codec_class.parameter is not None:
+        name += f":{data.draw(PARAMETERS[codec_class.parameter])}"
+    codec = codec_for(name)
+    assert type(codec) is codec_class and codec.name == name
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, columns, generator=g) * scale * (torch.rand(rows, columns, generator=g) < density)
+    message = codec.compress(x, CompressionInfo.from_tensor(x))
+    assert (message.compression, message.dtype) == (codec.compression_type, codec.wire_dtype)
+    decoded = decode_tensor(message, max_values=x.numel())
+    assert decoded.shape == x.shape and decoded.dtype == torch.float32 and torch.isfinite(decoded).all()
+    assert torch.equal(decoded, codec.roundtrip(x))
+    assert len(message.buffer) <= codec.encoded_size(x.numel())
+    other = torch.randn(rows, columns, generator=g) * scale
+    average = (codec.roundtrip(x) + codec.roundtrip(other)) / 2
+    returned = codec.result_codec().compress(average, CompressionInfo.from_tensor(average))
+    assert len(returned.buffer) <= codec.average_size(x.numel(), group_size=2)
+    for buffer in (message.buffer[:-1], message.buffer + b"\0"):
+        damaged = type(message)()
+        damaged.CopyFrom(message)
+        damaged.buffer = buffer
+        with pytest.raises(ValueError):
+            decode_tensor(damaged)
 
 
 @pytest.mark.parametrize("name", ["int8", "int4"])

@@ -22,7 +22,7 @@ from hivemind.utils import ValueWithExpiration, get_dht_time
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from p2p_diloco.compression.codecs import decode_tensor
+from p2p_diloco.compression.codecs import REGISTERED, decode_tensor
 from p2p_diloco.round.swarm_state import StateError
 from p2p_diloco.swarm.discovery.progress import parse_progress
 from p2p_diloco.swarm.discovery.records import swarm_validators, with_signer
@@ -111,8 +111,8 @@ def test_any_progress_answer_parses_to_well_formed_records_or_none(entries, expi
 
 @PROPERTIES
 @given(compression=st.integers(min_value=0, max_value=12), dtype=st.sampled_from(
-       ["float32", "p2p_diloco:int8", "p2p_diloco:int4", "p2p_diloco:topk2", "p2p_diloco:sparse8", "float16",
-        "V40000", "object", "<f8", ""]) | st.text(max_size=12),
+       sorted({codec.wire_dtype for codec in REGISTERED}) + ["float16", "V40000", "object", "<f8", ""])
+       | st.text(max_size=12),
        size=st.lists(st.integers(min_value=0, max_value=2**32 - 1), max_size=10), buffer=st.binary(max_size=4096),
        max_values=st.one_of(st.none(), st.integers(min_value=0, max_value=2**20)))
 def test_any_wire_tensor_decodes_or_is_refused_before_allocating(compression, dtype, size, buffer, max_values):

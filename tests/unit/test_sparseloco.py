@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from p2p_diloco.compression import sparse
-from p2p_diloco.compression.codecs import codec_for, decode_tensor, encoded_size, result_codec, roundtrip
+from p2p_diloco.compression.codecs import codec_for, decode_tensor, result_codec, roundtrip
 from p2p_diloco.compression.policy import LINK_SPREAD, CompressionPolicy
 from p2p_diloco.config import ConfigError, load_config
 from p2p_diloco.round.stage import Stage
@@ -56,7 +56,7 @@ def test_topk2_keeps_the_k_largest_of_each_chunk_as_sign_and_one_of_two_magnitud
     sparse_input = torch.zeros(5000)
     sparse_input[[3, 70, 4500]] = torch.tensor([1.0, -2.0, 3.0])  # fewer non-zero values than k: all kept, no more
     assert torch.equal(roundtrip("topk2:64", sparse_input) != 0, sparse_input != 0)
-    assert len(encode("topk2:64", x).buffer) == encoded_size("topk2:64", x.numel()) < x.numel() * 4 / 100
+    assert len(encode("topk2:64", x).buffer) == codec_for("topk2:64").encoded_size(x.numel()) < x.numel() * 4 / 100
 
 
 def test_the_average_comes_back_sparse_with_8_bit_values():
@@ -67,7 +67,7 @@ def test_the_average_comes_back_sparse_with_8_bit_values():
     back = decode_tensor(message)
     assert torch.equal(back != 0, mean != 0)  # the support is kept exactly
     assert (back - mean).abs().max() <= mean.abs().max() / 127 / 2 * 1.001  # each value within half a code
-    assert len(message.buffer) <= encoded_size("sparse8:32", 9000, group_size=2)
+    assert len(message.buffer) <= codec_for("topk2:32").average_size(9000, group_size=2)
 
 
 def _bad(message, **changes):
@@ -131,12 +131,12 @@ def test_sparseloco_plans_every_tensor_as_topk_and_decays_its_feedback():
     assert plan.codecs == ("topk2:32", "topk2:32") and plan.lowrank == ()
     assert policy.feedback_decay == 0.9
     assert CompressionPolicy(SHAPES, load_config(None, []).averaging).feedback_decay == 1.0
-    assert policy.payload_bytes(plan) == sum(encoded_size("topk2:32", math.prod(s)) for s in SHAPES)
+    assert policy.payload_bytes(plan) == sum(codec_for("topk2:32").encoded_size(math.prod(s)) for s in SHAPES)
     # a slow link: k halves until the round fits half a round of compute on it (the budget of 'adaptive')
     budget_bytes = cfg.bandwidth_budget * 1.0 * 0.002 * 1e6 / 8  # 2 kbit/s, 1 s of compute, a group of 1
     slow = policy.agree([{"compression": policy.initial_proposal(), "last_error": None, "bandwidth_mbit": 0.002,
                           "compute_s": 1.0}])
-    k = int(slow.codecs[0].split(":")[1])
+    k = codec_for(slow.codecs[0]).k
     assert k < 32 and (k == 1 or policy.transfer_bytes(slow, 1) <= budget_bytes)
     assert k == 1 or policy.transfer_bytes(policy._sparse_plan(2 * k), 1) > budget_bytes
     for key, value in (("sparse_topk", "0"), ("sparse_topk", "4097"), ("sparse_feedback_decay", "1.5")):
@@ -152,7 +152,7 @@ def _member(policy, topk=None, mbit=100.0):
 def test_sparseloco_k_is_the_groups_lower_median_and_its_budget_counts_the_average_sent_back():
     cfg = load_config(None, [("averaging.compression", "sparseloco"), ("averaging.sparse_topk", "64")]).averaging
     policy = CompressionPolicy([(64, 4096)], cfg)
-    ks = lambda plan: {int(c.split(":")[1]) for c in plan.codecs}  # noqa: E731
+    ks = lambda plan: {codec_for(c).k for c in plan.codecs}  # noqa: E731
     # one member proposing k = 1 (or 4096) cannot move the group's k; a member that proposes none counts as 64
     assert ks(policy.agree([_member(policy, 1), _member(policy, 64), _member(policy, 256)])) == {64}
     assert ks(policy.agree([_member(policy, 4096), _member(policy, 32), _member(policy, 32)])) == {32}
