@@ -142,9 +142,11 @@ def test_every_patch_is_applied_from_the_adapter_and_covered_by_a_contract_test_
         "quiet_vanished_senders": [
             "test_hivemind_logs_a_vanished_senders_traceback_in_the_dht_loop_and_the_filter_drops_it"],
         "wrap_join_request": [
+            "test_the_matchmaking_swaps_replace_hiveminds_methods_on_the_instance_only",
             "test_hivemind_relays_the_records_through_the_leader_and_forgets_it_so_a_follower_notes_both",
             "test_guarded_matchmaking_hands_back_the_group_under_its_view_id_with_its_origin"],
         "replace_group_assembly": [
+            "test_the_matchmaking_swaps_replace_hiveminds_methods_on_the_instance_only",
             "test_hivemind_relays_the_records_through_the_leader_and_forgets_it_so_a_follower_notes_both",
             "test_guarded_matchmaking_hands_back_the_group_under_its_view_id_with_its_origin"],
         "keep_round_key": ["test_hivemind_moves_the_group_key_after_every_assembled_group_and_keep_round_key_stops_it"],
@@ -300,6 +302,35 @@ def test_guarded_matchmaking_hands_back_the_group_under_its_view_id_with_its_ori
     raw = b"followed" if leader is not None else b"led"
     assert group.group_id == raw + view_digest((ME, OTHER), (b"mine", b"theirs"))
     assert averager.group_views.origin(group.group_id) == GroupOrigin(leader or ME, b"mine")
+
+
+def test_the_matchmaking_swaps_replace_hiveminds_methods_on_the_instance_only():
+    """wrap_join_request and replace_group_assembly set the replacement on the Matchmaking object (hivemind looks
+    each method up on self at every call: _request_join_group in look_for_group, follower_assemble_group in
+    _request_join_group), once; the class keeps hivemind's."""
+    from p2p_diloco.hivemind_adapter.averaging import replace_group_assembly, wrap_join_request
+
+    assert "group = await self._request_join_group(next_leader)" in _source(Matchmaking._request_join_potential_leaders)
+    matchmaking, calls = _Matchmaking(OTHER, (b"mine", b"theirs")), []
+
+    def wrap(original):
+        async def join(leader):
+            calls.append(leader)
+            return await original(leader)
+        return join
+
+    assert wrap_join_request(matchmaking, wrap) and not wrap_join_request(matchmaking, wrap)  # once
+
+    async def assemble(leader, msg):
+        return "assembled"
+
+    async def look(step):
+        return await matchmaking._request_join_group(OTHER)
+
+    replace_group_assembly(matchmaking, assemble, look)
+    assert asyncio.run(matchmaking.look_for_group(None)) == "assembled" and calls == [OTHER]
+    assert {"_request_join_group", "follower_assemble_group", "look_for_group"} <= set(vars(matchmaking))
+    assert vars(_Matchmaking)["look_for_group"] is not look and "_request_join_group" in vars(_Matchmaking)
 
 
 def test_hivemind_buffers_the_length_a_peer_declares_so_the_message_cap_replaces_its_reader():
@@ -513,9 +544,7 @@ def test_a_node_makes_its_two_stores_once_so_a_class_swap_in_place_bounds_them()
     from p2p_diloco.hivemind_adapter.dht import swap_store_class
 
     assert "self.storage, self.cache = DHTLocalStorage(), DHTLocalStorage(maxsize=cache_size)" \
-        in _source(DHTProtocol._init_protocol) if hasattr(DHTProtocol, "_init_protocol") else \
-        "self.storage, self.cache = DHTLocalStorage(), DHTLocalStorage(maxsize=cache_size)" \
-        in " ".join(inspect.getsource(DHTProtocol).split())
+        in _source(DHTProtocol.create)
     assert all("__slots__" not in vars(cls) for cls in DHTLocalStorage.__mro__ if cls.__module__.startswith("hivemind"))
 
     class Counted(DHTLocalStorage):
