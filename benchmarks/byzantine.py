@@ -2,11 +2,11 @@
 newcomer get the swarm's state, and is nobody honest hurt?
 
 Every run: a bootstrap node, 3 honest tiny peers on 127.0.0.1 (4 in the ``honest-4`` baseline), for a row
-``KIND`` a fourth peer run with ``peer --test-hostility KIND`` (see p2p_diloco/faults.py), for a row ``outsider
-KIND:K`` an attacker's K DHT identities beside them (benchmarks/byzantine_outsiders.py), and a NEWCOMER that starts
-once the first honest peer has ended ``--join-after`` rounds and must download the swarm's state. A row
-``A+B`` mounts both (``poison-momentum+vote:4``: a donor that serves the true anchor with a crafted outer momentum,
-and 4 identities that vote for the state it serves). The rows of issue 30 (the default):
+``KIND`` a fourth peer run with ``python -m tests.hostile.peer KIND -- <peer args>`` (see tests/hostile), for a
+row ``outsider KIND:K`` an attacker's K DHT identities beside them (benchmarks/byzantine_outsiders.py), and a
+NEWCOMER that starts once the first honest peer has ended ``--join-after`` rounds and must download the swarm's
+state. A row ``A+B`` mounts both (``poison-momentum+vote:4``: a donor that serves the true anchor with a crafted
+outer momentum, and 4 identities that vote for the state it serves). The rows of issue 30 (the default):
 
 - ``poison-momentum+vote:4``: the poisoned donor above, whose state the votes make look like the swarm's;
 - ``tiny-clock``: a donor whose state claims ``seconds_per_step`` = 5e-320 (it once killed every downloader);
@@ -54,6 +54,7 @@ import sys
 import time
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parents[1]  # where hostile peers import tests.hostile from
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import byzantine_outsiders  # noqa: E402
 from local_bootstrap import start_bootstrap  # noqa: E402
@@ -113,13 +114,18 @@ class Swarm:
                 raise RuntimeError(f"the outsider did not start, see {self.root / 'outsider.log'}")
             time.sleep(0.5)
 
-    def start_peer(self, name: str, seed: int, run_id: str, extra: list[str]) -> Path:
+    def start_peer(self, name: str, seed: int, run_id: str, extra: list[str], hostility: str = "") -> Path:
+        """A peer; ``hostility``: a hostile one of that kind (``<kind>[:<value>]``, tests/hostile)."""
         folder = self.root / name
+        command, env = [sys.executable, "-m", "p2p_diloco"], None
+        if hostility:
+            command = [sys.executable, "-m", "tests.hostile.peer", hostility, "--"]
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
         self.procs[name] = subprocess.Popen(
-            [sys.executable, "-m", "p2p_diloco", "peer", "--initial-peers", *self.maddrs, "--host-maddrs",
+            [*command, "peer", "--initial-peers", *self.maddrs, "--host-maddrs",
              "/ip4/127.0.0.1/tcp/0", "--run-id", run_id, "--output-dir", str(folder), "--data.seed", str(seed),
              "--averaging.target_group_size", str(self.group_size), *FAST, *self.args, *extra],
-            stdout=subprocess.DEVNULL, stderr=open(self.root / f"{name}.log", "w"))
+            stdout=subprocess.DEVNULL, stderr=open(self.root / f"{name}.log", "w"), env=env)
         return folder
 
     def wait(self, names: list[str], deadline: float) -> dict[str, int | None]:
@@ -155,8 +161,9 @@ def run_swarm(workdir: Path, name: str, peers: list[str], args: list[str], outsi
     try:
         if outsider:
             swarm.start_outsider(outsider, name, inner_steps)
-        folders = [swarm.start_peer(f"peer{i}", i, name, ["--train.wait_for_peers", str(len(peers)), *(
-            ["--test-hostility", kind, *hostile_args] if kind else [])]) for i, kind in enumerate(peers)]
+        folders = [swarm.start_peer(f"peer{i}", i, name, ["--train.wait_for_peers", str(len(peers)),
+                                                          *(hostile_args if kind else ())], hostility=kind)
+                   for i, kind in enumerate(peers)]
         deadline = time.monotonic() + RUN_BOUND_S
         while len(events(folders[0], "round")) < join_after and time.monotonic() < deadline \
                 and swarm.procs["peer0"].poll() is None:
@@ -284,7 +291,7 @@ def remeasure(out: Path, honest_count: int = 3) -> dict:
 
 
 def hostile_peers(hostility: str) -> list[str]:
-    """The hostile peers' ``--test-hostility`` values of a row's hostility (``NxKIND``: N of them)."""
+    """The hostile peers' kinds (``<kind>[:<value>]``) of a row's hostility (``NxKIND``: N of them)."""
     if not hostility:
         return []
     count, x, kind = hostility.partition("x")
@@ -324,7 +331,8 @@ def report(results: dict, args) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--attacks", default=",".join(ATTACKS),
-                        help="rows: --test-hostility values, outsider KIND:K, or HOSTILITY+KIND:K, comma-separated")
+                        help="rows: hostile kinds (tests/hostile), outsider KIND:K, or HOSTILITY+KIND:K, "
+                        "comma-separated")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--h", type=int, default=25, help="inner steps per round")
     parser.add_argument("--join-after", type=int, default=1,

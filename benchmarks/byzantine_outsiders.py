@@ -15,7 +15,7 @@ Kinds (K: identities, one DHT node each):
 - ``keysquat:K``: a node that checks nothing stores a plain value, expiring in 10**6 s, under the group key of every
   round ``<prefix>.0b<bits>`` of the run, and a declaration expiring as far ahead;
 - ``vote:K``: downloads the state each peer serves and, where its fingerprint is none that any peer's record votes
-  for (a poisoned donor: ``peer --test-hostility poison-momentum``), votes for it from K identities.
+  for (a poisoned donor: ``tests.hostile.peer poison-momentum``), votes for it from K identities.
 """
 
 from __future__ import annotations

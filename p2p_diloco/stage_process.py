@@ -14,6 +14,7 @@ import os
 import re
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Optional
@@ -75,7 +76,7 @@ def _serve_state(stage: Stage, averager, run_id: str, wait_s: float):
         with stage.state_lock:  # no round end in between: the buffers still hold the average of that round
             if averager.round_settled or time.monotonic() >= deadline:  # (or a round end started another)
                 finished = averager.finished_average() or ()  # (average, group size) of the round in flight
-                return averager.behaviour.served(*stage.shareable_state(run_id, *finished))
+                return stage.shareable_state(run_id, *finished)
 
 
 def select_device(spec: str) -> torch.device:
@@ -162,8 +163,21 @@ def stage_dht_config(cfg: DHTConfig, stage_index: int, num_stages: int) -> DHTCo
     )
 
 
+@dataclass(frozen=True)
+class SwarmClasses:
+    """What :func:`run_stage` builds a unit's averager and swarm link with; None: the swarm package's
+    ``PseudoGradientAverager`` and ``SwarmLink``. A seam: a test's hostile peer (``python -m tests.hostile.peer``)
+    sets :data:`SWARM_CLASSES` to subclasses that lie before it runs the ``peer`` command in its one process."""
+
+    averager: Optional[Callable] = None  # called as PseudoGradientAverager is
+    link: Optional[Callable] = None  # called as SwarmLink is
+
+
+SWARM_CLASSES = SwarmClasses()
+
+
 def run_stage(cfg: Config, *, pipeline=None, reporter: Optional[Reporter] = None,
-              on_trainer: Optional[Callable[[Trainer], None]] = None, dht=None, behaviour=None) -> TrainSummary:
+              on_trainer: Optional[Callable[[Trainer], None]] = None, dht=None) -> TrainSummary:
     """Run one stage process to the end of training (or until its trainer is asked to stop).
 
     Args:
@@ -172,10 +186,7 @@ def run_stage(cfg: Config, *, pipeline=None, reporter: Optional[Reporter] = None
         reporter: console progress.
         on_trainer: called with the trainer before training starts (signal handlers hook in here).
         dht: a running DHT to use instead of starting one (it is not shut down here).
-        behaviour: what the averager does to what it sends; None: honest. Tests and benchmarks give a hostile
-            peer a :class:`~p2p_diloco.faults.Hostility` (``peer --test-hostility``).
     """
-    from p2p_diloco.faults import HONEST
     from p2p_diloco.monitoring import serve_stage_metrics
     from p2p_diloco.swarm import PseudoGradientAverager, SwarmLink, start_dht, visible_maddrs
     from p2p_diloco.swarm.discovery.fingerprint import check_fingerprint, config_fingerprint
@@ -216,9 +227,9 @@ def run_stage(cfg: Config, *, pipeline=None, reporter: Optional[Reporter] = None
         own_name = dht.peer_id.to_base58()
         peer_name = pipeline.broadcast_object(own_name) if pipeline is not None else own_name
         for fragment, _, params in stage_units(skeleton, parts):  # (their processes fork here: before the weights)
-            averagers.append(PseudoGradientAverager(
+            averagers.append((SWARM_CLASSES.averager or PseudoGradientAverager)(
                 [p for _, p in params], dht, run_id=cfg.run.run_id, stage_index=stage_index, num_stages=len(split),
-                cfg=cfg.averaging, behaviour=behaviour or HONEST, fragment=fragment))
+                cfg=cfg.averaging, fragment=fragment))
         model = build_model(model_args, split, stage_index, folder).to(device)
         if stage_index == 0:  # only once config, data and model passed their checks: a bad start leaves the old one
             (output_dir / "config.toml").write_text(dump_config(cfg))
@@ -232,16 +243,16 @@ def run_stage(cfg: Config, *, pipeline=None, reporter: Optional[Reporter] = None
             if data.eval is not None else []
         executor = make_executor(cfg, pipeline, model, device)
         for (fragment, module, _), averager in zip(units, list(averagers)):
-            swarm = SwarmLink(dht, cfg.run.run_id, peer_name, stage_index=stage_index, num_stages=len(split),
+            link_type = SWARM_CLASSES.link or SwarmLink
+            swarm = link_type(dht, cfg.run.run_id, peer_name, stage_index=stage_index, num_stages=len(split),
                               inner_steps=cfg.diloco.inner_steps, fingerprint=fingerprint,
                               joined_swarm=bool(cfg.dht.initial_peers), num_rounds=cfg.train.num_rounds,
-                              behaviour=behaviour or HONEST, fragment=fragment, allowlist=cfg.averaging.allowlist,
+                              fragment=fragment, allowlist=cfg.averaging.allowlist,
                               stranger_wait_s=cfg.averaging.matchmaking_time_s + cfg.averaging.request_timeout_s)
             # a round nobody can join any more (the records say so) fails at once, not after its timeout
             stage = Stage(module, stage_index=stage_index, num_stages=len(split), inner_cfg=cfg.inner,
                           diloco_cfg=cfg.diloco, total_steps=total_steps, averager=averager, fragment=fragment,
                           records=swarm)
-            (behaviour or HONEST).bind([t.shape for t in stage.anchor], cfg.diloco.inner_steps, cfg.train.num_rounds)
             held.append(Held(stage))
             averagers.remove(averager)  # the stage shuts it down
             averager.state_provider = partial(_serve_state, stage, averager, cfg.run.run_id,

@@ -34,13 +34,6 @@ def register(subparsers) -> None:
     pipe.add_argument("--microbatches", type=int, metavar="M", help="microbatches per inner step")
     parser.add_argument("--no-resume", action="store_true", help="ignore existing checkpoints and start fresh")
     parser.add_argument("--output-dir", metavar="DIR", help="shortcut for --run.output_dir")
-    parser.add_argument("--test-hostility", metavar="KIND[:VALUE]",
-                        help="TEST HOOK, never in a real swarm: this peer lies to its groupmates and the swarm "
-                        "(scale:K, noise:K, nan, inf, shape, tokens:K, stale:K, metadata, lowball, reply-nan, "
-                        "reply-scale:K, equivocate:K, fat-metadata:M, forge-tokens:K, forge-round, miss-begin:N, "
-                        "stall:S, false-state:K, poison-momentum:K, tiny-clock, collude-wipe:R, collude-end:R; see "
-                        "p2p_diloco/faults.py"
-                        "), for tests and benchmarks of the defences; shown on /health; one-stage peers only")
     parser.set_defaults(run=run)
 
 
@@ -60,7 +53,6 @@ def run(args: argparse.Namespace, overrides: list[tuple[str, str]]) -> int:
     from p2p_diloco.monitoring.sinks import check_sinks
 
     cfg = config_from_args(args, overrides, extra=pipeline_overrides(args))
-    behaviour = _hostility(args.test_hostility, cfg)
     check_sinks(cfg.metrics)  # TensorBoard or W&B asked for but not installed: say so before anything starts
     # (torch is imported only now: a mistyped option is told in a fraction of a second, not after torch's import)
     from p2p_diloco.pipeline import launched_as_stage
@@ -82,26 +74,10 @@ def run(args: argparse.Namespace, overrides: list[tuple[str, str]]) -> int:
         return run_local_stages(cfg)
     if not launched_as_stage() or (os.environ.get("RANK") == "0" and os.environ.get(LAUNCHED_BY_US) != "1"):
         logger.info("Resolved config:\n" + dump_config(cfg))
-    return _run_this_stage(cfg, behaviour)
+    return _run_this_stage(cfg)
 
 
-def _hostility(spec, cfg):
-    """``--test-hostility``: None, or the :class:`~p2p_diloco.faults.Hostility` it names (ConfigError if bad)."""
-    from p2p_diloco.config import ConfigError
-    from p2p_diloco.faults import HOSTILITY_OPTION, parse_hostility
-
-    if spec is None:
-        return None
-    if cfg.pipeline.stages * cfg.pipeline.replicas > 1:
-        raise ConfigError(f"{HOSTILITY_OPTION}: a test hook for one-process peers; this peer has "
-                          f"{cfg.pipeline.stages} stage(s) x {cfg.pipeline.replicas} replica(s)")
-    try:
-        return parse_hostility(spec)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-
-
-def _run_this_stage(cfg, behaviour=None) -> int:
+def _run_this_stage(cfg) -> int:
     """Run this process's stage: the whole model (P = 1) or stage RANK of P (launched as a pipeline stage)."""
     from p2p_diloco.cli.console import ConsoleReporter
     from p2p_diloco.pipeline import PipelineContext
@@ -130,7 +106,7 @@ def _run_this_stage(cfg, behaviour=None) -> int:
         stopper = GracefulStop(trainer.request_stop).__enter__()
 
     try:
-        summary = run_stage(cfg, pipeline=context, reporter=reporter, on_trainer=hook, behaviour=behaviour)
+        summary = run_stage(cfg, pipeline=context, reporter=reporter, on_trainer=hook)
     finally:
         if stopper is not None:
             stopper.__exit__(None, None, None)

@@ -103,15 +103,6 @@ def stage_registry(trainer, dht, run_id: str, peer_name: str) -> MetricsRegistry
     return registry
 
 
-def test_hostility(stage) -> Optional[str]:
-    """The test hook that makes this stage's averager lie to its groupmates (``peer --test-hostility``), or None: an
-    operator sees on ``/health`` that a peer was started as a hostile test peer."""
-    from p2p_diloco.faults import HONEST
-
-    behaviour = getattr(stage.averager, "behaviour", None)
-    return None if behaviour is None or behaviour is HONEST else repr(behaviour)
-
-
 def serve_stage_metrics(cfg: MetricsConfig, trainer, dht, run_id: str, peer_name: str) -> Optional[MetricsServer]:
     """Start the metrics server of a stage process (stage j on ``metrics.port`` + j); None when it is off."""
     if cfg.port is None:
@@ -123,7 +114,7 @@ def serve_stage_metrics(cfg: MetricsConfig, trainer, dht, run_id: str, peer_name
         return {"status": "ok" if alive else ("stopping" if trainer.stop_requested else "down"), "role": "peer",
                 "run_id": run_id, "peer": peer_name, "node": dht.peer_id.to_base58(), "stage": stage.stage_index,
                 "num_stages": stage.num_stages, "round": stage.round_index, "inner_step": stage.inner_step,
-                "uptime_s": round(time.monotonic() - started, 1), "test_hostility": test_hostility(stage)}
+                "uptime_s": round(time.monotonic() - started, 1)}
 
     server = MetricsServer(cfg, stage_registry(trainer, dht, run_id, peer_name), health,
                            port_offset=stage.stage_index)

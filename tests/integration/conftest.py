@@ -30,6 +30,9 @@ TINY_TRAINING = [
 ]
 
 
+REPO = Path(__file__).resolve().parents[2]  # the repository root: tests.hostile is importable from there
+
+
 def cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "p2p_diloco", *args]
 
@@ -91,8 +94,16 @@ class Processes:
         self.root, self.procs = root, {}
 
     def start(self, name: str, *args: str, env: dict | None = None) -> subprocess.Popen:
+        return self._popen(name, cli(*args), env)
+
+    def start_hostile(self, name: str, kind: str, *args: str, env: dict | None = None) -> subprocess.Popen:
+        """A hostile peer of ``kind`` (``<kind>[:<value>]``, :mod:`tests.hostile`); ``args`` as for :meth:`start`."""
+        return self._popen(name, [sys.executable, "-m", "tests.hostile.peer", kind, "--", *args], env, cwd=REPO)
+
+    def _popen(self, name: str, command: list[str], env: dict | None, cwd: Path | None = None) -> subprocess.Popen:
         log = open(self.root / f"{name}.log", "w")
-        proc = subprocess.Popen(cli(*args), stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env,
+                                cwd=cwd)
         self.procs[name] = proc
         return proc
 

@@ -13,10 +13,12 @@ import pytest
 import torch
 
 from p2p_diloco.config import AveragingConfig
-from p2p_diloco.faults import HONEST, Honest, parse_hostility
 from p2p_diloco.swarm import PseudoGradientAverager
+from p2p_diloco.swarm.averaging.allreduce import ExactAllReduceRunner
 from p2p_diloco.swarm.averaging.guard import OFFENCES
 from p2p_diloco.swarm.averaging.robust import cap_weights
+from p2p_diloco.swarm.averaging.server import AveragingServer
+from tests.hostile import parse_hostility
 from tests.integration.test_swarm import applied, peer_args, rounds_told, summary
 
 pytestmark = pytest.mark.timeout(180)
@@ -29,7 +31,7 @@ TOKENS = 1024.0
 
 
 class Network:
-    """A bootstrap DHT; averagers are added on DHTs of their own, hostile ones with a :class:`Hostility`."""
+    """A bootstrap DHT; averagers are added on DHTs of their own, hostile ones of a kind of :mod:`tests.hostile`."""
 
     def __init__(self):
         self.root = hivemind.DHT(start=True, host_maddrs=LOOPBACK)
@@ -41,8 +43,8 @@ class Network:
         return self.dhts[-1]
 
     def averager(self, hostile: str = "", cfg: AveragingConfig = CFG, dht=None) -> PseudoGradientAverager:
-        averager = PseudoGradientAverager(TEMPLATES, dht or self.dht(), run_id="run", stage_index=0, num_stages=1,
-                                          cfg=cfg, behaviour=parse_hostility(hostile) if hostile else HONEST)
+        make = parse_hostility(hostile).averager if hostile else PseudoGradientAverager
+        averager = make(TEMPLATES, dht or self.dht(), run_id="run", stage_index=0, num_stages=1, cfg=cfg)
         self.averagers.append(averager)
         return averager
 
@@ -187,7 +189,7 @@ def test_private_swarm_refuses_outsiders(network):
 
 @pytest.mark.timeout(300)
 def test_swarm_with_hostile_peers_trains_and_names_them(tmp_path, processes, bootstrap):
-    """Real peer processes: 3 honest tiny peers and 2 hostile ones (--test-hostility scale:1000 and nan) train 3
+    """Real peer processes: 3 honest tiny peers and 2 hostile ones (tests.hostile.peer scale:1000 and nan) train 3
     rounds together. Every round of the honest peers averages, their anchors are finite and bit-identical after
     every round, the eval loss falls, and each honest peer names both hostile peers in its round metrics."""
     rounds, honest, hostile = 3, ["h0", "h1", "h2"], {"x-scale": "scale:1000", "x-nan": "nan"}
@@ -203,8 +205,8 @@ def test_swarm_with_hostile_peers_trains_and_names_them(tmp_path, processes, boo
     for name in honest:
         processes.start(name, *peer_args(tmp_path, name, bootstrap, "byz", rounds, H, *patient, wait_for=5))
     for name, kind in hostile.items():
-        processes.start(name, *peer_args(tmp_path, name, bootstrap, "byz", rounds, H, *patient,
-                                         "--test-hostility", kind, wait_for=5))
+        processes.start_hostile(name, kind, *peer_args(tmp_path, name, bootstrap, "byz", rounds, H, *patient,
+                                                       wait_for=5))
     for name in [*honest, *hostile]:
         assert processes.wait(name, timeout=240) == 0, processes.log(name)[-3000:]
 
@@ -255,12 +257,19 @@ def test_a_reducer_that_scales_its_slice_within_the_old_bound_is_refused_and_lef
     assert named == {peer_id(steering): {"implausible average"}}, named
 
 
-class ReversingReducer(Honest):
-    """A reducer that returns its slice's averages reversed at 3 times their norm (injected as the averager's
-    behaviour; the spec of faults.parse_hostility takes positive factors only)."""
+class ReversingReducer(ExactAllReduceRunner):
+    """A reducer that returns its slice's averages reversed at 3 times their norm (tests.hostile's kinds take positive
+    factors only)."""
 
-    def reply(self, averaged_part: torch.Tensor, sender_index: int = 0, reducer_index: int = 0) -> torch.Tensor:
+    def _reply(self, averaged_part: torch.Tensor, sender_index: int) -> torch.Tensor:
         return averaged_part * -3.0
+
+
+class ReversingServer(AveragingServer):
+    runner_type = ReversingReducer
+
+
+ReversingServer.__name__ = AveragingServer.__name__  # hivemind names a servicer's handlers after its class
 
 
 def test_in_a_pair_a_reducer_whose_average_no_part_of_its_own_gives_is_refused_as_an_offence(network):
@@ -271,7 +280,7 @@ def test_in_a_pair_a_reducer_whose_average_no_part_of_its_own_gives_is_refused_a
     average is refused, an offence of the reducer (`bad average`), and the round falls back."""
     honest = network.averager()
     reversing = PseudoGradientAverager(TEMPLATES, network.dht(), run_id="run", stage_index=0, num_stages=1, cfg=CFG,
-                                       behaviour=ReversingReducer())
+                                       server_type=ReversingServer)
     network.averagers.append(reversing)
     _, results = average_round([honest, reversing], round_index=0)
     assert not results[0].averaged and results[0].fallback_reason, results[0]

@@ -135,7 +135,7 @@ def test_newcomer_downloads_the_swarms_state(tmp_path, processes, bootstrap):
     rounds = 16
     for name in ("p0", "p1"):
         processes.start(name, *peer_args(tmp_path, name, bootstrap, "join", rounds, 25, wait_for=2))
-    processes.start("x", *peer_args(tmp_path, "x", bootstrap, "join", rounds, 25, "--test-hostility", "false-state:1"))
+    processes.start_hostile("x", "false-state:1", *peer_args(tmp_path, "x", bootstrap, "join", rounds, 25))
     # the newcomer's process starts now and is held before it reads the records: started at round 2, its imports
     # took a busy CI machine so long that it arrived as the run ended (and trained alone, or took the end)
     go = tmp_path / "new.go"

@@ -30,8 +30,8 @@ def test_colluders_met_in_groups_cannot_wipe_or_end_an_honest_peers_model(tmp_pa
     for name in honest:
         processes.start(name, *peer_args(tmp_path, name, bootstrap, "collude", rounds, H, *patient, wait_for=4))
     for name in colluders:
-        processes.start(name, *peer_args(tmp_path, name, bootstrap, "collude", rounds, H, *patient,
-                                         "--test-hostility", kind, wait_for=4))
+        processes.start_hostile(name, kind, *peer_args(tmp_path, name, bootstrap, "collude", rounds, H, *patient,
+                                                       wait_for=4))
     for name in honest:
         assert processes.wait(name, timeout=280) == 0, processes.log(name)[-4000:]
     for name in colluders:  # they train on, honestly but for their records and the state they serve

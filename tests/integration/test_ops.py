@@ -342,7 +342,6 @@ def test_status_and_metrics_of_a_running_swarm(tmp_path, processes, bootstrap):
         health = json.loads(body)
         assert code == 200 and health["status"] == "ok", health
         assert (health["role"], health["peer"], health["stage"], health["num_stages"]) == ("peer", peer_a, stage, 2)
-        assert health["test_hostility"] is None  # a production peer: no test hook
         before = last_round(tmp_path, "a", stage)
         samples = scrape(port + stage)
         assert before <= samples["p2p_diloco_round"] <= last_round(tmp_path, "a", stage) + 1

@@ -1,21 +1,22 @@
 """Unit tests of the defences against a hostile group leader and stalling groupmates: a follower's own record
 checked byte for byte, offences counted only against the sender of a record this peer got straight from it, the
 catch-up cap, the view ids that keep members handed different records apart, stall counting, and the hostile
-test hooks that mount these attacks."""
+test peers that mount these attacks (tests/hostile)."""
 
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 import torch
 from hivemind.averaging.allreduce import AllreduceException, AveragingMode
 from hivemind.averaging.group_info import GroupInfo
+from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MSGPackSerializer
 
-from p2p_diloco.faults import HONEST, parse_hostility
 from p2p_diloco.swarm.averaging.guard import (
     FORGED,
     MAX_CATCH_UP,
@@ -29,6 +30,11 @@ from p2p_diloco.swarm.averaging.guard import (
     read_group,
     view_digest,
 )
+from p2p_diloco.swarm.averaging.serving import GuardedAverager
+from tests.hostile import parse_hostility
+from tests.hostile.leader import ForgingLeader, MissingBegin
+from tests.hostile.metadata import Lowball
+from tests.hostile.wire import ScaledReplies, Stalling
 
 PEERS = [PeerID(bytes([0x12, 0x20]) + bytes([i]) * 32) for i in range(4)]
 ME, LEADER = PEERS[0], PEERS[3]
@@ -172,7 +178,7 @@ def test_group_views_remember_a_bounded_number_of_groups():
     assert len(views.views) <= 16 and len(views.left) <= 16 and len(views.leaders) <= 16
 
 
-# ---- the hostile test hooks -------------------------------------------------------------------------------------
+# ---- the hostile test peers -------------------------------------------------------------------------------------
 def begin(*records) -> averaging_pb2.MessageFromLeader:
     return averaging_pb2.MessageFromLeader(code=averaging_pb2.BEGIN_ALLREDUCE, group_id=b"g",
                                            ordered_peer_ids=[p.to_bytes() for p in PEERS[: len(records)]],
@@ -183,36 +189,39 @@ def claims(message) -> list[dict]:
     return [MSGPackSerializer.loads(MSGPackSerializer.loads(r)[2]) for r in message.gathered]
 
 
-def test_a_hostile_leader_forges_what_it_relays_and_an_honest_one_relays_bytes_as_they_are():
+def hostile(spec: str, **state) -> SimpleNamespace:
+    """A stand-in for a hostile part's ``self``: its hostility and whatever state its methods keep."""
+    return SimpleNamespace(hostility=parse_hostility(spec), **state)
+
+
+def test_a_hostile_leader_forges_what_it_relays_and_follows_nobody():
     records = [record(), record(), record(), record()]
-    honest = begin(*records)
-    HONEST.relay(honest, PEERS[1].to_bytes(), LEADER.to_bytes(), MSGPackSerializer)
-    assert list(honest.gathered) == records and HONEST.follows_others
-
-    tokens = parse_hostility("forge-tokens:1000")
+    tokens = hostile("forge-tokens:1000", peer_id=LEADER, serializer=MSGPackSerializer)
     message = begin(*records)
-    tokens.relay(message, PEERS[1].to_bytes(), LEADER.to_bytes(), MSGPackSerializer)
+    ForgingLeader._forge(tokens, message, PEERS[1].to_bytes())
     assert [c["tokens"] for c in claims(message)] == [1024.0, 1.024, 1024.0, 1024.0]  # the follower's own
-    assert not tokens.follows_others and torch.equal(tokens.reply(torch.ones(2)), torch.full((2,), 1000.0))
+    assert ForgingLeader._refuses_leader(tokens, PEERS[0]) and tokens.hostility.parts.runner is ScaledReplies
+    assert torch.equal(ScaledReplies._reply(tokens, torch.ones(2), 0), torch.full((2,), 1000.0))
 
-    rounds = parse_hostility("forge-round")
+    rounds = hostile("forge-round", peer_id=LEADER, serializer=MSGPackSerializer)
     for follower in range(3):  # the first follower (the leader is PEERS[3]) sees the second on another round
         message = begin(*records)
-        rounds.relay(message, PEERS[follower].to_bytes(), LEADER.to_bytes(), MSGPackSerializer)
+        ForgingLeader._forge(rounds, message, PEERS[follower].to_bytes())
         assert [c["round"] for c in claims(message)] == [4 if i == 1 and follower == 0 else 5 for i in range(4)]
 
 
-def test_lowball_and_stall_hooks():
+def test_lowball_and_stall_peers():
     metadata = dict(round=2, tokens=64.0, compute_s=30.0, bandwidth_mbit=100.0, last_error=0.4,
                     compression={"rank": 8, "bits": 8, "q_round": 1})
-    low = parse_hostility("lowball").gather(metadata)
+    low = Lowball._metadata_to_send(hostile("lowball"), metadata)
     assert low["compression"] == {"rank": 1, "bits": 4, "q_round": -1} and low["last_error"] == 0.0
     assert low["bandwidth_mbit"] == pytest.approx(1e-4) and low["compute_s"] == pytest.approx(3e-5)
-    stall = parse_hostility("stall:0.01")
-    assert stall.value == 0.01 and parse_hostility("stall").value == 30.0 and stall.follows_others
-    with pytest.raises(RuntimeError, match="stalled"):
-        asyncio.run(stall.join_allreduce())
-    asyncio.run(HONEST.join_allreduce())  # a no-op
+    left = []
+    stall = hostile("stall:0.01", _leave_group=left.append)
+    assert stall.hostility.value == 0.01 and parse_hostility("stall").value == 30.0
+    with pytest.raises(MatchmakingException, match="stalled"):
+        asyncio.run(Stalling._aggregate_with_group(stall, SimpleNamespace(group_id=b"g"), 0))
+    assert left == [b"g"]  # it leaves the group it stalled
     for spec in ("forge-round:2", "lowball:1", "forge-tokens:-1"):
         with pytest.raises(ValueError):
             parse_hostility(spec)
@@ -229,11 +238,13 @@ def test_a_groupmate_in_no_group_is_met_again_once_a_round_then_left_out():
     assert guard.refuses(LEADER, 6) is None and not guard.banned  # for the rest of that round only
 
 
-def test_the_miss_begin_hook_ignores_the_first_groups_of_each_round():
-    miss = parse_hostility("miss-begin:2")
-    assert [miss.takes_group(3) for _ in range(3)] == [False, False, True]
-    assert [miss.takes_group(4) for _ in range(3)] == [False, False, True]
-    assert parse_hostility("miss-begin").value == 1 and HONEST.takes_group(3)
+def test_a_miss_begin_peer_ignores_the_first_groups_of_each_round():
+    round_index = [3]
+    miss = hostile("miss-begin:2", _missed={}, _round_averaged=lambda: round_index[0])
+    assert [MissingBegin._takes_group(miss, LEADER) for _ in range(3)] == [False, False, True]
+    round_index[0] = 4
+    assert [MissingBegin._takes_group(miss, LEADER) for _ in range(3)] == [False, False, True]
+    assert parse_hostility("miss-begin").value == 1 and GuardedAverager._takes_group(None, LEADER)
 
 
 class _CancelledStep:

@@ -144,16 +144,3 @@ def test_report_of_a_run_averaged_by_fragment_shows_each_process_with_its_fragme
 def test_short_id_keeps_the_distinctive_end():
     assert short_id("12D3KooWGNxvzgqC55PuaVZonwacGPxoBGAR6He6MkNseAYr91ND") == "...eAYr91ND"
     assert short_id("Qm1234") == "Qm1234"
-
-
-def test_health_names_a_test_hostility_hook():
-    """/health tells an operator that a peer runs the test hook that makes it lie (``peer --test-hostility``)."""
-    from types import SimpleNamespace
-
-    from p2p_diloco.faults import HONEST, parse_hostility
-    from p2p_diloco.monitoring.nodes import test_hostility
-
-    assert test_hostility(SimpleNamespace(averager=None)) is None  # alone: no averager
-    assert test_hostility(SimpleNamespace(averager=SimpleNamespace(behaviour=HONEST))) is None
-    assert test_hostility(SimpleNamespace(averager=SimpleNamespace(behaviour=parse_hostility("scale:5")))) == \
-        "Hostility(scale:5)"

@@ -24,7 +24,7 @@ def link(joined: bool = True, num_rounds: int | None = None, met: frozenset = fr
          allowlist: frozenset = frozenset()) -> SwarmLink:
     swarm = SwarmLink.__new__(SwarmLink)  # no DHT: the read is replaced below
     swarm.dht, swarm.run_id, swarm.node, swarm.stage_index, swarm.num_stages = None, "run", "me", 0, 1
-    swarm.records_run, swarm.peer_name, swarm.inner_steps, swarm.behaviour = "run", "me", 10, None
+    swarm.records_run, swarm.peer_name, swarm.inner_steps = "run", "me", 10
     swarm.num_rounds = num_rounds
     swarm.joined_swarm, swarm.ttl_s, swarm._others_seen_at = joined, 120.0, float("-inf")
     swarm.fresh_read_s, swarm._last_read = 1.0, None  # no watch has read the records: each read is a new one

@@ -1,5 +1,5 @@
 """Unit tests of the defences against broken or hostile groupmates: the reducer's robust combination, the checks
-of gathered metadata, offences and bans, and the hostile test hook itself."""
+of gathered metadata, offences and bans, and the hostile test peers (tests/hostile) themselves."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from hivemind.averaging.allreduce import AllreduceException, AveragingMode
 from hivemind.p2p import PeerID
 from hivemind.utils import MSGPackSerializer
 
-from p2p_diloco.faults import HONEST, HOSTILITY_OPTION, parse_hostility
 from p2p_diloco.medians import lower_median, upper_median
 from p2p_diloco.swarm.averaging.gathered import GatheredError, check_gathered
 from p2p_diloco.swarm.averaging.guard import PeerGuard, read_group
@@ -27,6 +26,9 @@ from p2p_diloco.swarm.averaging.robust import (
     weighted_mean,
 )
 from p2p_diloco.swarm.averaging.slices import RobustPartReducer
+from tests.hostile import parse_hostility
+from tests.hostile.metadata import InflatedTokens, StaleReplay
+from tests.hostile.wire import NaNReplies, NoisyParts, NonFiniteParts, ScaledParts, oversized
 
 DEFAULT = RobustRule()
 
@@ -295,37 +297,48 @@ def test_check_gathered_accepts_what_an_honest_peer_sends():
         check_gathered({"round": 1})
 
 
-# ---- the hostile test hook --------------------------------------------------------------------------------------
+# ---- the hostile test peers ------------------------------------------------------------------------------------
 def test_hostile_spec_parsing():
     for spec, kind, value in [("scale:1000", "scale", 1000.0), ("noise", "noise", 100.0), ("nan", "nan", None),
                               ("stale:2", "stale", 2.0), ("reply-nan", "reply-nan", None)]:
         hostility = parse_hostility(spec)
         assert (hostility.kind, hostility.value) == (kind, value)
     for spec in ("scale:x", "scale:-1", "nan:3", "explode", ""):
-        with pytest.raises(ValueError, match=HOSTILITY_OPTION):
+        with pytest.raises(ValueError, match="hostility"):
             parse_hostility(spec)
 
 
 def test_an_honest_averager_sends_what_it_has():
+    """The honest seams hand back what they are given, the same objects (no copy)."""
+    from p2p_diloco.swarm.averaging.allreduce import ExactAllReduceRunner
+    from p2p_diloco.swarm.averaging.averager import PseudoGradientAverager
+
     tensors, metadata = [torch.ones(3)], {"round": 2}
-    assert HONEST.outgoing(tensors) is tensors and HONEST.gather(metadata) is metadata
-    assert HONEST.claim(tensors, 2, 5.0) == (tensors, 2, 5.0) and HONEST.reply(tensors[0]) is tensors[0]
+    assert PseudoGradientAverager._metadata_to_send(None, metadata) is metadata
+    sent = PseudoGradientAverager._contribution_to_send(None, tensors, 2, 5.0)
+    assert sent[0] is tensors and sent[1:] == (2, 5.0)
+    assert ExactAllReduceRunner._reply(None, tensors[0], 1) is tensors[0]
+
+
+def hostile(spec: str, **state) -> SimpleNamespace:
+    """A stand-in for a hostile part's ``self``: its hostility and whatever state its methods keep."""
+    return SimpleNamespace(hostility=parse_hostility(spec), **state)
 
 
 def test_hostile_corruptions():
     tensors = [torch.ones(10), torch.ones(3, 4)]
-    hostile = parse_hostility
-    assert torch.equal(hostile("scale:1000").outgoing(tensors)[1], torch.full((3, 4), 1000.0))
-    assert all(torch.isnan(t).all() for t in hostile("nan").outgoing(tensors))
-    noise = hostile("noise:100").outgoing(tensors)
+    assert torch.equal(ScaledParts._lie(hostile("scale:1000"), tensors)[1], torch.full((3, 4), 1000.0))
+    assert all(torch.isnan(t).all() for t in NonFiniteParts._lie(hostile("nan"), tensors))
+    assert all(torch.isinf(t).all() for t in NonFiniteParts._lie(hostile("inf"), tensors))
+    noise = NoisyParts._lie(hostile("noise:100"), tensors)
     assert math.isclose(math.sqrt(sum(float(t.pow(2).sum()) for t in noise)), 100 * math.sqrt(22), rel_tol=1e-4)
-    assert list(hostile("shape").part(SimpleNamespace(size=[256])).size) == [257]
-    assert hostile("tokens:1000").claim(tensors, 3, 64.0)[1:] == (3, 64000.0)
-    stale = hostile("stale:1")
-    assert stale.claim([torch.zeros(2)], 0, 1.0)[1] == 0  # nothing to replay yet
-    replayed, claimed_round, _ = stale.claim([torch.ones(2)], 1, 1.0)
+    assert list(oversized(SimpleNamespace(size=[256])).size) == [257]
+    assert InflatedTokens._contribution_to_send(hostile("tokens:1000"), tensors, 3, 64.0)[1:] == (3, 64000.0)
+    stale = hostile("stale:1", _sent={})
+    assert StaleReplay._contribution_to_send(stale, [torch.zeros(2)], 0, 1.0)[1] == 0  # nothing to replay yet
+    replayed, claimed_round, _ = StaleReplay._contribution_to_send(stale, [torch.ones(2)], 1, 1.0)
     assert claimed_round == 0 and torch.equal(replayed[0], torch.zeros(2))
-    assert torch.isnan(hostile("reply-nan").reply(torch.ones(3))).all()
+    assert torch.isnan(NaNReplies._reply(hostile("reply-nan"), torch.ones(3), 0)).all()
 
 
 def test_the_outlier_test_scales_norms_by_claimed_tokens():

@@ -58,7 +58,6 @@ from collections.abc import AsyncIterator
 import torch
 
 from p2p_diloco.compression.codecs import average_rounding, decode_tensor
-from p2p_diloco.faults import HONEST, Honest
 from p2p_diloco.hivemind_adapter.averaging import (
     AllreduceException,
     AllReduceRunner,
@@ -110,18 +109,19 @@ class ExactAllReduceRunner(AllReduceRunner):
             see :func:`~p2p_diloco.swarm.averaging.robust.average_bound`).
         average_bound: an average more than this many times this peer's own part is refused and the reducer's
             offence (0: no bound).
-        behaviour: what this peer does to the parts it sends and the averages it returns as a reducer: nothing
-            (:data:`~p2p_diloco.faults.HONEST`), or a test's :class:`~p2p_diloco.faults.Hostility`.
         kwargs: everything ``AllReduceRunner`` takes.
+
+    Seams for tests (``tests/hostile`` subclasses them): :meth:`_reply`, the average this peer returns to a sender as
+    a reducer, and hivemind's ``_generate_input_for_peer``, the parts it sends.
     """
 
     def __init__(self, *, traffic: torch.Tensor, weights: dict, rule: RobustRule, average_bound: float = 0.0,
-                 plausible_bound: float = 0.0, behaviour: Honest = HONEST, claims: dict | None = None,
+                 plausible_bound: float = 0.0, claims: dict | None = None,
                  result_compression=None, **kwargs):
         super().__init__(**kwargs)
         # the codec of each tensor's averages (SparseLoCo's top-k parts come back as sparse averages)
         self._result_compression = result_compression or self.tensor_part_container.compression
-        self._traffic, self._average_bound, self._behaviour, self._rule = traffic, average_bound, behaviour, rule
+        self._traffic, self._average_bound, self._rule = traffic, average_bound, rule
         self._plausible_bound = plausible_bound * CODEC_MARGIN
         # in a pair (two senders, this peer and another, both of non-zero weight) each average implies the other's
         # part. Only then: a third sender that this peer banned (weight 0 here) may still count at an honest reducer
@@ -316,9 +316,12 @@ class ExactAllReduceRunner(AllReduceRunner):
 
     async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
         async for message in super()._generate_input_for_peer(peer_index):
-            self._behaviour.part(message.tensor_part)
             self._traffic[BYTES_SENT] += message.ByteSize()
             yield message
+
+    def _reply(self, averaged_part: torch.Tensor, sender_index: int) -> torch.Tensor:
+        """The average this peer, as a reducer, returns to sender ``sender_index``: the group's, as it is (a seam)."""
+        return averaged_part
 
     def _get_peer_stub(self, peer: PeerID):
         return _CountingStub(super()._get_peer_stub(peer), self._traffic)
@@ -358,8 +361,7 @@ class ExactAllReduceRunner(AllReduceRunner):
                                                                                    tensor_part)
                 except BannedException:
                     break  # the sender was banned in the meantime: it gets nothing more
-                averaged_part = self._behaviour.reply(averaged_part, sender_index,
-                                                      self.sender_peer_ids.index(self.peer_id))
+                averaged_part = self._reply(averaged_part, sender_index)
                 serialized = await loop.run_in_executor(
                     None, lambda i=part_index, avg=averaged_part: self._encode_result(avg, i)
                 )

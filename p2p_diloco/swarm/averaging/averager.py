@@ -32,7 +32,6 @@ from typing import Optional
 import torch
 
 from p2p_diloco.config import AveragingConfig
-from p2p_diloco.faults import HONEST, Honest
 from p2p_diloco.hivemind_adapter.averaging import AllreduceException, AveragingStage, cancel_step
 from p2p_diloco.round.outcome import RoundOutcome
 from p2p_diloco.swarm.averaging.allreduce import BYTES_RECEIVED, BYTES_SENT
@@ -80,19 +79,20 @@ class PseudoGradientAverager:
         fragment: (f, F): average fragment f of F instead (its group key is the fragment's, the same on peers of
             any pipeline split; one averager per fragment a stage holds, several on one DHT, each with its own
             RPC namespace).
-        behaviour: :data:`~p2p_diloco.faults.HONEST`, or a :class:`~p2p_diloco.faults.Hostility` that tests and
-            benchmarks give a hostile peer.
-        server_type: the server to start (tests give a donor that serves its state another way a subclass).
+        server_type: the server to start (a seam: tests start subclasses that serve their state another way, or
+            that lie to their groupmates: ``tests/hostile``).
+
+    :meth:`_contribution_to_send` and :meth:`_metadata_to_send` are seams too: what this peer claims for a round is
+    what it trained, and a test's hostile subclass claims otherwise.
     """
 
     def __init__(self, templates: Sequence[torch.Tensor], dht, *, run_id: str, stage_index: int, num_stages: int,
-                 cfg: AveragingConfig, behaviour: Honest = HONEST, fragment: Optional[tuple[int, int]] = None,
-                 server_type: type[AveragingServer] = AveragingServer):
-        self.cfg, self.behaviour = cfg, behaviour
+                 cfg: AveragingConfig, fragment: Optional[tuple[int, int]] = None,
+                 server_type: Callable[..., AveragingServer] = AveragingServer):
+        self.cfg = cfg
         prefix = fragment_prefix(run_id, *fragment) if fragment is not None else \
             group_prefix(run_id, stage_index, num_stages)
-        self.server = server_type(templates, dht, prefix=prefix, initial_group_bits=round_bits(0), cfg=cfg,
-                                      behaviour=behaviour)
+        self.server = server_type(templates, dht, prefix=prefix, initial_group_bits=round_bits(0), cfg=cfg)
         self._pending: Optional[_PendingRound] = None
         self._abandoned: Optional[_PendingRound] = None  # left to finish in the background, its result unread
         self._last_control = None  # the step of the last round started, until the background has ended it
@@ -153,7 +153,7 @@ class PseudoGradientAverager:
         self._collect_abandoned()
         self._await_step_ended()
         assert weight > 0, "a contribution needs a positive weight (tokens trained on)"
-        contribution, claimed_round, weight = self.behaviour.claim(list(contribution), round_index, weight)
+        contribution, claimed_round, weight = self._contribution_to_send(contribution, round_index, weight)
         with self.server.get_tensors() as buffers:
             for buffer, tensor in zip(buffers, contribution):
                 buffer.copy_(tensor.detach().to(dtype=torch.float32, device="cpu"))
@@ -164,7 +164,7 @@ class PseudoGradientAverager:
                         last_error=self.last_error)
         timeout = max(self.cfg.round_timeout_s, float(budget_s))
         control = self.server.step(
-            gather=self.behaviour.gather(metadata),
+            gather=self._metadata_to_send(metadata),
             weight=float(weight),
             timeout=timeout,
             allow_retries=True,
@@ -173,6 +173,15 @@ class PseudoGradientAverager:
         traffic = (int(self.server.traffic[BYTES_SENT]), int(self.server.traffic[BYTES_RECEIVED]))
         self._pending = _PendingRound(round_index, control, time.monotonic(), traffic, timeout)
         self._last_control = control
+
+    def _contribution_to_send(self, contribution: Sequence[torch.Tensor], round_index: int,
+                              weight: float) -> tuple[Sequence[torch.Tensor], int, float]:
+        """(contribution, round, weight) this peer sends for ``round_index``: what it trained, as it is (a seam)."""
+        return contribution, round_index, weight
+
+    def _metadata_to_send(self, metadata: dict) -> dict:
+        """The record this peer gathers into the round's group: its round's metadata, as it is (a seam)."""
+        return metadata
 
     def _await_step_ended(self, timeout_s: float = 10.0) -> None:
         """Wait until the background process has ended the previous round's step. A cancel reaches it through

@@ -37,7 +37,7 @@ import torch
 from p2p_diloco.compression.codecs import codec_for, result_codec
 from p2p_diloco.compression.policy import CompressionPolicy
 from p2p_diloco.config import AveragingConfig
-from p2p_diloco.faults import HONEST, Honest, fault_point
+from p2p_diloco.faults import fault_point
 from p2p_diloco.hivemind_adapter.averaging import (
     AllreduceException,
     CompressionInfo,
@@ -101,8 +101,11 @@ class AveragingServer(GuardedAverager, DecentralizedAverager):
             own, and their own RPC namespace).
         initial_group_bits: the group key's round bits of round 0.
         cfg: the ``[averaging]`` section.
-        behaviour: :data:`~p2p_diloco.faults.HONEST`, or a :class:`~p2p_diloco.faults.Hostility` that tests and
-            benchmarks give a hostile peer.
+
+    Seams for tests (``tests/hostile`` subclasses them to lie to groupmates): :attr:`runner_type`, the all-reduce each
+    phase runs; :meth:`_allreduce_phase`, which gets the tensors this peer sends; :meth:`_aggregate_with_group`, what
+    it does with a group formed; :meth:`get_current_state`, the state it serves; and those of
+    :class:`~p2p_diloco.swarm.averaging.serving.GuardedAverager`.
     """
 
     # hivemind caches a servicer's handlers and stub type on the class, and a subclass inherits the cache when its
@@ -110,9 +113,10 @@ class AveragingServer(GuardedAverager, DecentralizedAverager):
     _rpc_handlers = None
     _stub_type = None
     _workers_niced = False  # in the background process: its executor's threads run at a lower priority (_step)
+    runner_type: typing.Callable[..., ExactAllReduceRunner] = ExactAllReduceRunner  # each phase's all-reduce
 
     def __init__(self, templates: Sequence[torch.Tensor], dht, *, prefix: str, initial_group_bits: str,
-                 cfg: AveragingConfig, behaviour: Honest = HONEST):
+                 cfg: AveragingConfig):
         self.cfg = cfg
         self.traffic = torch.zeros(2, dtype=torch.int64).share_memory_()
         # the round whose contribution the buffers hold; a late average of an abandoned round never lands there
@@ -124,14 +128,11 @@ class AveragingServer(GuardedAverager, DecentralizedAverager):
         self.state_provider = None  # () -> (metadata, tensors): what this unit serves to newcomers
         self.guard = PeerGuard(cfg.ban_after, cfg.allowlist)  # its state lives in the background process
         self.rule = RobustRule(outlier_ratio=cfg.outlier_norm_ratio, clip_ratio=cfg.clip_ratio)
-        self.behaviour = behaviour
         self._memtrace = MemoryTrace(f"averager {prefix}")  # off unless P2P_DILOCO_MEMTRACE is set (a diagnostic)
         try:  # the subkey this peer's DHT node signs its entries under: the group's digest records (digests.py)
             self._digests_owner: Optional[bytes] = record_owner(dht)
         except SwarmError:  # a node started outside start_dht (tests) signs nothing: no digest comparison
             self._digests_owner = None
-        if behaviour is not HONEST:
-            logger.warning(f"This peer is hostile to its groupmates ({behaviour}): a test hook")
         super().__init__(
             buffers,
             dht,
@@ -271,7 +272,6 @@ class AveragingServer(GuardedAverager, DecentralizedAverager):
             digests: dict = {}  # phase -> reducer -> digest of the slice this peer got from it
 
             async def allreduce(tensors, codecs, phase):
-                tensors = self.behaviour.outgoing(tensors)
                 averaged, digests[phase.decode() or "-"] = await self._allreduce_phase(
                     tensors, codecs, group_info, group_info.group_id + phase, view, peer_fractions=fractions, **kwargs)
                 return averaged
@@ -279,7 +279,6 @@ class AveragingServer(GuardedAverager, DecentralizedAverager):
             step_started = _STEP_STARTED.get()
             matched_s = time.monotonic() - step_started if step_started is not None else None
             fault_point("allreduce-group-formed")  # test hooks: unset, a dictionary lookup and a no-op
-            await self.behaviour.join_allreduce()
             received_before, started = int(self.traffic[BYTES_RECEIVED]), time.monotonic()
             async with enter_asynchronously(self.get_tensors()) as buffers:
                 if int(self.buffered_round[0]) != my_round:
@@ -325,11 +324,11 @@ class AveragingServer(GuardedAverager, DecentralizedAverager):
         plausible = average_bound([view.weights[p] for p in members],
                                   [float(view.infos[p]["tokens"]) for p in members], members.index(self.peer_id),
                                   self.rule, MAX_CATCH_UP)
-        runner = ExactAllReduceRunner(
+        runner = self.runner_type(
             traffic=self.traffic, weights=view.weights, rule=self.rule, average_bound=offence_bound,
             plausible_bound=min(plausible, offence_bound),
             claims={peer_id: float(info["tokens"]) for peer_id, info in view.infos.items()},
-            behaviour=self.behaviour, p2p=p2p_of(self), servicer_type=type(self), prefix=self.prefix, tensors=tensors,
+            p2p=p2p_of(self), servicer_type=type(self), prefix=self.prefix, tensors=tensors,
             group_id=group_id,
             ordered_peer_ids=group_info.peer_ids, modes=view.modes,
             compression=PerTensorCompression([codec_for(c) for c in codecs]),

@@ -22,7 +22,6 @@ from collections import OrderedDict
 from functools import partial
 from typing import Optional
 
-from p2p_diloco.faults import HONEST, Honest
 from p2p_diloco.hivemind_adapter.averaging import (
     AllreduceException,
     P2PContext,
@@ -32,7 +31,6 @@ from p2p_diloco.hivemind_adapter.averaging import (
     groups_registered,
     matchmaking_of,
     running_groups,
-    set_data_for_gather,
     wrap_join_request,
 )
 from p2p_diloco.swarm.averaging.allreduce import BYTES_SENT
@@ -49,11 +47,14 @@ SERVED_ALLREDUCES = 8  # the last all-reduces whose averages (this peer's slice)
 
 
 class GuardedAverager:
-    """Mixin for a hivemind ``DecentralizedAverager`` with a ``guard`` attribute (a :class:`PeerGuard`)."""
+    """Mixin for a hivemind ``DecentralizedAverager`` with a ``guard`` attribute (a :class:`PeerGuard`).
+
+    Seams for tests (``tests/hostile`` subclasses them to lie): ``rpc_join_group``, the group this peer relays as a
+    leader; ``_step``, a round's step as it begins; :meth:`_refuses_leader` and :meth:`_takes_group`, whom it follows.
+    """
 
     guard: PeerGuard
     state_host: StateHost  # made in the training process before the fork
-    behaviour: Honest = HONEST
 
     @property
     def group_views(self) -> GroupViews:
@@ -81,8 +82,6 @@ class GuardedAverager:
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
         async for message in super().rpc_join_group(request, context):
-            if message.code == averaging_pb2.BEGIN_ALLREDUCE:  # what a hostile test leader forges
-                self.behaviour.relay(message, context.remote_id.to_bytes(), self.peer_id.to_bytes(), self.serializer)
             yield message
 
     async def rpc_aggregate_part(self, stream: typing.AsyncIterator[averaging_pb2.AveragingData],
@@ -183,9 +182,6 @@ class GuardedAverager:
         return -1 if round_index is None else round_index
 
     async def _step(self, **kwargs):
-        step = kwargs.get("step")
-        if step is not None and self.behaviour is not HONEST:  # a hostile test peer's record
-            set_data_for_gather(step, self.behaviour.gathered(step.data_for_gather, self.serializer))
         self._guard_matchmaking()
         keep_round_key(matchmaking_of(self).group_key_manager)
         return await super()._step(**kwargs)
@@ -199,9 +195,7 @@ class GuardedAverager:
 
         def unless_refused(request_join_group):
             async def join_unless_refused(leader):
-                reason = self.guard.refuses(leader, self._round_averaged())
-                if reason is None and not self.behaviour.follows_others:
-                    reason = "this hostile test peer follows nobody"
+                reason = self._refuses_leader(leader)
                 if reason is not None:
                     logger.debug(f"Not following {leader}: {reason}")
                     return None
@@ -214,8 +208,7 @@ class GuardedAverager:
         views = self.group_views
 
         async def assemble_as_follower(leader, msg):
-            if not self.behaviour.takes_group(self._round_averaged()):
-                logger.info(f"Ignored the group {leader} formed with this peer (a test hook)")
+            if not self._takes_group(leader):
                 return None
             reason = relayed_group_refusal(msg)
             if reason is not None:  # an honest leader refuses oversized records at the join: the leader's proof
@@ -231,6 +224,16 @@ class GuardedAverager:
 
         matchmaking.follower_assemble_group = assemble_as_follower
         matchmaking.look_for_group = look_for_viewed_group
+
+    def _refuses_leader(self, leader) -> Optional[str]:
+        """As a follower: why this peer does not ask ``leader`` to lead its group (a banned peer, an outsider), or
+        None."""
+        return self.guard.refuses(leader, self._round_averaged())
+
+    def _takes_group(self, leader) -> bool:
+        """As a follower: whether this peer takes the group ``leader`` has just formed with it (before its relayed
+        records are checked): always (a seam)."""
+        return True
 
     def _leave_group(self, view_id: bytes) -> None:
         """Done with a group (averaged, refused or failed): parts sent for it from now on are refused at once, and

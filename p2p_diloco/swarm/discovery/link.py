@@ -60,13 +60,15 @@ class SwarmLink:
         joined_swarm: this node was started with initial peers (it did not start a new swarm).
         num_rounds: the run's end (``train.num_rounds``), or None: a peer whose record says it applied the last
             round has finished and is never expected in a group again.
-        behaviour: what the records tell (``faults.HONEST``: the truth; a test's ``Hostility`` may lie).
         fragment: (f, F) in a run averaged by fragment: this link is fragment f's (``stage_index``/``num_stages``
             are then f and F). Its records go under the fragment's own key, ``<run_id>_f<f>of<F>_progress``: one
             signed record per writer and key, and a stage process that holds several fragments writes one for each.
         allowlist: ``averaging.allowlist`` (a private swarm's peer ids): only its members' records count for timing.
         stranger_wait_s: the longest a stage waits for a group that only strangers' records say they could still
             join (``averaging.matchmaking_time_s`` plus ``request_timeout_s``: an honest one is in the group by then).
+
+    :meth:`_progress_told` is a seam: the records tell where this stage is, and a test's hostile subclass
+    (``tests/hostile``) tells otherwise.
     """
 
     # the peers whose records count for nothing now (they vouched for a state this peer's own check refused, or
@@ -75,7 +77,7 @@ class SwarmLink:
 
     def __init__(self, dht, run_id: str, peer_name: str, *, stage_index: int = 0, num_stages: int = 1,
                  inner_steps: int = 1, fingerprint: Optional[dict] = None, publish_every_s: float = 10.0,
-                 ttl_s: float = 120.0, joined_swarm: bool = True, num_rounds: Optional[int] = None, behaviour=None,
+                 ttl_s: float = 120.0, joined_swarm: bool = True, num_rounds: Optional[int] = None,
                  fragment: Optional[tuple[int, int]] = None, allowlist=(), stranger_wait_s: float = 8.0):
         self.dht, self.run_id, self.peer_name, self.fingerprint = dht, run_id, peer_name, fingerprint
         self.allowlist, self.stranger_wait_s = frozenset(allowlist), stranger_wait_s
@@ -91,7 +93,6 @@ class SwarmLink:
         self.num_rounds = num_rounds
         self.stage_index, self.num_stages, self.inner_steps = stage_index, num_stages, inner_steps
         self.joined_swarm = joined_swarm
-        self.behaviour = behaviour
         self.anchor_fingerprint = ""  # set by the trainer whenever the anchor takes an average
         self.prior_anchor_fingerprint = ""  # the one before (see ProgressRecord.prior_anchor)
         self.node = dht.peer_id.to_base58()
@@ -113,6 +114,10 @@ class SwarmLink:
         self._last_read: tuple[float, list[ProgressRecord]] | None = None
         self._others_seen_at = float("-inf")  # when expected_group_size last saw another live peer
 
+    def _progress_told(self, position: Position) -> tuple[int, int, str, str]:
+        """(round, applied round, anchor, prior anchor) this stage's record tells: where it is (a seam)."""
+        return position.round, position.applied_round, self.anchor_fingerprint, self.prior_anchor_fingerprint
+
     def publish(self, position: Position, loss: float, tokens_per_s: float, force: bool = False) -> None:
         """Refresh this stage's record (at most every ``publish_every_s`` unless ``force``)."""
         from p2p_diloco.hivemind_adapter.dht import get_dht_time
@@ -121,11 +126,7 @@ class SwarmLink:
         if not force and now - self._last_publish < self.publish_every_s:
             return
         self._last_publish = now
-        told_round, applied_round = position.round, position.applied_round
-        anchor, prior_anchor = self.anchor_fingerprint, self.prior_anchor_fingerprint
-        if self.behaviour is not None:
-            told_round, applied_round = self.behaviour.record(told_round, applied_round)
-            anchor, prior_anchor = self.behaviour.record_anchor(anchor, prior_anchor, position.round)
+        told_round, applied_round, anchor, prior_anchor = self._progress_told(position)
         record = ProgressRecord(peer=self.peer_name, stage=self.stage_index, num_stages=self.num_stages,
                                 round=told_round, inner_step=position.inner_step + (told_round - position.round) *
                                 self.inner_steps, tokens_per_s=float(tokens_per_s), loss=float(loss),
