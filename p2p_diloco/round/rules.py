@@ -37,8 +37,8 @@ class Rule(ABC):
     """Whether the peer keeps its own eager copy of the outer state besides the shared anchor."""
 
     @abstractmethod
-    def end(self, state: OuterState, delta: list[torch.Tensor], exchange: Exchange, end: RoundEnd) -> RoundReport:
-        """Steps 3-6 of the round ``end.round_index`` on ``state``, given its pseudo-gradient ``delta`` (step 2;
+    def end(self, state: OuterState, delta: list[torch.Tensor], exchange: Exchange, round_end: RoundEnd) -> RoundReport:
+        """Steps 3-6 of the round ``round_end.round_index`` on ``state``, given its pseudo-gradient ``delta`` (step 2;
         step 3 writes into it)."""
 
     def merge_due(self, exchange: Exchange, deadline_reached: bool) -> bool:
@@ -46,9 +46,9 @@ class Rule(ABC):
         return False
 
 
-def _report(end: RoundEnd, delta: list[torch.Tensor]) -> RoundReport:
+def _report(round_end: RoundEnd, delta: list[torch.Tensor]) -> RoundReport:
     """The report of a round end, with the norm of the round's progress (before step 3 adds to ``delta``)."""
-    return RoundReport(end.round_index, tokens=int(end.tokens),
+    return RoundReport(round_end.round_index, tokens=int(round_end.tokens),
                        delta_norm=float(torch.sqrt(sum(d.pow(2).sum() for d in delta))))
 
 
@@ -57,10 +57,10 @@ class Blocking(Rule):
 
     name = "none"
 
-    def end(self, state: OuterState, delta: list[torch.Tensor], exchange: Exchange, end: RoundEnd) -> RoundReport:
-        report = _report(end, delta)
+    def end(self, state: OuterState, delta: list[torch.Tensor], exchange: Exchange, round_end: RoundEnd) -> RoundReport:
+        report = _report(round_end, delta)
         contribution = state.with_feedback(delta, exchange.averager)  # 3.
-        exchange.start(end, contribution)  # 4.
+        exchange.start(round_end, contribution)  # 4.
         average = exchange.collect(report, state)  # 5. this round's
         state.outer_optimizer.step(average, exchange.applied_group_size)  # 6. theta = outer_step(theta, avg) ...
         state.set_params(state.anchor)  # ... phi0 = phi = theta
@@ -73,8 +73,8 @@ class Delayed(Rule):
     name = "delayed"
     overlaps = True
 
-    def end(self, state: OuterState, delta: list[torch.Tensor], exchange: Exchange, end: RoundEnd) -> RoundReport:
-        report = _report(end, delta)
+    def end(self, state: OuterState, delta: list[torch.Tensor], exchange: Exchange, round_end: RoundEnd) -> RoundReport:
+        report = _report(round_end, delta)
         if exchange.pending is not None:  # 5-6 of the previous round, not merged yet (merge_step = H, or a resume)
             self.merge(state, exchange, report)
             delta = state.pseudo_gradient()  # 2. again: phi and phi0 were rebased on the new anchor
@@ -84,7 +84,7 @@ class Delayed(Rule):
                 report.applied_round, report.outcome, report.waited_s, report.outer_lr = \
                     merged.applied_round, merged.outcome, merged.waited_s, merged.outer_lr
         contribution = state.with_feedback(delta, exchange.averager)  # 3.
-        exchange.start(end, contribution)  # 4. in the background; this round's progress stays in phi until its
+        exchange.start(round_end, contribution)  # 4. in the background; this round's progress stays in phi until its
         state.restart_from_params()  # average lands (the merge)
         return report
 
@@ -115,15 +115,15 @@ class Eager(Rule):
     overlaps = True
     keeps_eager_state = True
 
-    def end(self, state: OuterState, delta: list[torch.Tensor], exchange: Exchange, end: RoundEnd) -> RoundReport:
-        report = _report(end, delta)
+    def end(self, state: OuterState, delta: list[torch.Tensor], exchange: Exchange, round_end: RoundEnd) -> RoundReport:
+        report = _report(round_end, delta)
         previous = exchange.pending
         applied = exchange.collect(report, state)  # 5. the previous round's (bounded wait), its residual into e
         contribution = state.with_feedback(delta, exchange.averager)  # 3.
         if applied is not None:
             state.outer_optimizer.step(applied, exchange.applied_group_size)  # 6. theta = outer_step(theta, avg_prev)
         share = self.eager_step(state, previous, applied, contribution, exchange.applied_group_size)  # 6'. eager's
-        exchange.start(end, contribution, share)  # 4.
+        exchange.start(round_end, contribution, share)  # 4.
         state.set_params(state.eager_anchor)
         state.restart_from_params()
         return report
