@@ -69,6 +69,11 @@ class Unit:
             return {"fragment": self.fragment, "num_fragments": self.num_fragments}
         return {"stage": self.stage, "num_stages": self.num_stages}
 
+    @property
+    def names(self) -> dict:
+        """:attr:`meta` with the stage that holds it, as a checkpoint's or a served state's header records it."""
+        return {"stage": self.stage, "num_stages": self.num_stages, **self.meta}
+
     def matches(self, meta: dict) -> bool:
         """Whether a state's or checkpoint's metadata names this unit."""
         return all(meta.get(key) == value for key, value in self.meta.items())

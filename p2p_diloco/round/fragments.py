@@ -42,9 +42,8 @@ class Fragments:
         """Streaming sync: each fragment's rounds end ``s_f`` steps before the regular round end, except the run's last
         round (``num_rounds - 1``), which ends on the run's last step. Nothing for a whole stage."""
         for stage in self.stages:
-            if stage.fragment is not None and stage.fragment[1] > 1:
-                f, count = stage.fragment
-                stage.round_shift = round_shifts(count, self.H)[f]
+            if stage.unit.num_fragments > 1:
+                stage.round_shift = round_shifts(stage.unit.num_fragments, self.H)[stage.unit.fragment]
                 stage.last_round = num_rounds - 1
 
     # ---- one inner step ------------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from p2p_diloco.round.outcome import RoundReport
 from p2p_diloco.round.outer_state import OuterState
 from p2p_diloco.round.position import Clock, Position
 from p2p_diloco.round.rules import RULES, Delayed
+from p2p_diloco.unit import Unit
 
 logger = logging.getLogger(__name__)
 
@@ -96,8 +97,7 @@ class Stage:
                  diloco_cfg: DiLoCoConfig, total_steps: int, averager: RoundAverager | None = None,
                  fragment: tuple[int, int] | None = None, records: RoundRecords | None = None):
         self.module = module
-        self.stage_index, self.num_stages = stage_index, num_stages
-        self.fragment = fragment  # (f, F) in a run averaged by fragment: this Stage is fragment f of the model
+        self.unit = Unit.of(stage_index, num_stages, fragment)  # its stage, or fragment f of F held on that stage
         self.inner_cfg, self.diloco_cfg, self.total_steps = inner_cfg, diloco_cfg, total_steps
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         self.param_names = [name for name, _ in named]
@@ -254,7 +254,7 @@ class Stage:
     # ---- its checkpoint (round/stage_state.py) and the state it shares (round/swarm_state.py) ----------
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict]:
         """(tensors, metadata) of everything a resume needs: :func:`~p2p_diloco.round.stage_state.state_dict`."""
-        header = {"stage": self.stage_index, "num_stages": self.num_stages, **self.unit, "mode": self.mode}
+        header = {**self.unit.names, "mode": self.mode}
         return stage_state.state_dict(self.outer, self.exchange, self.clock, self.inner_optimizer, header)
 
     def load_state_dict(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
@@ -265,9 +265,8 @@ class Stage:
     def shareable_state(self, run_id: str, finished_average: list[torch.Tensor] | None = None,
                         finished_group_size: int = 1) -> tuple[dict, list[torch.Tensor]]:
         """What this stage serves to others: :func:`~p2p_diloco.round.swarm_state.shareable_state`."""
-        names = {"stage": self.stage_index, "num_stages": self.num_stages, **self.unit}
-        return swarm_state.shareable_state(self.outer, self.exchange, self.clock, names, run_id, finished_average,
-                                           finished_group_size)
+        return swarm_state.shareable_state(self.outer, self.exchange, self.clock, self.unit.names, run_id,
+                                           finished_average, finished_group_size)
 
     def check_state(self, run_id: str, meta: dict, tensors: list[torch.Tensor]) -> None:
         """Raise StateError unless a served state fits this stage: :func:`~p2p_diloco.round.swarm_state.check_state`."""
@@ -288,16 +287,22 @@ class Stage:
 
     # ---- helpers ------------------------------------------------------------------------------------
     @property
-    def unit(self) -> dict:
-        """What this Stage averages, as its states and checkpoints name it: a fragment of F, or a stage of P."""
-        if self.fragment is not None:
-            return {"fragment": self.fragment[0], "num_fragments": self.fragment[1]}
-        return {"stage": self.stage_index, "num_stages": self.num_stages}
+    def stage_index(self) -> int:
+        return self.unit.stage
+
+    @property
+    def num_stages(self) -> int:
+        return self.unit.num_stages
+
+    @property
+    def fragment(self) -> tuple[int, int] | None:
+        """(f, F) in a run averaged by fragment, else None."""
+        return self.unit.fragment_pair
 
     @property
     def label(self) -> str:
         """For logs: "Stage 1", or "Stage 1 fragment 2"."""
-        return f"Stage {self.stage_index}" + (f" fragment {self.fragment[0]}" if self.fragment is not None else "")
+        return self.unit.label
 
     def position(self) -> Position:
         """Where this stage stands, for its progress record."""

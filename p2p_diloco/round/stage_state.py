@@ -25,6 +25,7 @@ from p2p_diloco.round.exchange import Exchange
 from p2p_diloco.round.outcome import PendingRound, RoundOutcome, RoundReport
 from p2p_diloco.round.outer_state import OuterState
 from p2p_diloco.round.position import Clock
+from p2p_diloco.unit import Unit
 
 
 def state_dict(state: OuterState, exchange: Exchange, clock: Clock, inner_optimizer: torch.optim.Optimizer,
@@ -78,11 +79,11 @@ def _state_meta(state: OuterState, exchange: Exchange, clock: Clock, inner_optim
                 "outcome": None if pending.outcome is None else pending.outcome.facts()}}
 
 
-def check_unit(meta: dict, unit: dict, mode: str) -> None:
+def check_unit(meta: dict, unit: Unit, mode: str) -> None:
     """ValueError unless a checkpoint's metadata is of this ``unit`` (a stage of P, or a fragment of F) and of a mode
     whose state this stage can take (any overlap mode takes another's; ``none`` only its own)."""
-    if {key: meta.get(key) for key in unit} != unit:
-        raise ValueError(f"checkpoint is of {_unit_name(meta, unit)}, this is {_unit_name(unit, unit)}")
+    if not unit.matches(meta):
+        raise ValueError(f"checkpoint is of {unit.describe(meta)}, this is {unit.describe(unit.meta)}")
     if meta.get("mode", "none") != mode and (meta.get("mode") == "none" or mode == "none"):
         raise ValueError(f"checkpoint was written in diloco.mode {meta.get('mode')!r}, "
                          f"this peer runs {mode!r}")
@@ -138,12 +139,6 @@ def load_state_dict(state: OuterState, exchange: Exchange, clock: Clock, inner_o
         outcome = dataclasses.replace(outcome, average=average, residual=residual)
     exchange.pending = None if pending is None else PendingRound(
         int(info["round"]), pending, float(info["weight"]), outcome=outcome, share=float(info.get("share", 1.0)))
-
-
-def _unit_name(meta: dict, unit: dict) -> str:
-    if "fragment" in unit:
-        return f"fragment {meta.get('fragment')} of {meta.get('num_fragments')}"
-    return f"stage {meta.get('stage')} of {meta.get('num_stages')}"
 
 
 def _pending_outcome(info: dict) -> RoundOutcome | None:

@@ -48,6 +48,7 @@ import torch
 from p2p_diloco.round.exchange import Exchange
 from p2p_diloco.round.outer_state import OuterState
 from p2p_diloco.round.position import Clock
+from p2p_diloco.unit import Unit
 
 STATE_FORMAT = 1
 MAX_ROUND = 1 << 40  # far past any run, far below where round arithmetic costs anything
@@ -95,14 +96,15 @@ def served_fingerprint(state: OuterState, meta: dict, tensors: list[torch.Tensor
                              meta["outer_steps"])
 
 
-def shareable_state(state: OuterState, exchange: Exchange, clock: Clock, unit_meta: dict, run_id: str,
+def shareable_state(state: OuterState, exchange: Exchange, clock: Clock, unit_names: dict, run_id: str,
                     finished_average: list[torch.Tensor] | None = None,
                     finished_group_size: int = 1) -> tuple[dict, list[torch.Tensor]]:
     """What a stage serves to others: metadata and [anchor..., momentum...] (fp32 copies).
 
     Args:
         state, exchange, clock: the stage's outer state, averaging and clock.
-        unit_meta: the stage's names in the state: its pipeline stage and, averaged by fragment, its fragment.
+        unit_names: the stage's names in the state (:attr:`~p2p_diloco.unit.Unit.names`): its pipeline stage and,
+            averaged by fragment, its fragment.
         run_id: the donor's run.
         finished_average: the average of the round still pending, if it has already arrived.
         finished_group_size: the size of the group that averaged it (its outer step depends on it).
@@ -123,24 +125,24 @@ def shareable_state(state: OuterState, exchange: Exchange, clock: Clock, unit_me
         else:
             for out, t in zip(anchor + momentum, state.anchor + state.outer_optimizer.momentum_buffers):
                 out.copy_(t)
-        meta = {"format": STATE_FORMAT, "run_id": run_id, **unit_meta, "round": clock.round_index,
+        meta = {"format": STATE_FORMAT, "run_id": run_id, **unit_names, "round": clock.round_index,
                 "applied_round": applied, "outer_steps": outer_steps,
                 "round_start_step": clock.round_start_step(clock.round_index), "inner_step": clock.inner_step,
                 "seconds_per_step": float(clock.seconds_per_step), "shapes": [list(t.shape) for t in state.anchor]}
     return meta, anchor + momentum
 
 
-def check_state(state: OuterState, clock: Clock, unit: dict, run_id: str, meta: dict,
+def check_state(state: OuterState, clock: Clock, unit: Unit, run_id: str, meta: dict,
                 tensors: list[torch.Tensor]) -> None:
     """Raise StateError unless ``meta`` and ``tensors`` are a state of this run, unit (``unit``: a stage of P, or a
     fragment of F) and shape, all finite, every count and time of it in range."""
     if not isinstance(meta, dict) or meta.get("format") != STATE_FORMAT:
         raise StateError("the donor sent no state of a known format")
     # a fragment's donor may hold it on any pipeline stage of any split: only the unit's own names must match
-    expected = (run_id, *unit.values())
-    got = (meta.get("run_id"), *(meta.get(key) for key in unit))
+    expected = (run_id, *unit.meta.values())
+    got = (meta.get("run_id"), *(meta.get(key) for key in unit.meta))
     if got != expected:
-        raise StateError(f"the donor's state is of run/{'/'.join(unit)} {got}, not {expected}")
+        raise StateError(f"the donor's state is of run/{'/'.join(unit.meta)} {got}, not {expected}")
     shapes = [list(t.shape) for t in state.anchor]
     if meta.get("shapes") != shapes or len(tensors) != 2 * len(shapes):
         raise StateError("the donor's tensors do not have this stage's shapes")

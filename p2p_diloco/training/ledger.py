@@ -109,7 +109,7 @@ class Ledger:
 
     def unit_facts(self, unit: Held) -> dict:
         """How metrics rows name a fragment (nothing when the stage is the unit)."""
-        return {} if unit.stage.fragment is None else {"fragment": unit.stage.fragment[0]}
+        return {} if not unit.stage.unit.is_fragment else {"fragment": unit.stage.unit.fragment}
 
     def write_rounds(self, units: list[Held], reports: list[RoundReport], flush: bool = False) -> None:
         """The metrics row of each unit's round end, and what it tells the sync (the group met, the new anchor)."""

@@ -31,7 +31,7 @@ from p2p_diloco.training.ledger import Held, Ledger
 from p2p_diloco.training.metrics import MetricsWriter
 from p2p_diloco.training.own_check import OwnCheck
 from p2p_diloco.training.round_ends import end_rounds, wait_for_groupmates
-from p2p_diloco.training.state.persist import resume_stage, save_stage, unit_folder
+from p2p_diloco.training.state.persist import resume_stage, save_stage
 from p2p_diloco.training.summary import (
     NullReporter,
     Reporter,
@@ -92,7 +92,7 @@ class Trainer:
         self.summary_path = self.output_dir / f"summary-{tag}.json"
         ckpt_root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.output_dir / "checkpoints"
         # one folder per unit: the stage's, or each fragment's (a peer of another split resumes the same fragments)
-        self.checkpoint_dirs = [ckpt_root / unit_folder(u.stage) for u in self.held]
+        self.checkpoint_dirs = [ckpt_root / u.stage.unit.folder for u in self.held]
         num_params = sum(p.numel() for unit in self.held for p in unit.stage.params)
         self.summary = TrainSummary(peer_name, cfg.run.run_id, stage.stage_index, stage.num_stages, num_params,
                                     mode=stage.mode)

@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from p2p_diloco.hivemind_adapter.dht import DHTProtocol, DHTRecord, RecordValidatorBase
+from p2p_diloco.unit import run_units
 
 ROUND_BITS = 16
 """The group key's round bits (``p2p_diloco.swarm.averaging.averager.ROUND_BITS``; a unit test keeps them equal)."""
@@ -45,10 +46,8 @@ _KEY_BYTES = 20  # a DHT key's hash (sha1)
 
 def averager_prefixes(run_id: str, num_stages: int = 1, fragments: int = 0) -> list[str]:
     """The prefixes of a run's averagers: each of its ``fragments`` F (when F >= 1) or of its ``num_stages`` stages.
-    A fragment's prefix is also the run id of its progress records (``progress.records_run``)."""
-    if fragments:
-        return [f"{run_id}_f{f}of{fragments}" for f in range(fragments)]
-    return [f"{run_id}_s{j}of{num_stages}" for j in range(num_stages)]
+    A fragment's prefix is also the run id of its progress records (:meth:`~p2p_diloco.unit.Unit.records_run`)."""
+    return [unit.group_prefix(run_id) for unit in run_units(num_stages, fragments)]
 
 
 def key_id(key: str) -> bytes:

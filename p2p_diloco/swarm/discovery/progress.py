@@ -30,6 +30,7 @@ from p2p_diloco.swarm.discovery.records import (
     is_owner_subkey,
     record_owner,
 )
+from p2p_diloco.unit import Unit
 
 logger = logging.getLogger(__name__)
 
@@ -39,8 +40,9 @@ def progress_key(run_id: str) -> str:
 
 def records_run(run_id: str, fragment: Optional[tuple[int, int]] = None) -> str:
     """Whose records: the run's (``<run_id>_progress``), or in a run averaged by fragment, fragment f of F's
-    (``<run_id>_f<f>of<F>_progress``, read by every peer that holds that fragment, whatever its split)."""
-    return run_id if fragment is None else f"{run_id}_f{fragment[0]}of{fragment[1]}"
+    (``<run_id>_f<f>of<F>_progress``, read by every peer that holds that fragment, whatever its split):
+    :meth:`~p2p_diloco.unit.Unit.records_run`."""
+    return Unit.of(0, 1, fragment).records_run(run_id)
 
 
 @dataclass

@@ -26,13 +26,6 @@ from p2p_diloco.training.summary import RESUMED_FIELDS, TrainSummary
 logger = logging.getLogger(__name__)
 
 
-def unit_folder(stage: Stage) -> str:
-    """A unit's checkpoint folder: ``stage<j>of<P>``, or ``fragment<f>of<F>`` in a run averaged by fragment."""
-    if stage.fragment is None:
-        return f"stage{stage.stage_index}of{stage.num_stages}"
-    return "fragment{}of{}".format(*stage.fragment)
-
-
 def save_stage(folder: Path, stage: Stage, sampler, summary: TrainSummary, run_id: str, keep: int,
                data_path: str | None = None) -> Path:
     """Write the stage's checkpoint; its metadata also records the whole model's shape and the shards the run trains
