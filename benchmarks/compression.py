@@ -26,7 +26,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from local_bootstrap import start_bootstrap  # noqa: E402
 
-SCHEMES = ("none", "fp16", "int8", "lowrank", "adaptive", "sparseloco")
+from p2p_diloco.compression.schemes import SCHEMES  # noqa: E402
+
 FAST = ["--averaging.matchmaking_time_s", "5", "--averaging.request_timeout_s", "2",
         "--averaging.round_timeout_s", "60", "--averaging.allreduce_timeout_s", "120",
         "--train.progress", "false", "--checkpoint.every_rounds", "0"]

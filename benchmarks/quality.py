@@ -44,7 +44,7 @@ from p2p_diloco.data import WindowSampler, eval_batches  # noqa: E402
 from p2p_diloco.model import build_stage_model, model_args_from_config  # noqa: E402
 from p2p_diloco.model.fragments import FragmentView, fragment_parts, split_parameters  # noqa: E402
 from p2p_diloco.round.fragments import Fragments  # noqa: E402
-from p2p_diloco.stage_process import load_data  # noqa: E402
+from p2p_diloco.stage_setup import load_data  # noqa: E402
 from p2p_diloco.training import LocalExecutor, Stage  # noqa: E402
 from p2p_diloco.training.simulate import ExactGroup  # noqa: E402
 

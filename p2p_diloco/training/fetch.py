@@ -224,7 +224,7 @@ class StateFetcher:
         """Why a downloaded (well-formed) state cannot be taken, or None: its round is past the run's end, or its
         anchor is not the one the counted records agree on for its applied round.
 
-        Agreed: the canonical fingerprint of the whole state (:meth:`StateSharing.state_fingerprint`: anchor,
+        Agreed: the canonical fingerprint of the whole state (:func:`~p2p_diloco.round.swarm_state.fingerprint`: anchor,
         momentum, counts) for that round (most votes, a tie to the smallest node id, as the resync decides),
         confirmed by a second record unless this stage believes one peer only (a swarm of one other peer, one
         bootstrap peer): one record alone, a round ahead of the others with a state only it holds, is what an

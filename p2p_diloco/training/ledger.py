@@ -76,7 +76,7 @@ class Ledger:
     def note_anchor(self, units: list[Held] | None = None) -> None:
         """Publish where each of ``units`` (default: all) stands, after its anchor changed (divergence checks, donor
         choice, state checks). Records carry the fingerprint of the whole shared state (anchor, momentum, counts:
-        ``StateSharing.state_fingerprint``); the metrics rows carry the anchor's full sha256, one of its inputs: each
+        ``swarm_state.fingerprint``); the metrics rows carry the anchor's full sha256, one of its inputs: each
         tensor is hashed once per change."""
         for unit in self.held if units is None else units:
             fingerprint, self.fingerprints[self.held.index(unit)] = unit.stage.state_fingerprint()

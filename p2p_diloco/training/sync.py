@@ -24,7 +24,7 @@ peers; every signed record), is :mod:`p2p_diloco.training.witnesses`.
 When the peers of one level give no usable state (a hostile groupmate that alone shared a group with this stage),
 the next levels count for that download, in turn. Being behind takes a majority of the believed records, not one
 record with a high round. The state is the whole of it: records carry a fingerprint of anchor, outer momentum and
-counts (``StateSharing.state_fingerprint``), a downloaded state is taken only if its fingerprint is the one the
+counts (``swarm_state.fingerprint``), a downloaded state is taken only if its fingerprint is the one the
 believed records agree on for its applied round, vouched for by two of them (one where a single peer is believed),
 its round is not behind this stage's nor the swarm's, and it is below the run's end. Donors are the peers whose
 record holds the agreed state (self-declared donor priorities are ignored): the believed ones first, those that
