@@ -42,7 +42,7 @@ own slice, what it served): the averager compares them across the group (:mod:`~
 The reducer's half of a slice (:class:`~p2p_diloco.swarm.averaging.slices.RobustPartReducer`) and the averages kept to
 serve again (:class:`~p2p_diloco.swarm.averaging.slices.ServedAverages`) are :mod:`~p2p_diloco.swarm.averaging.slices`.
 Built on hivemind internals (``AllReduceRunner``, ``TensorPartContainer``), through
-:mod:`p2p_diloco.swarm.averaging.hivemind_api`.
+:mod:`p2p_diloco.hivemind_adapter.averaging`.
 Called only by :class:`p2p_diloco.swarm.averaging.server.AveragingServer`.
 """
 

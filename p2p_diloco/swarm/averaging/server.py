@@ -278,7 +278,7 @@ class AveragingServer(GuardedAverager, DecentralizedAverager):
 
             step_started = _STEP_STARTED.get()
             matched_s = time.monotonic() - step_started if step_started is not None else None
-            fault_point("allreduce-group-formed")  # test hooks: unset, a dictionary lookup and a no-op
+            fault_point("allreduce-group-formed")  # fault injection (faults.py): unset, a dictionary lookup
             received_before, started = int(self.traffic[BYTES_RECEIVED]), time.monotonic()
             async with enter_asynchronously(self.get_tensors()) as buffers:
                 if int(self.buffered_round[0]) != my_round:
