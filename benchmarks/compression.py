@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from local_bootstrap import start_bootstrap  # noqa: E402
 
-from p2p_diloco.compression.schemes import SCHEMES  # noqa: E402
+from p2p_diloco.compression import SCHEMES  # noqa: E402
 
 FAST = ["--averaging.matchmaking_time_s", "5", "--averaging.request_timeout_s", "2",
         "--averaging.round_timeout_s", "60", "--averaging.allreduce_timeout_s", "120",

@@ -2,13 +2,13 @@
 (``codecs.py``), PowerSGD low rank with warm-started Q, and the policy that picks rank, bits and k every round,
 identically on every peer.
 
-Only the scheme list is imported with the package; the rest (torch, hivemind) when first asked for, so that the
-config, which checks ``averaging.compression`` against :data:`SCHEMES`, stays free of both.
+The package imports its modules (torch, hivemind) only when one of their names is first asked for: the scheme list
+(the config's, :data:`~p2p_diloco.config.network.COMPRESSIONS`) is had without either.
 """
 
 import importlib
 
-from p2p_diloco.compression.schemes import SCHEMES
+from p2p_diloco.config.network import COMPRESSIONS as SCHEMES
 
 _HOMES = {"CODECS": "codecs", "REGISTERED": "codecs", "codec_for": "codecs", "decode_tensor": "codecs",
           "roundtrip": "codecs", "Codec": "base", "CompressionPolicy": "policy", "RoundPlan": "policy"}

@@ -9,9 +9,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from p2p_diloco.compression.schemes import SCHEMES as COMPRESSIONS
 from p2p_diloco.config.checks import non_negative, positive, require
 from p2p_diloco.config.errors import ConfigError
+
+COMPRESSIONS = ("none", "fp16", "int8", "lowrank", "adaptive", "sparseloco")
+"""The values of ``averaging.compression``, each a rule of :class:`~p2p_diloco.compression.policy.CompressionPolicy`
+for which codecs a round's plan names (``p2p_diloco.compression.SCHEMES`` is this list)."""
 
 
 @dataclass
