@@ -27,6 +27,7 @@ from p2p_diloco.compression.codecs import result_codec, roundtrip
 from p2p_diloco.compression.policy import CompressionPolicy
 from p2p_diloco.config import AveragingConfig
 from p2p_diloco.round.outcome import RoundOutcome
+from p2p_diloco.swarm.averaging.boundary import OwnRecord, RoundClaim
 from p2p_diloco.swarm.averaging.reduce import RoundReducer
 from p2p_diloco.swarm.averaging.robust import RobustRule, cap_weights, combine
 
@@ -113,8 +114,7 @@ class ExactGroup:
         outcomes = asyncio.run(run_all())
         results = {}
         for i, view, outcome in zip(order, views, outcomes):
-            view.proposal = view.policy.next_proposal(plan, outcome.q_avgs, round_index)
-            view.last_error = outcome.stats.get("compression_error")
+            view.own.averaged(outcome.stats, view.policy.next_proposal(plan, outcome.q_avgs, round_index))
             results[i] = RoundOutcome(average=outcome.averaged, averaged=True, group_size=len(order),
                                       group_tokens=sum(weights), residual=outcome.residuals,
                                       compression=dict(outcome.stats), group_peers=tuple(f"sim{j}" for j in order))
@@ -128,8 +128,7 @@ class ExactAverager:
         self.group, self.index, self.policy = group, index, policy
         self.cfg: AveragingConfig = group.cfg
         self.reducer = RoundReducer(policy, seed)
-        self.proposal = policy.initial_proposal()
-        self.last_error: float | None = None
+        self.own = OwnRecord(policy.initial_proposal(), self.cfg.assumed_bandwidth_mbit)  # as the server's
         self.round_in_flight: int | None = None
         self.polls = 0
 
@@ -139,9 +138,7 @@ class ExactAverager:
     def start_round(self, contribution: Sequence[torch.Tensor], round_index: int, weight: float,
                     compute_s: float = 0.0, budget_s: float = 0.0) -> None:
         assert self.round_in_flight is None, "finish the previous round before starting another"
-        metadata = dict(round=round_index, tokens=float(weight), compute_s=float(compute_s),
-                        bandwidth_mbit=float(self.cfg.assumed_bandwidth_mbit), compression=self.proposal,
-                        last_error=self.last_error)
+        metadata = self.own.record(RoundClaim(round_index, float(weight), float(compute_s)))
         tensors = [t.detach().to(dtype=torch.float32, device="cpu").clone() for t in contribution]
         self.group._start(self.index, round_index, tensors, float(weight), metadata)
         self.round_in_flight, self.polls = round_index, 0

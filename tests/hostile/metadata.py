@@ -5,18 +5,16 @@
 - ``metadata`` (:class:`MalformedProposal`): a malformed compression proposal;
 - ``lowball`` (:class:`Lowball`): a well-formed record that asks for the least precision (rank 1, 4 bits, a link and a
   round of compute a million times too slow);
-- ``fat-metadata:M`` (:class:`FatRecord`): its record carries M MiB of empty msgpack maps (default 4), made in the
-  averager process (a record of MiBs does not cross the pipe from the training process).
+- ``fat-metadata:M`` (:class:`FatRecord`): its record carries M MiB of empty msgpack maps (default 4).
 
-The first four replace the client's ``_contribution_to_send`` or ``_metadata_to_send``; the last the server's
-``_step``.
+The first two replace the client's ``_contribution_to_send`` (what the training process claims); the last three the
+server's ``_record`` (the record the averaging process completes from that claim).
 """
 
 from __future__ import annotations
 
 import torch
 
-from p2p_diloco.hivemind_adapter.averaging import set_data_for_gather
 from tests.hostile.base import HostileAverager, HostileServer
 
 
@@ -38,24 +36,18 @@ class StaleReplay(HostileAverager):
         return (self._sent[old], old, weight) if old in self._sent else (contribution, round_index, weight)
 
 
-class MalformedProposal(HostileAverager):
-    def _metadata_to_send(self, metadata: dict) -> dict:
-        return dict(metadata, compression={"rank": "all of it"})
+class MalformedProposal(HostileServer):
+    def _record(self, claim) -> dict:
+        return dict(super()._record(claim), compression={"rank": "all of it"})
 
 
-class Lowball(HostileAverager):
-    def _metadata_to_send(self, metadata: dict) -> dict:
-        slow = {"bandwidth_mbit": metadata["bandwidth_mbit"] * 1e-6,
-                "compute_s": max(metadata["compute_s"], 1.0) * 1e-6}
-        return dict(metadata, compression={"rank": 1, "bits": 4, "q_round": -1}, last_error=0.0, **slow)
+class Lowball(HostileServer):
+    def _record(self, claim) -> dict:
+        record = super()._record(claim)
+        slow = {"bandwidth_mbit": record["bandwidth_mbit"] * 1e-6, "compute_s": max(record["compute_s"], 1.0) * 1e-6}
+        return dict(record, compression={"rank": 1, "bits": 4, "q_round": -1}, last_error=0.0, **slow)
 
 
 class FatRecord(HostileServer):
-    async def _step(self, **kwargs):
-        step = kwargs.get("step")
-        if step is not None:
-            bandwidth, mode, user_bytes = self.serializer.loads(step.data_for_gather)
-            # N empty maps: N bytes
-            padded = dict(self.serializer.loads(user_bytes), padding=[{}] * int(self.hostility.value * 2**20))
-            set_data_for_gather(step, self.serializer.dumps([bandwidth, mode, self.serializer.dumps(padded)]))
-        return await super()._step(**kwargs)
+    def _record(self, claim) -> dict:
+        return dict(super()._record(claim), padding=[{}] * int(self.hostility.value * 2**20))  # N empty maps: N bytes

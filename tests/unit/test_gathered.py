@@ -52,7 +52,7 @@ def test_an_oversized_record_is_excluded_before_it_is_decoded():
     finally:
         tracemalloc.stop()
     assert PEERS[1] not in view.infos and view.modes[1] == AveragingMode.AUX
-    assert guard.report(5)["suspects"] == {str(PEERS[1]): [METADATA]}
+    assert guard.report(5).suspects == {str(PEERS[1]): [METADATA]}
     assert peak < 2**20 and elapsed < 0.5, (peak, elapsed)
 
 

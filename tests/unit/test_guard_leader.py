@@ -17,6 +17,7 @@ from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MSGPackSerializer
 
+from p2p_diloco.swarm.averaging.boundary import Flags, OwnRecord, RoundClaim
 from p2p_diloco.swarm.averaging.guard import (
     FORGED,
     MAX_CATCH_UP,
@@ -63,7 +64,7 @@ def test_a_follower_refuses_a_group_whose_leader_altered_its_record_and_bans_the
     with pytest.raises(AllreduceException, match="relayed this peer's record altered"):
         read_group(forged, MSGPackSerializer, ME, guard, 2.0, as_follower())
     assert guard.refuses(LEADER) is not None and guard.banned == {str(LEADER)}  # a proof: no three rounds needed
-    assert guard.report(5)["suspects"] == {str(LEADER): [FORGED]}
+    assert guard.report(5).suspects == {str(LEADER): [FORGED]}
     # the bytes are compared, not the claims: the same values written otherwise (an int for a float) are refused
     with pytest.raises(AllreduceException, match="altered"):
         read_group(group(record(tokens=1024), record(), record(), record()), MSGPackSerializer, ME, PeerGuard(3),
@@ -79,7 +80,7 @@ def test_an_intact_group_reads_as_before_for_a_follower():
     view = read_group(group(record(), record(tokens=512.0), record(), record()), MSGPackSerializer, ME, guard, 2.0,
                       as_follower())
     assert list(view.infos) == PEERS and view.modes == (AveragingMode.NODE,) * 4
-    assert guard.report(5) == {"suspects": {}, "banned": [], "ban_reasons": {}}
+    assert guard.report(5) == Flags()
 
 
 # ---- whose offence a bad record is ----------------------------------------------------------------------------------
@@ -92,7 +93,7 @@ def test_a_bad_record_relayed_by_the_leader_is_excluded_and_reported_but_counts_
         view = read_group(group(mine, bad(r), record(round_index=r), record(round_index=r)), MSGPackSerializer, ME,
                           guard, 2.0, as_follower(mine))
         assert PEERS[1] not in view.infos and view.modes[1] == AveragingMode.AUX
-        assert guard.report(r)["suspects"] == {str(PEERS[1]): [reason]}
+        assert guard.report(r).suspects == {str(PEERS[1]): [reason]}
     assert guard.banned == set() and guard.offence_rounds == {}
 
 
@@ -106,7 +107,7 @@ def test_a_bad_record_that_came_straight_from_its_sender_counts(bad, reason):
     for origin in (None, GroupOrigin(ME, record())):
         guard = PeerGuard(ban_after=1)
         read_group(group(record(), bad, record(), record()), MSGPackSerializer, ME, guard, 2.0, origin)
-        assert guard.banned == {str(PEERS[1])} and guard.report(5)["suspects"] == {str(PEERS[1]): [reason]}
+        assert guard.banned == {str(PEERS[1])} and guard.report(5).suspects == {str(PEERS[1]): [reason]}
 
 
 # ---- catch-up -------------------------------------------------------------------------------------------------------
@@ -127,7 +128,7 @@ def test_stalls_ban_after_twice_ban_after_recent_rounds_and_are_not_offences():
         guard.record(round_index, PEERS[1], STALL)
         guard.record(round_index, PEERS[1], STALL)  # one stalled round, however many groups it stalled
     assert guard.refuses(PEERS[1]) is None and guard.offence_rounds == {}
-    assert guard.report(4)["suspects"] == {str(PEERS[1]): [STALL]}
+    assert guard.report(4).suspects == {str(PEERS[1]): [STALL]}
     guard.record(5, PEERS[1], STALL)
     assert guard.refuses(PEERS[1]) is not None  # 6 = 2 x ban_after
     # stalls long ago are forgotten: one in every few rounds never bans
@@ -211,9 +212,11 @@ def test_a_hostile_leader_forges_what_it_relays_and_follows_nobody():
 
 
 def test_lowball_and_stall_peers():
-    metadata = dict(round=2, tokens=64.0, compute_s=30.0, bandwidth_mbit=100.0, last_error=0.4,
-                    compression={"rank": 8, "bits": 8, "q_round": 1})
-    low = Lowball._metadata_to_send(hostile("lowball"), metadata)
+    lowball = object.__new__(Lowball)  # its record alone: no process, no DHT
+    lowball.hostility = parse_hostility("lowball")
+    lowball.own = OwnRecord({"rank": 8, "bits": 8, "q_round": 1}, bandwidth_mbit=100.0, last_error=0.4)
+    low = lowball._record(RoundClaim(2, 64.0, 30.0))
+    assert (low["round"], low["tokens"]) == (2, 64.0)  # what it trained, as it is
     assert low["compression"] == {"rank": 1, "bits": 4, "q_round": -1} and low["last_error"] == 0.0
     assert low["bandwidth_mbit"] == pytest.approx(1e-4) and low["compute_s"] == pytest.approx(3e-5)
     left = []

@@ -15,6 +15,7 @@ from hivemind.p2p import PeerID
 from hivemind.utils import MSGPackSerializer
 
 from p2p_diloco.medians import lower_median, upper_median
+from p2p_diloco.swarm.averaging.boundary import Flags
 from p2p_diloco.swarm.averaging.gathered import GatheredError, check_gathered
 from p2p_diloco.swarm.averaging.guard import PeerGuard, read_group
 from p2p_diloco.swarm.averaging.robust import (
@@ -231,7 +232,7 @@ def test_honest_group_is_read_as_is():
     assert view.round_index == 5 and list(view.infos) == PEERS[:3]
     assert view.modes == (AveragingMode.NODE,) * 3 and view.bandwidths == (None,) * 3  # equal shares
     assert view.weights == {PEERS[0]: 1024.0, PEERS[1]: 512.0, PEERS[2]: 1024.0}
-    assert guard.report(5) == {"suspects": {}, "banned": [], "ban_reasons": {}}
+    assert guard.report(5) == Flags()
 
 
 @pytest.mark.parametrize("bad, reason", [
@@ -249,14 +250,14 @@ def test_malformed_or_stale_record_excludes_its_peer(bad, reason):
     view = read_group(group(record(), bad, record(), record()), MSGPackSerializer, PEERS[0], guard, 2.0)
     assert PEERS[1] not in view.infos and PEERS[1] not in view.weights
     assert view.modes[1] == AveragingMode.AUX and view.bandwidths[1] == 0.0  # it neither sends nor reduces
-    assert guard.report(5)["suspects"] == {str(PEERS[1]): [reason]}
+    assert guard.report(5).suspects == {str(PEERS[1]): [reason]}
 
 
 def test_huge_token_claim_is_capped():
     guard = PeerGuard(ban_after=3)
     view = read_group(group(record(), record(tokens=1e15), record()), MSGPackSerializer, PEERS[0], guard, 2.0)
     assert view.weights[PEERS[1]] == 2048.0
-    assert guard.report(5)["suspects"] == {str(PEERS[1]): ["capped"]}
+    assert guard.report(5).suspects == {str(PEERS[1]): ["capped"]}
 
 
 def test_unusable_groups_fail_cleanly():
@@ -279,12 +280,12 @@ def test_offences_in_enough_rounds_ban_and_are_reported():
         assert guard.refuses(PEERS[1]) is None
         assert (guard.refuses(PEERS[2]) is None) == (round_index < 2)
     report = guard.report(2)
-    assert report == {"suspects": {str(PEERS[1]): ["clipped"], str(PEERS[2]): ["nonfinite", "norm"]},
-                      "banned": [str(PEERS[2])], "ban_reasons": {str(PEERS[2]): report["ban_reasons"][str(PEERS[2])]}}
-    assert "nonfinite" in report["ban_reasons"][str(PEERS[2])] or "norm" in report["ban_reasons"][str(PEERS[2])]
-    assert guard.report(2)["suspects"] == {}  # reported once
+    assert report == Flags({str(PEERS[1]): ["clipped"], str(PEERS[2]): ["nonfinite", "norm"]}, [str(PEERS[2])],
+                           {str(PEERS[2]): report.ban_reasons[str(PEERS[2])]})
+    assert "nonfinite" in report.ban_reasons[str(PEERS[2])] or "norm" in report.ban_reasons[str(PEERS[2])]
+    assert guard.report(2).suspects == {}  # reported once
     view = read_group(group(record(), record(), record()), MSGPackSerializer, PEERS[0], guard, 2.0)
-    assert view.weights[PEERS[2]] == 0.0 and guard.report(5)["suspects"] == {str(PEERS[2]): ["banned"]}
+    assert view.weights[PEERS[2]] == 0.0 and guard.report(5).suspects == {str(PEERS[2]): ["banned"]}
     assert PeerGuard(ban_after=0).refuses(PEERS[2]) is None
     private = PeerGuard(ban_after=3, allowlist=[str(PEERS[0])])
     assert private.refuses(PEERS[0]) is None and "allowlist" in private.refuses(PEERS[1])
@@ -313,8 +314,7 @@ def test_an_honest_averager_sends_what_it_has():
     from p2p_diloco.swarm.averaging.allreduce import ExactAllReduceRunner
     from p2p_diloco.swarm.averaging.averager import PseudoGradientAverager
 
-    tensors, metadata = [torch.ones(3)], {"round": 2}
-    assert PseudoGradientAverager._metadata_to_send(None, metadata) is metadata
+    tensors = [torch.ones(3)]
     sent = PseudoGradientAverager._contribution_to_send(None, tensors, 2, 5.0)
     assert sent[0] is tensors and sent[1:] == (2, 5.0)
     assert ExactAllReduceRunner._reply(None, tensors[0], 1) is tensors[0]

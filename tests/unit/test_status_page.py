@@ -227,7 +227,7 @@ def test_the_guard_reports_why_it_banned_its_last_peers():
     guard = PeerGuard(ban_after=1)
     for i in range(REPORTED_BANS + 3):
         guard.record(7, f"Qm{i}", FORGED)
-    reasons = guard.report(7)["ban_reasons"]
+    reasons = guard.report(7).ban_reasons
     assert len(reasons) == REPORTED_BANS and list(reasons)[-1] == f"Qm{REPORTED_BANS + 2}"
     assert reasons["Qm3"] == "offences in rounds [7] (forged record in round 7)"
 

@@ -5,14 +5,16 @@ the client, in the training process.
 :class:`~p2p_diloco.round.stage.Stage` sees). It starts and owns an
 :class:`~p2p_diloco.swarm.averaging.server.AveragingServer`, hivemind's averager in its own background process
 (matchmaking through the DHT, the robust exact all-reduce over libp2p, serving other peers), and reaches it only
-through the server's shared buffers, hivemind's ``step`` and the server's ``ask``.
+through the server's shared buffers, hivemind's ``step`` (with the round's :class:`~.boundary.RoundClaim`) and the
+server's typed calls (:mod:`~p2p_diloco.swarm.averaging.boundary`).
 
 - A round is started with :meth:`start_round` (the contribution copied into the shared buffers, the round's group
   key and gathered metadata set, hivemind's step begun) and collected with :meth:`finish_round`, which never raises
   for network reasons: a round that fails, times out or finds nobody returns an outcome with its fallback reason and
   the caller falls back to its own pseudo-gradient.
-- What the client keeps between rounds lives here, in the training process: the round in flight, a round abandoned
-  to finish in the background, the compression proposal and link bandwidth to gather into the next round.
+- What the client keeps between rounds lives here, in the training process: the round in flight and a round abandoned
+  to finish in the background. The compression proposal, the last error and the link's bandwidth live with the
+  policy, in the averaging process, which completes the round's record (:class:`~.boundary.OwnRecord`).
 - :meth:`download_state` fetches a unit's state from donors the caller chose (checked as it arrives:
   :mod:`~p2p_diloco.swarm.averaging.download`); ``state_provider`` is what this peer serves.
 
@@ -35,6 +37,7 @@ from p2p_diloco.config import AveragingConfig
 from p2p_diloco.hivemind_adapter.averaging import AllreduceException, AveragingStage, cancel_step
 from p2p_diloco.round.outcome import RoundOutcome
 from p2p_diloco.swarm.averaging.allreduce import BYTES_RECEIVED, BYTES_SENT
+from p2p_diloco.swarm.averaging.boundary import GroupResult, RoundClaim
 from p2p_diloco.swarm.averaging.server import AveragingServer
 
 logger = logging.getLogger(__name__)
@@ -82,8 +85,8 @@ class PseudoGradientAverager:
         server_type: the server to start (a seam: tests start subclasses that serve their state another way, or
             that lie to their groupmates: ``tests/hostile``).
 
-    :meth:`_contribution_to_send` and :meth:`_metadata_to_send` are seams too: what this peer claims for a round is
-    what it trained, and a test's hostile subclass claims otherwise.
+    :meth:`_contribution_to_send` is a seam too: what this peer claims for a round is what it trained, and a test's
+    hostile subclass claims otherwise.
     """
 
     def __init__(self, templates: Sequence[torch.Tensor], dht, *, run_id: str, stage_index: int, num_stages: int,
@@ -96,9 +99,6 @@ class PseudoGradientAverager:
         self._pending: Optional[_PendingRound] = None
         self._abandoned: Optional[_PendingRound] = None  # left to finish in the background, its result unread
         self._last_control = None  # the step of the last round started, until the background has ended it
-        self.proposal = self.server.policy.initial_proposal()
-        self.bandwidth_mbit = cfg.assumed_bandwidth_mbit
-        self.last_error: Optional[float] = None
 
     @property
     def peer_id(self):
@@ -134,7 +134,7 @@ class PseudoGradientAverager:
         ``averaging.target_group_size`` caps it (groups of k in a larger swarm, as hivemind's own target)."""
         target = self.cfg.target_group_size
         size = target if size is None or size < 2 else size if target is None else min(size, target)
-        self.server.ask("_set_target_group_size", ASK_TIMEOUT_S, size=size)
+        self.server.set_target_group_size(size, ASK_TIMEOUT_S)
 
     def start_round(self, contribution: Sequence[torch.Tensor], round_index: int, weight: float,
                     compute_s: float = 0.0, budget_s: float = 0.0) -> None:
@@ -159,12 +159,11 @@ class PseudoGradientAverager:
                 buffer.copy_(tensor.detach().to(dtype=torch.float32, device="cpu"))
             self.server.buffered_round[0] = round_index
         self.server.set_group_bits(round_bits(round_index))
-        metadata = dict(round=claimed_round, tokens=float(weight), compute_s=float(compute_s),
-                        bandwidth_mbit=float(self.bandwidth_mbit), compression=self.proposal,
-                        last_error=self.last_error)
+        # the averaging process completes the claim into the round's record (boundary.OwnRecord)
+        claim = RoundClaim(claimed_round, float(weight), float(compute_s))
         timeout = max(self.cfg.round_timeout_s, float(budget_s))
         control = self.server.step(
-            gather=self._metadata_to_send(metadata),
+            gather=claim.to_gather(),
             weight=float(weight),
             timeout=timeout,
             allow_retries=True,
@@ -178,10 +177,6 @@ class PseudoGradientAverager:
                               weight: float) -> tuple[Sequence[torch.Tensor], int, float]:
         """(contribution, round, weight) this peer sends for ``round_index``: what it trained, as it is (a seam)."""
         return contribution, round_index, weight
-
-    def _metadata_to_send(self, metadata: dict) -> dict:
-        """The record this peer gathers into the round's group: its round's metadata, as it is (a seam)."""
-        return metadata
 
     def _await_step_ended(self, timeout_s: float = 10.0) -> None:
         """Wait until the background process has ended the previous round's step. A cancel reaches it through
@@ -233,8 +228,8 @@ class PseudoGradientAverager:
                     matching = pending.control.stage in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP)
                     if matching and hopeless(pending.round_index):
                         raise AllreduceException("the other peers have all moved past this round") from None
-            outcome = pending.control.result(timeout=max(0.0, deadline - time.monotonic()))
-            gathered = outcome["gathered"]
+            result: GroupResult = pending.control.result(timeout=max(0.0, deadline - time.monotonic()))
+            gathered = result.gathered
             rounds = {info["round"] for info in gathered.values()}
             if rounds != {pending.round_index}:
                 raise AllreduceException(f"groupmates reported rounds {sorted(rounds)}")
@@ -246,13 +241,9 @@ class PseudoGradientAverager:
                     for e, residual in zip(feedback, self.server.residuals):
                         e.copy_(residual)
                     found["residual"] = feedback
-            found["compression"] = outcome["stats"]
-            self.proposal = outcome["next"]
-            self.last_error = outcome["stats"].get("compression_error")
-            if outcome["stats"].get("bandwidth_mbit"):  # an average of the recent samples, with little lag
-                self.bandwidth_mbit = 0.5 * self.bandwidth_mbit + 0.5 * float(outcome["stats"]["bandwidth_mbit"])
+            found["compression"] = result.stats
             found["group_size"] = len(gathered)
-            found["group_tokens"] = float(outcome["tokens"])  # claims capped as in the average
+            found["group_tokens"] = float(result.tokens)  # claims capped as in the average
             found["group_peers"] = tuple(sorted(str(peer_id) for peer_id in gathered))
         except Exception as e:  # network failures of every kind end in a fallback, never in a crash
             cancel_step(pending.control)
@@ -267,8 +258,8 @@ class PseudoGradientAverager:
         """The groupmates flagged in a round, the peers banned so far and why the last of them were, from the
         background process."""
         try:
-            report = self.server.ask("_report_flags", ASK_TIMEOUT_S, round_index=round_index)
-            return report["suspects"], report["banned"], report["ban_reasons"]
+            flags = self.server.report_flags(round_index, ASK_TIMEOUT_S)
+            return flags.suspects, flags.banned, flags.ban_reasons
         except Exception as e:  # the report is for metrics only: never fail a round over it
             logger.warning(f"Could not read the groupmates flagged in round {round_index}: {e!r}")
             return {}, [], {}
@@ -283,8 +274,7 @@ class PseudoGradientAverager:
         template twice over (anchor and momentum), each fp32 of exactly its template's shape; a donor that sends
         more, or another layout, or too slowly for what is left of the bound, is dropped for the next one."""
         try:
-            return self.server.ask("_download_from", timeout_s + 5, donors=[str(d) for d in donors],
-                                   timeout_s=timeout_s)
+            return self.server.download_from([str(d) for d in donors], timeout_s)
         except Exception as e:  # every network failure ends in "no state", never in a crash
             logger.warning(f"State download failed: {e!r}")
             return None
@@ -318,7 +308,7 @@ class PseudoGradientAverager:
         pending = self._pending
         if pending is None or not pending.control.done() or pending.control.exception() is not None:
             return None
-        group_size = len(pending.control.result()["gathered"])
+        group_size = len(pending.control.result().gathered)
         with self.server.get_tensors() as buffers:
             return [buffer.clone() for buffer in buffers], group_size
 

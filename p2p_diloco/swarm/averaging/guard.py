@@ -43,6 +43,7 @@ from p2p_diloco.hivemind_adapter.averaging import (
     averaging_pb2,
 )
 from p2p_diloco.medians import lower_median
+from p2p_diloco.swarm.averaging.boundary import Flags
 from p2p_diloco.swarm.averaging.digests import EQUIVOCATED, OUTVOTED
 from p2p_diloco.swarm.averaging.gathered import (
     GatheredError,
@@ -167,12 +168,12 @@ class PeerGuard:
             _keep_last(self.ban_reasons, REPORTED_BANS)
             logger.warning(f"Banned {name} after {why}: this peer no longer groups with it")
 
-    def report(self, round_index: int) -> dict:
+    def report(self, round_index: int) -> Flags:
         """The flags of a round (peer -> sorted reasons; forgotten once reported), every banned peer, and why the last
         :data:`REPORTED_BANS` were banned."""
         flags = self.flags.pop(round_index, {})
-        return {"suspects": {peer: sorted(reasons) for peer, reasons in sorted(flags.items())},
-                "banned": sorted(self.banned), "ban_reasons": dict(self.ban_reasons)}
+        return Flags({peer: sorted(reasons) for peer, reasons in sorted(flags.items())}, sorted(self.banned),
+                     dict(self.ban_reasons))
 
 
 @dataclass(frozen=True)

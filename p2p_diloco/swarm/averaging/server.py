@@ -54,6 +54,7 @@ from p2p_diloco.hivemind_adapter.averaging import (
     p2p_of,
     quiet_if_cancelled,
     running_groups,
+    set_data_for_gather,
 )
 from p2p_diloco.monitoring.memtrace import MemoryTrace
 from p2p_diloco.process import (
@@ -66,6 +67,7 @@ from p2p_diloco.process import (
     release_free_memory,
 )
 from p2p_diloco.swarm.averaging.allreduce import BYTES_RECEIVED, ExactAllReduceRunner
+from p2p_diloco.swarm.averaging.boundary import Flags, GroupResult, OwnRecord, RoundClaim
 from p2p_diloco.swarm.averaging.digests import exchange_digests, judge
 from p2p_diloco.swarm.averaging.download import download_from
 from p2p_diloco.swarm.averaging.guard import MAX_CATCH_UP, GroupView, PeerGuard, read_group
@@ -103,8 +105,9 @@ class AveragingServer(GuardedAverager, DecentralizedAverager):
         cfg: the ``[averaging]`` section.
 
     Seams for tests (``tests/hostile`` subclasses them to lie to groupmates): :attr:`runner_type`, the all-reduce each
-    phase runs; :meth:`_allreduce_phase`, which gets the tensors this peer sends; :meth:`_aggregate_with_group`, what
-    it does with a group formed; :meth:`get_current_state`, the state it serves; and those of
+    phase runs; :meth:`_record`, the record this peer gathers into a round's group; :meth:`_allreduce_phase`, which
+    gets the tensors this peer sends; :meth:`_aggregate_with_group`, what it does with a group formed;
+    :meth:`get_current_state`, the state it serves; and those of
     :class:`~p2p_diloco.swarm.averaging.serving.GuardedAverager`.
     """
 
@@ -124,6 +127,8 @@ class AveragingServer(GuardedAverager, DecentralizedAverager):
         buffers = [torch.zeros(t.shape, dtype=torch.float32) for t in templates]
         self.residuals = [torch.zeros_like(b).share_memory_() for b in buffers]
         self.policy = CompressionPolicy([tuple(t.shape) for t in templates], cfg)
+        # what this peer's records add to the training process's claims, from round to round (background process)
+        self.own = OwnRecord(self.policy.initial_proposal(), cfg.assumed_bandwidth_mbit)
         self._reducer = RoundReducer(self.policy, seed=prefix)
         self.state_provider = None  # () -> (metadata, tensors): what this unit serves to newcomers
         self.guard = PeerGuard(cfg.ban_after, cfg.allowlist)  # its state lives in the background process
@@ -152,13 +157,31 @@ class AveragingServer(GuardedAverager, DecentralizedAverager):
         self._start_bounded(AVERAGER_START_TIMEOUT_S)
 
     # ---- called from the training process (by the client) ------------------------------------------
-    def ask(self, method: str, within_s: float, /, **kwargs):
-        """Run ``method(**kwargs, future=...)`` of this server in its background process and return what it sets
-        (waiting at most ``within_s``; raises what the future raises). The training process's only way in besides
-        hivemind's own calls."""
+    def set_target_group_size(self, size: Optional[int], within_s: float) -> None:
+        """Assemble the round's group as soon as ``size`` peers joined (None: wait out the matchmaking time)."""
+        self._ask(self._set_target_group_size, within_s, size=size)
+
+    def report_flags(self, round_index: int, within_s: float) -> Flags:
+        """The groupmates flagged in ``round_index`` and the peers banned so far (:meth:`PeerGuard.report`)."""
+        return self._ask(self._report_flags, within_s, round_index=round_index)
+
+    def download_from(self, donors: list[str], timeout_s: float):
+        """(metadata, tensors) from the first of ``donors`` that serves a well-formed state, or None:
+        :func:`~p2p_diloco.swarm.averaging.download.download_from`, never longer than ``timeout_s``."""
+        return self._ask(self._download_from, timeout_s + 5, donors=donors, timeout_s=timeout_s)
+
+    def _ask(self, method, within_s: float, /, **kwargs):
+        """Run ``method(**kwargs, future=...)`` (a coroutine method of this server) in its background process and
+        return what it sets, waiting at most ``within_s`` (raises what the future raises): hivemind's pipe to the
+        background process, which names the method."""
         future = MPFuture()
-        outer_pipe(self).send((method, [], dict(kwargs, future=future)))
+        outer_pipe(self).send((method.__name__, [], dict(kwargs, future=future)))
         return future.result(timeout=within_s)
+
+    def _record(self, claim: RoundClaim) -> dict:
+        """The record this peer gathers into the round's group: the training process's claim, completed with what
+        this process keeps (:class:`~p2p_diloco.swarm.averaging.boundary.OwnRecord`). A seam."""
+        return self.own.record(claim)
 
     def get_current_state(self):
         """Runs in a background thread of the training process when a peer downloads this unit's state."""
@@ -192,7 +215,12 @@ class AveragingServer(GuardedAverager, DecentralizedAverager):
             self._workers_niced = True
             asyncio.get_event_loop().set_default_executor(
                 ThreadPoolExecutor(thread_name_prefix="averaging", initializer=lower_priority))
-        _STEP.set(kwargs.get("step"))
+        step = kwargs.get("step")
+        if step is not None:  # the training process's claim, completed into this round's record
+            bandwidth, mode, claim = self.serializer.loads(step.data_for_gather)
+            record = self._record(RoundClaim.from_gather(self.serializer.loads(claim)))
+            set_data_for_gather(step, self.serializer.dumps([bandwidth, mode, self.serializer.dumps(record)]))
+        _STEP.set(step)
         self._memtrace.tick()
         _STEP_STARTED.set(time.monotonic())
         try:
@@ -296,10 +324,10 @@ class AveragingServer(GuardedAverager, DecentralizedAverager):
             received = int(self.traffic[BYTES_RECEIVED]) - received_before
             # a throughput sample only when the payload amortizes the latency and the waits of the group
             measured = received * 8 / 1e6 / max(time.monotonic() - started, 1e-3) if received >= 2**20 else None
-            proposal = self.policy.next_proposal(plan, outcome.q_avgs, my_round)
             # matched_s: from the step's start to this group (failed groups of the round's retries included)
             stats = dict(outcome.stats, bandwidth_mbit=measured, matched_s=matched_s)
-            return {"gathered": view.infos, "tokens": view.tokens, "stats": stats, "next": proposal}
+            self.own.averaged(stats, self.policy.next_proposal(plan, outcome.q_avgs, my_round))
+            return GroupResult(view.infos, view.tokens, stats)
         except BaseException as e:
             if isinstance(e, _StepCancelled):
                 logger.info(f"Left the all-reduce of a group of {len(group_info.peer_ids)}: this peer cancelled the "
