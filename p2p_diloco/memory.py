@@ -15,8 +15,8 @@ On CUDA the inner loop and the activations are device memory; the outer state st
 
 The constants were fitted to ``benchmarks/sizes.py``'s peak proportional set sizes (PSS) on CPU at tiny, small and
 medium (2 peers, batch 2 x 128), which checks them against this estimate in every run (its ``plan`` columns): the
-peer's total within 15% of the measured peak at the three sizes. The device figures are this arithmetic, not yet
-measured on a GPU. Pure arithmetic: no torch, no hivemind.
+peer's total within 15% of the measured peak at the three sizes. The device figures are this arithmetic alone,
+not measured on a GPU. Pure arithmetic: no torch, no hivemind.
 Who calls this: ``p2p-diloco plan`` (:mod:`p2p_diloco.cli.plan`) and the peer's start (:func:`check_fits`).
 """
 

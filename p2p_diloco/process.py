@@ -41,10 +41,11 @@ def freeze_before_fork() -> None:
     collections write to the objects they share.
 
     Forked, the child shares this process's heap page by page until either writes to a page. A full collection writes
-    to the header of every object it tracks: each process's first ones copied every page that holds one, and the
-    memory of a peer (its processes' PSS) grew by about 60 MB per averager within minutes of the start, as if it
-    leaked (``benchmarks/soak.py``). Frozen objects are never collected: a cycle among them that becomes garbage later
-    stays, which is bounded by what was alive at the freeze (the process's long-lived state: modules, the model)."""
+    to the header of every object it tracks: each process's first ones would copy every page that holds one, and the
+    memory of a peer (its processes' PSS) would grow by about 60 MB per averager within minutes of the start, as if
+    it leaked (``benchmarks/soak.py``). Frozen objects are never collected: a cycle among them that becomes garbage
+    later stays, which is bounded by what was alive at the freeze (the process's long-lived state: modules, the
+    model)."""
     gc.collect()
     gc.freeze()
 
@@ -52,10 +53,10 @@ def freeze_before_fork() -> None:
 def release_free_memory() -> None:
     """Give the pages the C heap holds free back to the system (glibc's ``malloc_trim(0)``; a no-op elsewhere).
 
-    glibc keeps what a process frees in its arenas for reuse, and an averager's process, whose threads compress and
-    reduce a round's tensors in buffers of every size, held 25 to 45 MB more after each round, its resident set
-    creeping up by about 20 MB an hour with its heap in use flat (``P2P_DILOCO_MEMTRACE_TRIM``,
-    ``benchmarks/soak.py``); ``MALLOC_ARENA_MAX=2`` did not change that. A trim takes milliseconds."""
+    glibc keeps what a process frees in its arenas for reuse: untrimmed, an averager's process, whose threads
+    compress and reduce a round's tensors in buffers of every size, holds 25 to 45 MB more after each round, its
+    resident set creeping up by about 20 MB an hour with its heap in use flat (``P2P_DILOCO_MEMTRACE_TRIM``,
+    ``benchmarks/soak.py``); ``MALLOC_ARENA_MAX=2`` does not change that. A trim takes milliseconds."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
@@ -66,8 +67,8 @@ def leave_signals_to_parent(own_group: bool = False) -> None:
     """Ignore SIGINT and SIGTERM in a background process of a peer (DHT node, averager): its parent stops it.
 
     Ctrl-C in a terminal and ``kill -- -PGID`` signal the whole process group; without this, they would take
-    the averager away in the middle of the round that the peer's graceful stop is waiting for (it then waited
-    out the round's timeouts for nothing). The parent shuts these processes down when it exits, and they die
+    the averager away in the middle of the round that the peer's graceful stop is waiting for (it would then
+    wait out the round's timeouts for nothing). The parent shuts these processes down when it exits, and they die
     with it if it is killed (:func:`die_with_parent`).
 
     With ``own_group``, the process also leaves its parent's process group, so that what it starts (the DHT

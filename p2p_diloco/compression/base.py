@@ -77,7 +77,7 @@ class Codec(CompressionBase):
 
     def result_codec(self) -> Codec:
         """The codec a reducer sends its average back with, for parts sent with this one (itself, but where an
-        average is no longer a message of this codec)."""
+        average cannot be a message of this codec)."""
         return self
 
     def average_size(self, num_values: int, group_size: int) -> int:

@@ -1,7 +1,7 @@
 """The two dense float codecs, ``fp32`` and ``fp16``: hivemind's ``NoCompression`` and ``Float16Compression``
 encoders, with this project's decoder.
 
-hivemind's decoders trust the message's ``dtype`` field (a small ``FLOAT16`` part naming ``V40000`` made numpy
+hivemind's decoders trust the message's ``dtype`` field (a small ``FLOAT16`` part naming ``V40000`` would make numpy
 allocate 40,000 bytes per value), so these read only what this version sends, fp32 values or the fp16 of fp32
 values (``dtype`` ``float32`` for both), and check the payload's length against the shape before reading it.
 """

@@ -201,6 +201,7 @@ def _floored_median(values: list[int]) -> int:
     """The members' lower median, in a pair at least the larger value over :data:`LINK_SPREAD` (rounded up).
 
     With 3 or more members an honest majority bounds the lower median; a pair has none, and its lower median is
-    either member's own value: one member alone decided how far the group's rank or k went down."""
+    either member's own value: without the floor, one member alone would decide how far the group's rank or k goes
+    down."""
     low = lower_median(values)
     return max(low, math.ceil(max(values) / LINK_SPREAD)) if len(values) == 2 else low

@@ -10,7 +10,7 @@ carries, and its error feedback must be what the wire lost). What it drops or ro
 (the averager returns it as the residual).
 
 The average of K such contributions is sparse too (at most K k values per chunk, more with the robust rule's
-clipping never: it only scales), but its values are no longer 2-bit: the reducer sends it back with
+clipping never: it only scales), but its values are not 2-bit ones: the reducer sends it back with
 :class:`SparseAverage`, the indices of the chunk's non-zero values and their values as 8-bit codes with one fp32
 scale per chunk (every groupmate decodes the same bytes, as for every codec of this project).
 

@@ -36,7 +36,7 @@ class RoundOutcome:
     suspects: dict = field(default_factory=dict)
     """Groupmates flagged in the round (peer id -> reasons: see :mod:`p2p_diloco.swarm.averaging.guard`)."""
     banned: tuple[str, ...] = ()
-    """Peers this peer no longer groups with."""
+    """Peers this peer has banned: it does not group with them (until it restarts)."""
     ban_reasons: dict = field(default_factory=dict)
     """Why the last of them were banned (peer id -> reason; see ``guard.REPORTED_BANS``)."""
     averaged: bool = False

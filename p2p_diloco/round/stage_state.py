@@ -120,7 +120,7 @@ def load_state_dict(state: OuterState, exchange: Exchange, clock: Clock, inner_o
             if f"eager_anchor/{name}" in tensors:
                 _copy_checked(tensors, f"eager_anchor/{name}", state.eager_anchor[i])
                 _copy_checked(tensors, f"eager_momentum/{name}", state.eager_optimizer.momentum_buffers[i])
-            else:  # written before eager kept its own state, or in delayed mode: start it from the shared one
+            else:  # a checkpoint without eager's own state (delayed mode's, say): start it from the shared one
                 state.eager_anchor[i].copy_(state.anchor[i])
                 state.eager_optimizer.momentum_buffers[i].copy_(state.outer_optimizer.momentum_buffers[i])
         if f"adam_exp_avg/{name}" in tensors:
@@ -142,8 +142,8 @@ def load_state_dict(state: OuterState, exchange: Exchange, clock: Clock, inner_o
 
 
 def _pending_outcome(info: dict) -> RoundOutcome | None:
-    """The outcome of a checkpoint's round in flight, if it was known; checkpoints of format 1 kept some of its
-    fields beside the round's."""
+    """The outcome of a checkpoint's round in flight, if it was known: its ``outcome`` facts, or the fields of
+    it that checkpoints of format 1 keep beside the round's."""
     if "outcome" in info:
         return None if info["outcome"] is None else RoundOutcome.from_facts(info["outcome"])
     if not info.get("settled"):

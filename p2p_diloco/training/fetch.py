@@ -198,10 +198,10 @@ class StateFetcher:
         anchor before it for a record one round on). Signed record and served bytes together are the donor's own
         word against itself: its records count for nothing here for :data:`DISCREDIT_ROUNDS` rounds.
 
-        Without it, one groupmate that lies in its records and serves another state kept an honest peer that had
-        fallen a round behind from ever reloading in a swarm of three: the one honest peer ahead found no second
-        voucher (the liar's records contradicted it), and the lagging peer trained alone to the run's end, as did
-        the newcomer that needed both. A state the counted records agree on is not held against its donor (a
+        Without it, one groupmate that lies in its records and serves another state would keep an honest peer that
+        has fallen a round behind from ever reloading in a swarm of three: the one honest peer ahead finds no second
+        voucher (the liar's records contradict it), and the lagging peer trains alone to the run's end, as does the
+        newcomer that needs both. A state the counted records agree on is not held against its donor (a
         peer that has just resynced serves the agreed state before its record says so)."""
         applied = meta["applied_round"]
         records = self.swarm.others()  # one read for the donor's claim and the votes
@@ -244,7 +244,7 @@ class StateFetcher:
                 "its state before any round is not the run's initial one"
         if self.remembered.get(applied) == fingerprint:
             # this stage held that very state after that round itself: the second voucher, and the one it trusts
-            # most (a peer reloading onto a groupmate's state it shared found no other: a hostile third member's
+            # most (a peer reloading onto a groupmate's state it shared finds no other: a hostile third member's
             # records lie, and the groupmate's own record moves on within a round in a fast swarm)
             return None
         deadline = time.monotonic() + self.verify_wait()

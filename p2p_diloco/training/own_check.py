@@ -40,7 +40,7 @@ OWN_BATCHES = 4
 """Held-out batches of this peer's evaluation split that judge a state (at most; fewer when the split has fewer)."""
 WORSE_BY = 0.10
 """How much higher (relative) a state's loss on this peer's own held-out batches may be than its own anchor's. Honest
-states measured up to 2.9% above a peer's own on its 2-4 batches in the test suite (a restarted peer's checkpoint
+states score up to 2.9% above a peer's own on its 2-4 batches in the test suite (a restarted peer's checkpoint
 against the swarm's newer state, two halves of a swarm at the end); a wiped model is 40% or more above, one shrunk
 by 7% 70% (the tiny model)."""
 GAIN_FROM_INIT = 0.01

@@ -3,10 +3,10 @@
 After its last round a unit's final state is the one most finished peers hold: every signed record of a peer that
 applied the last round votes (this one's own state included), a tie goes to the state held by the smallest node id.
 Every peer computes the same from the same records, whatever it believes. The peers' own beliefs
-(:mod:`p2p_diloco.training.witnesses`: the peers met in recent groups) cannot decide it: where the last round split
-the swarm into groups that had met only themselves, or mostly themselves, each group's members believed their own
-state the swarm's, and the run ended on as many models as groups (4 peers in 2 pairs: 2; 16 peers in groups of 2 to
-12: 4).
+(:mod:`p2p_diloco.training.witnesses`: the peers met in recent groups) cannot decide it: where the last round splits
+the swarm into groups that have met only themselves, or mostly themselves, each group's members would believe their
+own state the swarm's, and the run would end on as many models as groups (4 peers in 2 pairs: 2; 16 peers in groups
+of 2 to 12: 4).
 
 A unit off that final state downloads it from the peers holding it. A state its believed peers agree on (the
 canonical one of :class:`~p2p_diloco.training.sync.SwarmSync`, with two votes) is taken as any resync. One vouched for
@@ -14,7 +14,8 @@ by peers it never met is taken only if it is within :data:`NEAR_STEPS` of this u
 held at the end (anchor and outer momentum): two groups that started the last round from one state end one outer step
 apart each, whereas made-up identities voting for a state of their own choosing could otherwise hand every peer any
 model at the end. So the most they can do is move the final model by a few outer steps (what a reducer can bias a
-round by). Where the vote's state is refused, the unit falls back on its believed peers' canonical state, as before.
+round by). Where the vote's state is refused, the unit falls back on its believed peers' canonical state, as any
+resync does.
 
 The decision is taken again until every finished peer holds this unit's state or the end's bound passes
 (:meth:`~p2p_diloco.training.sync.SyncGroup.agree_at_end`): as peers take the final state, the votes move to it.

@@ -235,8 +235,8 @@ class Trainer:
             if due:  # delayed mode: the previous round's average is applied now
                 self.summary.train_s += time.monotonic() - merge_started
                 # the anchor changed: the records published from now on name the round just applied, so they
-                # must carry its fingerprint (a stale one made peers that compare at this round see divergence
-                # where there was none, and miss it where there was)
+                # must carry its fingerprint (a stale one would make peers that compare at this round see
+                # divergence where there is none, and miss it where there is)
                 self.ledger.note_anchor([self.held[i] for i in due])
                 self._publish(loss, self.tokens_per_s, force=True)
             seconds_per_step = step_s if not self.stage.seconds_per_step else \

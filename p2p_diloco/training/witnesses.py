@@ -142,8 +142,8 @@ class Witnesses:
         """Nodes to download from: the counted peers whose state is the agreed one after their applied round and
         whose round is not beyond the swarm's (a record far ahead of the others' is not believed); those whose state
         another counted peer vouches for first, the most advanced first (ties in random order, so that newcomers
-        spread over them), then those only they vouch for (a record one round ahead with a state nobody else
-        holds was asked first: the attacker's), then the ``strangers`` (other signed records) holding an agreed
+        spread over them), then those only they vouch for (so that a record one round ahead with a state nobody
+        else holds, an attacker's, is not asked first), then the ``strangers`` (other signed records) holding an agreed
         state, in the same order.
 
         ``own_round``: this stage's round, where it trains with the swarm (a resync): it counts in the swarm's round.
