@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from p2p_diloco.config import AveragingConfig, Config, ConfigError, DHTConfig, dump_config
+from p2p_diloco.config import AveragingConfig, Config, ConfigError, DHTConfig
 from p2p_diloco.data import WindowSampler, eval_batches, read_meta, resolve_data_path, seed_from_peer_id
 from p2p_diloco.memory import (
     RunShape,
@@ -231,8 +231,6 @@ def run_stage(cfg: Config, *, pipeline=None, reporter: Optional[Reporter] = None
                 [p for _, p in params], dht, run_id=cfg.run.run_id, stage_index=stage_index, num_stages=len(split),
                 cfg=cfg.averaging, fragment=fragment))
         model = build_model(model_args, split, stage_index, folder).to(device)
-        if stage_index == 0:  # only once config, data and model passed their checks: a bad start leaves the old one
-            (output_dir / "config.toml").write_text(dump_config(cfg))
         units = stage_units(model, parts)
         total_steps = cfg.inner.total_steps or cfg.train.num_rounds * cfg.diloco.inner_steps
         seed = cfg.data.seed if cfg.data.seed is not None else seed_from_peer_id(peer_name)

@@ -20,6 +20,11 @@ def format_bytes(num_bytes: float) -> str:
     raise AssertionError("unreachable")
 
 
+def format_loss(loss: float | None) -> str:
+    """A loss for a progress line: ``-`` until one is measured."""
+    return "-" if loss is None else f"{loss:.3f}"
+
+
 def describe_round(report: RoundReport) -> str:
     """One line: which round's average was applied, and how it went."""
     if report.applied_round is None:
@@ -58,7 +63,7 @@ class ConsoleReporter:
     def on_step(self, step: int, loss: float, tokens_per_s: float) -> None:
         if self.bar is not None:
             self.bar.update(step - self.bar.n)
-            self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
+            self.bar.set_postfix(loss=format_loss(loss), tok_s=f"{tokens_per_s:,.0f}", refresh=False)
 
     def on_round(self, report: RoundReport) -> None:
         self._write(describe_round(report))

@@ -55,7 +55,9 @@ def run(args: argparse.Namespace, _overrides) -> int:
                   "tokenizer": tokenizer.name, "parameters": num_values}
     write_hf_folder(out, anchor.args, anchor.tensors, tokenizer_json=files.json, eos_token=files.eos_token,
                     eos_token_id=tokenizer.eot_id, provenance=provenance)
-    print(f"Exported the anchor at inner step {anchor.step} (rounds up to {anchor.applied_round} applied) of a "
+    applied = f"rounds up to {anchor.applied_round} applied" if anchor.applied_round >= 0 \
+        else "no round applied yet: the initial model"
+    print(f"Exported the anchor at inner step {anchor.step} ({applied}) of a "
           f"{len(anchor.folders)}-stage peer, {num_values:,} parameters, tokenizer {tokenizer.name}, to {out}\n"
           f"Load it with transformers: AutoModelForCausalLM.from_pretrained({str(out)!r})")
     return 0

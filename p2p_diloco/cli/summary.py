@@ -14,7 +14,7 @@ from typing import Optional
 
 from tqdm import tqdm
 
-from p2p_diloco.cli.console import format_bytes
+from p2p_diloco.cli.console import format_bytes, format_loss
 from p2p_diloco.training.metrics import read_metrics
 
 logger = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ class SwarmProgress:
         self.total_steps = cfg.train.num_rounds * cfg.diloco.inner_steps
         last_stage = cfg.pipeline.stages - 1
         self.tails = {name: _Tail(root / name / f"metrics-stage{last_stage}.jsonl") for name in names}
-        self.state = {name: {"step": 0, "round": 0, "loss": float("nan")} for name in names}
+        self.state = {name: {"step": 0, "round": 0, "loss": None} for name in names}  # None: none measured yet
         self.root, self.tty = root, sys.stderr.isatty()
         self.bars = {name: tqdm(total=self.total_steps, desc=name, position=i, unit="step", dynamic_ncols=True)
                      for i, name in enumerate(names)} if self.tty else {}
@@ -58,7 +58,7 @@ class SwarmProgress:
         if not self.tty and time.monotonic() - self._last_line > 10:
             self._last_line = time.monotonic()
             print("  " + " | ".join(f"{name}: round {s['round']}, step {s['step']}/{self.total_steps}, "
-                                    f"loss {s['loss']:.3f}" for name, s in self.state.items()), flush=True)
+                                    f"loss {format_loss(s['loss'])}" for name, s in self.state.items()), flush=True)
 
     def _apply(self, name: str, event: dict) -> None:
         state = self.state[name]
@@ -67,7 +67,7 @@ class SwarmProgress:
             if name in self.bars:
                 bar = self.bars[name]
                 bar.update(state["step"] - bar.n)
-                bar.set_postfix(round=state["round"], loss=f"{state['loss']:.3f}", refresh=False)
+                bar.set_postfix(round=state["round"], loss=format_loss(state["loss"]), refresh=False)
         elif event["kind"] == "round" and event.get("applied_round") is not None:
             text = f"averaged in a group of {event['group_size']}" if event["averaged"] \
                 else f"fell back to its own pseudo-gradient ({event['fallback_reason']})"

@@ -66,7 +66,7 @@ class Ledger:
         the summary (its start, or its final eval loss), the console and the records."""
         self.metrics.write("eval", round=round_index, inner_step=inner_step, eval_loss=loss)
         if first:
-            self.summary.eval_loss_start = loss
+            self.summary.eval_loss_start, self.summary.eval_round_start = loss, round_index
         else:
             self.reporter.on_eval(round_index, loss)
             self.summary.eval_loss_final = loss

@@ -63,6 +63,9 @@ class TrainSummary:
     first_loss: Optional[float] = None
     last_loss: Optional[float] = None
     eval_loss_start: Optional[float] = None
+    eval_round_start: int = 0
+    """The rounds the anchor held at ``eval_loss_start``: more than 0 for a peer that joined late (the state it
+    downloaded)."""
     eval_loss_final: Optional[float] = None
     bytes_sent: int = 0
     bytes_received: int = 0
@@ -125,5 +128,5 @@ def combined_report(reports: list[RoundReport]) -> RoundReport:
 
 RESUMED_FIELDS = ("rounds_completed", "tokens", "averaged_rounds", "fallback_rounds", "reloads", "resyncs", "joins",
                   "leaves", "last_group", "bytes_sent", "bytes_received",
-                  "allreduce_bytes_equivalent", "first_loss", "eval_loss_start", "group_sizes", "network_wait_s",
-                  "train_s")
+                  "allreduce_bytes_equivalent", "first_loss", "eval_loss_start", "eval_round_start", "group_sizes",
+                  "network_wait_s", "train_s")

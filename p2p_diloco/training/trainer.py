@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 import resource
 import time
 from dataclasses import asdict
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from p2p_diloco.config import Config
+from p2p_diloco.config import Config, dump_config
 from p2p_diloco.data.prepare import recorded_data_path
 from p2p_diloco.faults import hold_point
 from p2p_diloco.monitoring.sinks import open_sinks
@@ -127,6 +128,7 @@ class Trainer:
         hold_point("start")  # test hooks: unset, a dictionary lookup and a no-op
         started = time.monotonic()
         resumed = self.cfg.checkpoint.resume and self._resume()
+        self._write_config()
         H, num_rounds = self.cfg.diloco.inner_steps, self.cfg.train.num_rounds
         self.ledger.note_anchor()  # the records carry this stage's anchor from the start (donors are chosen by it)
         self._publish(loss=float("nan"), tokens_per_s=0.0, force=True)
@@ -141,8 +143,9 @@ class Trainer:
         self.reporter.on_start(num_rounds * H, self.stage.inner_step)
         if not resumed:  # (a resumed peer's last stage holds its start loss, the others none: the decision is the
             # peer's, or the others would wait in the evaluation's pipeline for a last stage that skips it)
-            self.ledger.note_eval(0, 0, self._evaluate(), first=True)
-        failed = True
+            # a late joiner evaluates the state it downloaded: its round is the rounds that state holds
+            self.ledger.note_eval(self._rounds_applied(), self.stage.inner_step, self._evaluate(), first=True)
+        failed, save_at_finish = True, True
         try:
             while self.round_index < num_rounds and not self.stop_requested:
                 if not self._train_round(H):
@@ -154,13 +157,17 @@ class Trainer:
             else:
                 hold_point("end")
                 self._flush()  # the end: apply the last round's average
+                self._save_checkpoint()  # the end, saved before leaving: a failure while leaving keeps it
+                changes = self.summary.reloads + self.summary.resyncs
                 self._leave()
                 hold_point("leave")
+                # saved once, unless leaving took the swarm's agreed final state instead
+                save_at_finish = self.summary.reloads + self.summary.resyncs != changes
             failed = False
         finally:
             self.summary.stopped_early = self.round_index < num_rounds
             # after a failure the step in progress may be half-applied on some stage: keep the last checkpoint
-            self._finish(started, save=not failed)
+            self._finish(started, save=not failed and save_at_finish)
             if self.replicas is not None and not failed:  # (after a failure, the launcher stops the followers)
                 self.replicas.stop()
         return self.summary
@@ -288,8 +295,8 @@ class Trainer:
         if every and round_index % every == 0 and round_index < self.cfg.train.num_rounds:
             self._evaluate_and_log(round_index)
         every = self.cfg.checkpoint.every_rounds
-        if every and round_index % every == 0:
-            self._save_checkpoint()
+        if every and round_index % every == 0 and round_index < self.cfg.train.num_rounds:
+            self._save_checkpoint()  # (the last round's is the run's end, saved after its flush)
         self._publish(self.summary.last_loss or float("nan"), self.tokens_per_s, force=True)
         if self.syncs is not None:
             self.syncs.after_round()
@@ -363,6 +370,10 @@ class Trainer:
             self.summary.first_loss = loss
         self.summary.last_loss = loss
 
+    def _rounds_applied(self) -> int:
+        """Rounds the anchor holds (its stages' applied round + 1): 0 at a fresh start, more after a reload."""
+        return min(stage.applied_round for stage in self.stages) + 1
+
     def _evaluate(self) -> float | None:
         if not self.eval_data:
             return None
@@ -387,6 +398,17 @@ class Trainer:
         for folder, stage in zip(self.checkpoint_dirs, self.stages):
             save_stage(folder, stage, self.sampler, self.summary, self.cfg.run.run_id, self.cfg.checkpoint.keep,
                        data_path=self.data_path)
+
+    def _write_config(self) -> None:
+        """``config.toml``, the resolved config of this start, once every check of the start passed (config, data,
+        init_from, memory, the DHT and the swarm's fingerprint in :func:`~p2p_diloco.stage_process.run_stage`, then
+        the checkpoint resumed here): a start that fails leaves the previous one. Written atomically, by stage 0."""
+        if self.stage.stage_index != 0:
+            return
+        path = self.output_dir / "config.toml"
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(dump_config(self.cfg))
+        os.replace(tmp, path)
 
     def _resume(self) -> bool:
         path = resume_stage(list(zip(self.checkpoint_dirs, self.stages)), self.sampler, self.summary,

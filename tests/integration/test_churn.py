@@ -149,6 +149,10 @@ def test_newcomer_downloads_the_swarms_state(tmp_path, processes, bootstrap):
         assert all(e["donor_round"] < 100 for e in events(tmp_path, name, "sync")), events(tmp_path, name, "sync")
     syncs = events(tmp_path, "new", "sync")
     assert syncs and syncs[0]["action"] == "reload" and syncs[0]["round"] >= 2, syncs
+    # its first evaluation is of the state it downloaded: the rounds that state holds, not round 0
+    first_eval = events(tmp_path, "new", "eval")[0]
+    assert (first_eval["round"], first_eval["inner_step"]) == (syncs[0]["applied_round"] + 1, syncs[0]["inner_step"]), \
+        (first_eval, syncs[0])
     # the hostile peer is a donor only while its record is the only one for the round it claims to have applied
     # (p0 and p1 apply that round a round end later): asked then, it is refused (in 1 of 2 two-worker busy runs
     # the newcomer read the records after p0 and p1 had applied it, and downloaded from p0 at once). Either way its
