@@ -1,10 +1,10 @@
 """``p2p-diloco``: the command line. Owns the console: argument parsing and one-line errors.
 
 Subcommands live in their own modules (``peer``, ``bootstrap``, ``swarm``, ``prepare-data``, ``plan``, ``status``,
-``export``, ``generate``); each registers its arguments and a ``run(args, overrides) -> exit code`` function. Known
-user mistakes (bad config, addresses, data, checkpoints, an unreachable swarm, an export folder that exists) end with
-``error: <one line>`` and exit code 2 (usage) or 1 (runtime), never a traceback. ``--version`` is the installed
-package's (its metadata), so the command reads nothing from a checkout.
+``export``, ``generate``, ``config``); each registers its arguments and a ``run(args, overrides) -> exit code``
+function. Known user mistakes (bad config, addresses, data, checkpoints, an unreachable swarm, an export folder that
+exists) end with ``error: <one line>`` and exit code 2 (usage) or 1 (runtime), never a traceback. ``--version`` is
+the installed package's (its metadata), so the command reads nothing from a checkout.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from p2p_diloco.cli import bootstrap, export, generate, peer, plan, prepare, status, swarm
+    from p2p_diloco.cli import bootstrap, config_example, export, generate, peer, plan, prepare, status, swarm
 
     parser = argparse.ArgumentParser(
         prog="p2p-diloco",
@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action=PrintVersion)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for module in (peer, bootstrap, swarm, prepare, plan, status, export, generate):
+    for module in (peer, bootstrap, swarm, prepare, plan, status, export, generate, config_example):
         module.register(subparsers)
     return parser
 

@@ -100,7 +100,7 @@ def test_wheel_and_sdist_carry_every_file_of_the_package(dist):
         top = f"p2p_diloco-{VERSION}/"
         sdist_names = {m.name.removeprefix(top) for m in sdist.getmembers() if m.isfile()}
     expected = package_files()
-    assert "p2p_diloco/cli/main.py" in expected
+    assert {"p2p_diloco/cli/main.py", "p2p_diloco/examples/peer.toml", "p2p_diloco/examples/bootstrap.toml"} <= expected
     assert expected - wheel_names == set(), "package files missing from the wheel (package data?)"
     assert expected - sdist_names == set(), "package files missing from the sdist"
     assert set(SDIST_EXTRAS) - sdist_names == set(), "example configs missing from the sdist"
@@ -120,6 +120,17 @@ def test_installed_wheel_runs_every_command_from_its_own_files(wheel_venv):
     assert {"peer", "bootstrap", "swarm", "prepare-data", "plan", "status", "export", "generate"} <= set(action.choices)
     for command in action.choices:
         assert f"usage: p2p-diloco {command}" in wheel_venv.cli(command, "--help")
+
+
+def test_installed_wheel_writes_the_readmes_example_config(wheel_venv):
+    """A wheel-only user gets peers/peer.toml, the file the README's commands read, from the package, and the
+    installed package's config loader accepts it."""
+    assert wheel_venv.cli("config", "--example", "peer") == (ROOT / "peers" / "peer.toml").read_text()
+    wheel_venv.cli("config", "--example", "peer", "--out", "peers/peer.toml")
+    assert (wheel_venv.folder / "peers" / "peer.toml").read_text() == (ROOT / "peers" / "peer.toml").read_text()
+    run_id = wheel_venv.python("-c", "from p2p_diloco.config import load_config; "
+                                     "print(load_config('peers/peer.toml').run.run_id)")
+    assert run_id.strip() == "p2p-diloco-public"
 
 
 def test_installed_wheel_runs_a_bootstrap_node_on_hiveminds_p2pd(wheel_venv):

@@ -415,17 +415,21 @@ def readme_commands() -> list[list[str]]:
     return commands
 
 
-def operating_commands() -> list[list[str]]:
-    """The p2p-diloco argument lists in the bash blocks of docs/user-guide.md's "Operating a swarm" section."""
-    text = (ROOT / "docs" / "user-guide.md").read_text()
-    section = text.split("\n## Operating a swarm\n", 1)[1].split("\n## ", 1)[0]
+def commands_in(text: str) -> list[list[str]]:
+    """The p2p-diloco argument lists in the bash blocks of ``text``."""
     commands = []
-    for block in re.findall(r"^```bash\n(.*?)^```", section, re.M | re.S):
+    for block in re.findall(r"^```bash\n(.*?)^```", text, re.M | re.S):
         for line in block.replace("\\\n", " ").splitlines():
             words = shlex.split(line, comments=True)
             if words[:1] == ["p2p-diloco"]:
                 commands.append(words[1:])
     return commands
+
+
+def operating_commands() -> list[list[str]]:
+    """The p2p-diloco argument lists in the bash blocks of docs/user-guide.md's "Operating a swarm" section."""
+    text = (ROOT / "docs" / "user-guide.md").read_text()
+    return commands_in(text.split("\n## Operating a swarm\n", 1)[1].split("\n## ", 1)[0])
 
 
 def test_readme_operating_commands_are_accepted_by_the_cli():
@@ -447,6 +451,22 @@ def test_readme_commands_are_accepted_by_the_cli(compose):
     files = {**SYSTEMD_CONFIG, **config_files(compose["services"]["bootstrap"])}
     for argv in commands:
         cli_config(argv, files)
+
+
+def test_readme_paths_and_guide_start_a_new_swarm_whose_first_peers_wait_bounded():
+    """The first peer of a new swarm does not train alone: the README's paths and the guide's operating section show a
+    peer that waits for others (train.wait_for_peers > 1), with the timeout said, and the example configs of peers
+    meant to start together (peer.toml, compose.toml) wait for a second one."""
+    readme = (ROOT / "README.md").read_text()
+    paths = readme.split("\n## Three paths\n", 1)[1].split("\n## ", 1)[0]
+    guide = operating_commands()
+    for where, commands in (("README's paths", commands_in(paths)), ("user guide", guide)):
+        waits = [cfg.train for argv in commands if argv[0] == "peer" for cfg in [cli_config(argv, {})[1]]
+                 if cfg.train.wait_for_peers > 1]
+        assert waits, f"no first-peer recipe (a peer with --train.wait_for_peers N) in the {where}"
+        assert all(train.wait_for_peers_timeout_s != Config().train.wait_for_peers_timeout_s for train in waits)
+    for name in ("peer.toml", "compose.toml"):
+        assert load_config(ROOT / "peers" / name).train.wait_for_peers == 2, name
 
 
 def all_readme_commands() -> list[list[str]]:
@@ -475,7 +495,8 @@ def test_no_readme_command_uses_an_option_the_cli_lacks():
     from p2p_diloco.config import load_config, split_overrides
 
     commands = all_readme_commands()
-    assert {argv[0] for argv in commands} >= {"peer", "bootstrap", "status", "prepare-data", "export", "generate"}
+    assert {argv[0] for argv in commands} >= {"peer", "bootstrap", "status", "prepare-data", "export", "generate",
+                                              "config"}
     assert ["--stages", "8"] in [argv[1:3] for argv in commands], "the torchrun line (2 nodes x 4) is parsed"
     parser = build_parser()
     for argv in commands:
