@@ -165,8 +165,9 @@ def _private_names() -> set[str]:
 
 def test_no_private_hivemind_name_is_used_outside_the_adapter():
     """The private names of hivemind that the adapter lists appear nowhere else in the package, and no other module
-    swaps an object's class: everything reaches them through p2p_diloco/hivemind_adapter/."""
-    private = _private_names()
+    swaps an object's class or replaces a hivemind method (:data:`REPLACED`) on an object: everything reaches them
+    through p2p_diloco/hivemind_adapter/."""
+    private, replaced = _private_names(), {name for _cls, name in REPLACED}
     assert {"_running_groups", "_matchmaking", "_ban_sender", "_request_join_group", "_validators", "_client",
             "_private_key", "__setstate__", "_data_for_gather"} <= private
     offenders = []
@@ -175,9 +176,11 @@ def test_no_private_hivemind_name_is_used_outside_the_adapter():
             node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
         if named in private:
             offenders.append(f"{where}:{node.lineno}: {named}")
-        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Attribute) and t.attr == "__class__"
-                                                for t in node.targets):
-            offenders.append(f"{where}:{node.lineno}: __class__ swapped")
+        for target in node.targets if isinstance(node, ast.Assign) else ():
+            if isinstance(target, ast.Attribute) and target.attr == "__class__":
+                offenders.append(f"{where}:{node.lineno}: __class__ swapped")
+            elif isinstance(target, ast.Attribute) and target.attr in replaced:
+                offenders.append(f"{where}:{node.lineno}: {target.attr}: a hivemind method swapped on an object")
     assert not offenders, offenders
 
 

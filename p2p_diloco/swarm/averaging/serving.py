@@ -10,7 +10,7 @@ of streams at a time: :class:`~p2p_diloco.swarm.averaging.limits.StateGate`). Wh
 of :mod:`~p2p_diloco.swarm.averaging.guard`.
 
 Built on hivemind internals (``Matchmaking._request_join_group``, ``look_for_group``, ``follower_assemble_group``,
-``GroupKeyManager.update_key_on_group_assembled``), through :mod:`p2p_diloco.swarm.averaging.hivemind_api`.
+``GroupKeyManager.update_key_on_group_assembled``), through :mod:`p2p_diloco.hivemind_adapter.averaging`.
 """
 
 from __future__ import annotations
@@ -29,7 +29,9 @@ from p2p_diloco.hivemind_adapter.averaging import (
     as_aiter,
     averaging_pb2,
     groups_registered,
+    keep_round_key,
     matchmaking_of,
+    replace_group_assembly,
     running_groups,
     wrap_join_request,
 )
@@ -222,8 +224,7 @@ class GuardedAverager:
             group_info = await look_for_group(step)
             return None if group_info is None else views.assembled(group_info, step.data_for_gather, self.peer_id)
 
-        matchmaking.follower_assemble_group = assemble_as_follower
-        matchmaking.look_for_group = look_for_viewed_group
+        replace_group_assembly(matchmaking, assemble_as_follower, look_for_viewed_group)
 
     def _refuses_leader(self, leader) -> Optional[str]:
         """As a follower: why this peer does not ask ``leader`` to lead its group (a banned peer, an outsider), or
@@ -243,17 +244,3 @@ class GuardedAverager:
             if allreduce_id.startswith(view_id) and not future.done():
                 future.set_exception(AllreduceException("this peer has left the group"))
                 future.exception()  # retrieved here: nobody may be waiting for it
-
-
-def keep_round_key(key_manager) -> None:
-    """Keep a hivemind ``GroupKeyManager``'s key as it was set (the round's key, set when the round starts) until it
-    is set again: hivemind moves each member's key to a bucket of its own after every group it assembles, so that
-    after a group whose all-reduce failed (a member gone) the survivors retried under different keys and never met
-    again. Idempotent."""
-    if "update_key_on_group_assembled" in vars(key_manager):
-        return
-
-    async def keep_the_round_key(group_info) -> None:
-        return None
-
-    key_manager.update_key_on_group_assembled = keep_the_round_key
