@@ -67,15 +67,17 @@ class AveragingConfig:
     outlier_norm_ratio: float = 10.0
     """With 3 or more parts, a groupmate's part of a pseudo-gradient whose norm per claimed token is above this
     multiple of the median (non-finite parts too) is left out of the average and counts as an offence; with only 2
-    parts there is no majority, and the larger is scaled down to 3 times the smaller (this multiple if lower), no
-    offence. 0 disables (not recommended)."""
+    parts there is no majority, and a part is scaled down to 3 times the other's norm (this multiple if lower) at
+    equal weights, up to 12 times for a member with more tokens (robust.pair_ceiling), no offence. 0 disables (not
+    recommended)."""
     clip_ratio: float = 2.0
     """CenteredClip radius, as a multiple of the median distance of the group's parts to their coordinate-wise
     median: parts farther from the average are clipped to it (bounded influence, reported, no offence). Honest parts
     rarely are, and then the average is the plain weighted mean, bit for bit. 0 disables."""
     max_weight_ratio: float = 2.0
     """A groupmate's claimed tokens (its weight in the average) are capped at this multiple of the group's median
-    claim. 0 disables."""
+    claim; in a pair (no majority claim, and honest peers of unequal speed claim tokens in the ratio of their
+    speeds), at its square times the smaller claim. 0 disables."""
     ban_after: int = 3
     """Rounds with an offence (non-finite, far too large or malformed parts, a wrong round, malformed metadata sent
     directly, an implausible average returned as a reducer) after which this peer stops grouping with that peer (until

@@ -8,8 +8,10 @@ groupmate receives the reducer's bytes, so the result stays bit-identical across
    is left out;
 2. with 3 or more parts left, a part whose norm per claimed token is more than ``outlier_ratio`` times the median
    is left out (with an honest majority the median is an honest norm; a claim counts for at most ``outlier_ratio``
-   times the median claim); with 2 there is no majority to judge by, and the larger
-   part is only scaled down to ``pair_ratio`` (at most ``outlier_ratio``) times the smaller;
+   times the median claim); with 2 there is no majority to judge by, and a part is only scaled down to
+   :func:`pair_ceiling` times the other: ``pair_ratio`` (at most ``outlier_ratio``) times the smaller at equal
+   weights, more for the member with more tokens (``min(q ** 2, pair_claim_ratio)`` times more for q times the
+   other's weight), since two honest peers of unequal speed that end a round together send parts that far apart;
 3. the weighted mean of the parts left, ``sum_i w_i x_i / sum_i w_i``, computed as hivemind's reducer computes it;
 4. CenteredClip (Karimireddy, He and Jaggi, "Learning from History for Byzantine Robust Optimization", ICML 2021)
    with 3 or more parts: ``v <- v + sum_i w_i clip(x_i - v, tau) / sum_i w_i`` from v = the mean, with
@@ -26,11 +28,15 @@ groupmate claims, capped by :func:`cap_weights`. Pure tensor logic, no network; 
 
 What one hostile sender can still do (docs/threat-model.md, section 6): with 3 or more parts and an honest majority,
 move the result by about tau times its weight share (CenteredClip), its weight being at most ``max_weight_ratio`` times
-the median claim; in a group of 2 there is no majority, and it keeps at most ``pair_ratio`` (3) times the honest part's
-norm with at most ``max_weight_ratio / (1 + max_weight_ratio)`` (2/3) of the weight, so the result is at most
-``(2 * 3 + 1) / 3``, about 2.3, times the honest part's norm, in any direction; and a tiny part shrinks the honest one
-to ``pair_ratio`` times its own norm (the round is then wasted, not poisoned). As the reducer of its slice it can
-return no more than that: the honest member checks the other part each average implies (:func:`pair_excess`).
+the median claim; in a group of 2 there is no majority, and with a weight q times the honest member's (q at most
+``max_weight_ratio ** 2``, 4) it keeps at most ``pair_ratio * min(q ** 2, pair_claim_ratio)`` times the honest part's
+norm, so the result is at most ``(3 q min(q ** 2, 4) + 1) / (q + 1)`` times the honest part's norm, in any direction:
+2 at equal weights, 25/3 at q = 2, 49/5 (9.8) at most, at q = 4; and a tiny part shrinks the honest one to
+:func:`pair_ceiling` times its own norm (the round is then wasted, not poisoned). The pair's bound is looser than the
+2.3 of a rule that ignores the weights because honest pairs need it: capped at 2 and scaled at 3 times the smaller
+part, a fast peer and one at a third of its speed are ``capped`` in every round, and may be ``clipped`` in the
+warmup (``benchmarks/honest_flags.py``). As the reducer of its slice it can return no more than that: the honest member
+checks the other part each average implies (:func:`pair_excess`).
 """
 
 from __future__ import annotations
@@ -57,8 +63,15 @@ class RobustRule:
     outlier_ratio: float = 10.0
     """Parts whose norm is above this multiple of the median norm are left out."""
     pair_ratio: float = 3.0
-    """With only 2 parts, the larger is scaled down to this multiple of the smaller (at most ``outlier_ratio``): an
-    honest pair trained on the same tokens differs far less, and a hostile one then adds little to the honest part."""
+    """With only 2 parts of equal weights, the larger is scaled down to this multiple of the smaller (at most
+    ``outlier_ratio``): an honest pair trained on the same tokens differs far less, and a hostile one then adds
+    little to the honest part."""
+    pair_claim_ratio: float = 4.0
+    """With 2 parts of unequal weights, the part of the member with q times the other's weight may be
+    ``pair_ratio * min(q ** 2, pair_claim_ratio)`` times the other's norm (:func:`pair_ceiling`): a pseudo-gradient
+    grows with the steps and, in the warmup, with the learning rate that rises with them (a peer at a third of the
+    speed, in its first round, sent a part 7 to 9 times smaller than its fast partner's). A pair's weights differ by
+    at most ``max_weight_ratio ** 2`` (4, :func:`cap_weights`); at 4 the ceiling is 12."""
     clip_ratio: float = 2.0
     """CenteredClip radius as a multiple of the median distance of the parts to their coordinate-wise median."""
 
@@ -72,11 +85,28 @@ class Combined:
 
 
 def cap_weights(claims: Sequence[float], ratio: float) -> list[float]:
-    """Claimed weights capped at ``ratio`` times their median (no cap when ``ratio`` is 0)."""
+    """Claimed weights capped at ``ratio`` times their lower median; of a pair, at ``ratio ** 2`` times the smaller
+    claim (no cap when ``ratio`` is 0).
+
+    With 3 or more claims and an honest majority the median is an honest claim, and an honest peer rarely trains
+    twice the median's tokens. A pair has no majority: its lower median is the smaller claim, and two honest peers of
+    unequal speed that end their rounds together (``diloco.round_end = swarm``) claim tokens in the ratio of their
+    speeds, a third for a peer at a third of the speed: capped at twice the smaller claim, such a pair would be
+    reported ``capped`` every round. So a pair's claims may differ by ``ratio ** 2`` (4).
+    """
     if ratio <= 0 or not claims:
         return list(claims)
-    cap = ratio * lower_median(claims)
+    cap = ratio ** 2 * min(claims) if len(claims) == 2 else ratio * lower_median(claims)
     return [min(claim, cap) for claim in claims]
+
+
+def pair_ceiling(weight: float, other_weight: float, rule: RobustRule) -> float:
+    """How many times the other part's norm :func:`combine` leaves a part of a pair: ``pair_ratio`` (at most
+    ``outlier_ratio``) times ``min(q ** 2, pair_claim_ratio)``, with q this sender's weight over the other's (at
+    least 1: the part of the member with fewer tokens may be ``pair_ratio`` times the other's, not less)."""
+    ratio = min(rule.outlier_ratio, rule.pair_ratio or rule.outlier_ratio)
+    share = weight / other_weight if other_weight > 0 else 1.0
+    return ratio * max(1.0, min(share ** 2, rule.pair_claim_ratio))
 
 
 def weighted_mean(parts: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
@@ -125,9 +155,9 @@ def combine(parts: Sequence[Optional[torch.Tensor]], weights: Sequence[float], r
             bound = rule.outlier_ratio * lower_median(list(rates.values()))
             flags.update({i: TOO_LARGE for i in kept if rates[i] > bound})
             kept = [i for i in kept if i not in flags]
-        else:
-            bound = min(rule.outlier_ratio, rule.pair_ratio or rule.outlier_ratio) * min(norms.values())
-            for i in kept:
+        else:  # at most one part exceeds its ceiling: both ceilings are at least 1
+            for i, j in (kept, kept[::-1]):
+                bound = pair_ceiling(weights[i], weights[j], rule) * norms[j]
                 if norms[i] > bound:
                     values[i], flags[i] = values[i] * (bound / norms[i]), CLIPPED
     if not kept:
@@ -144,32 +174,37 @@ def average_bound(weights: Sequence[float], claims: Sequence[float], me: int, ru
     """How many times the norm of its own part an honest reducer's average of a slice may be, as sender ``me`` can
     tell from the group's weights and claims alone (it sees no other part).
 
-    Each sender's part is taken to be at most ``pair_ratio`` times the receiver's, times the square of their claims'
-    ratio: with 2 parts that is :func:`combine`'s own rule (the larger is scaled to ``pair_ratio`` times the smaller,
-    whatever the claims), so the bound is exactly the largest average a hostile member of a pair obtains; with 3 or
-    more, the outlier test and CenteredClip keep an honest result within the span of the parts, and honest parts of
-    one round differ in norm by less than that: by far less with equal claims; with unequal ones, a pseudo-gradient
-    grows with the steps and, in the warmup, with the learning rate that rises with them (an honest peer on 5 times
-    the tokens sent an 18 times larger part, and a peer at half speed in its first round, on a fifth of the tokens,
-    got an honest average over 17 times its own part's norm). So the bound is the weighted mean
+    With 2 parts this is :func:`combine`'s own rule: the other part is at most :func:`pair_ceiling` times this
+    member's (``pair_ratio`` times the square of their weights' ratio, at most ``pair_ratio * pair_claim_ratio``),
+    so the bound is exactly the largest average a hostile member of a pair obtains. With 3 or more, each sender's
+    part is taken to be at most ``pair_ratio`` times the receiver's, times the square of their claims' ratio: the
+    outlier test and CenteredClip keep an honest result within the span of the parts, and honest parts of one round
+    differ in norm by less than that: by far less with equal claims; with unequal ones, a pseudo-gradient grows with
+    the steps and, in the warmup, with the learning rate that rises with them (an honest peer on 5 times the tokens
+    sent an 18 times larger part, and a peer at half speed in its first round, on a fifth of the tokens, got an
+    honest average over 17 times its own part's norm). So the bound is the weighted mean
 
         B = sum_i w_i r_i / sum_i w_i,  r_me = 1,  r_i = pair_ratio * max(1, min(c_i / c_me, max_claim_ratio))^2,
 
     with c_i the claims capped at ``outlier_ratio`` times their median, as the outlier test caps them (in a pair
-    r_i = pair_ratio): 2 in a pair of equal weights, 7/3 at most in any pair, under 3 in any group of equal claims.
-    Weights of 0 (banned, excluded) do not count; the codecs' rounding is the caller's margin.
+    r_i = ``pair_ceiling(w_i, w_me)``): 2 in a pair of equal weights, 49/5 at most in any pair (weights 4 times
+    this member's), under 3 in any group of equal claims. Weights of 0 (banned, excluded) do not count; the codecs'
+    rounding is the caller's margin.
     """
     members = [i for i, w in enumerate(weights) if w > 0]
     if me not in members:
         return 0.0
+    if len(members) == 2:
+        other = members[1 - members.index(me)]
+        ceiling = pair_ceiling(weights[other], weights[me], rule) if rule.outlier_ratio > 0 else rule.pair_ratio
+        return (weights[me] + weights[other] * ceiling) / (weights[me] + weights[other])
     typical = lower_median([claims[i] for i in members])
     capped = {i: min(claims[i], rule.outlier_ratio * typical) if rule.outlier_ratio > 0 else claims[i]
               for i in members}
     ratio = min(rule.outlier_ratio, rule.pair_ratio or rule.outlier_ratio) if rule.outlier_ratio > 0 else \
         rule.pair_ratio
-    scale = {i: 1.0 if len(members) == 2 else max(1.0, min(capped[i] / max(capped[me], 1e-12), max_claim_ratio))
-             for i in members}  # a pair is scaled by norms alone, whatever the claims
-    ceilings = {i: 1.0 if i == me else ratio * scale[i] ** 2 for i in members}
+    ceilings = {i: 1.0 if i == me else ratio * max(1.0, min(capped[i] / max(capped[me], 1e-12), max_claim_ratio)) ** 2
+                for i in members}
     return sum(weights[i] * ceilings[i] for i in members) / sum(weights[i] for i in members)
 
 
@@ -179,12 +214,14 @@ def pair_excess(average: torch.Tensor, own: torch.Tensor, own_weight: float, oth
     this member's part ``own`` (as the reducer decoded it) and any part of the other member: the norm of the other
     part it implies, ``(W * average - w_own * own) / w_other`` with ``W = w_own + w_other``, less what the codec's
     ``rounding`` of the average (a norm) moves it, over the most that :func:`combine` leaves that part:
-    ``max(r, w_own / w_other, 1)`` times the norm of ``own`` (r: the pair ratio).
+    ``max(r, w_own / w_other, 1)`` times the norm of ``own``, with r = ``pair_ceiling(w_other, w_own)`` (the pair
+    ratio at equal weights).
 
-    The bound: the larger part of a pair is scaled to r times the smaller. Where ``own`` is not scaled, the other
-    part enters with a norm of at most r times its own; where ``own`` is (the other part p is below 1/r of it), the
-    implied part is ``p - (w_own / w_other) (1 - r |p| / |own|) own``, of norm at most ``max(w_own / w_other, 1 / r)``
-    times ``|own|``. So every average :func:`combine` returns is within 1, up to float rounding. An average beyond
+    The bound: a part of a pair is scaled to at most :func:`pair_ceiling` times the other. Where ``own`` is not
+    scaled, the other part enters with a norm of at most r times its own; where ``own`` is (the other part p is below
+    1/r' of it, r' = ``pair_ceiling(w_own, w_other)`` >= 1), the implied part is
+    ``p - (w_own / w_other) (1 - r' |p| / |own|) own``, of norm at most ``max(w_own / w_other, 1 / r')`` times
+    ``|own|``. So every average :func:`combine` returns is within 1, up to float rounding. An average beyond
     it implies a part the reducer cannot have combined: at equal weights this member's part reversed at twice its
     norm (the implied part is 5 times ``own``), a random direction at twice its norm (4.1 times), or 19 times it
     reversed (39 times). The average of a zero part, or of a part reversed at r times ``own`` (0 and -1 times
@@ -201,7 +238,7 @@ def pair_excess(average: torch.Tensor, own: torch.Tensor, own_weight: float, oth
     """
     if rule.outlier_ratio <= 0:
         return 0.0
-    ratio = min(rule.outlier_ratio, rule.pair_ratio or rule.outlier_ratio)
+    ratio = pair_ceiling(other_weight, own_weight, rule)
     total = own_weight + other_weight
     implied = (average.float() * total - own.float() * own_weight) / other_weight
     implied_norm = float(torch.linalg.vector_norm(implied))
