@@ -10,12 +10,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 if TYPE_CHECKING:
     import torch
+
+    from p2p_diloco.model.hf_folder import HFFolder
+    from p2p_diloco.training.state.anchor import PeerAnchor
+
+DTYPE_NAMES = ("float32", "bfloat16", "float16")  # model.export.DTYPES, named here without importing torch
 
 
 def register(subparsers) -> None:
@@ -24,7 +30,9 @@ def register(subparsers) -> None:
         allow_abbrev=False,
         description="Write the model a peer trained (the anchor: the swarm's agreed model after its last applied "
         "round, every pipeline stage joined) as a Hugging Face folder: config.json for LlamaForCausalLM, "
-        "model.safetensors with transformers' parameter names, and the tokenizer (tokenizer.json). Load it with "
+        "model.safetensors (or shards and their index) with transformers' parameter names, and the tokenizer. A "
+        "run that started from a folder (model.init_from) gets that folder back: its dtype, every config.json "
+        "field, and its tokenizer and generation files as they are. Load it with "
         "transformers.AutoModelForCausalLM.from_pretrained(OUT) and AutoTokenizer.from_pretrained(OUT). "
         "Nothing is overwritten: OUT must not exist.",
     )
@@ -35,32 +43,89 @@ def register(subparsers) -> None:
     parser.add_argument("--step", type=int, metavar="N",
                         help="the inner step of the checkpoint (default: the newest that every stage has)")
     parser.add_argument("--tokenizer", metavar="SPEC",
-                        help="'byte' or a tokenizer.json (default: the tokenizer of the shards the run trained on)")
+                        help="'byte' or a tokenizer.json (default: the tokenizer of the shards the run trained on; "
+                        "a run from model.init_from keeps its folder's tokenizer files)")
+    parser.add_argument("--dtype", choices=["auto", *DTYPE_NAMES], default="auto",
+                        help="the weights' dtype (default auto: each tensor's dtype in the model.init_from folder the "
+                        "run started from, else float32)")
+    parser.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
+                        help="the most bytes of one weights file, as transformers' save_pretrained (default 5GB; "
+                        "e.g. 500MB, 2GiB): a larger model is written as model-0000k-of-0000n.safetensors shards "
+                        "and model.safetensors.index.json")
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace, _overrides) -> int:
-    from p2p_diloco.model.export import ExportError, write_hf_folder
+    from p2p_diloco.model.export import DTYPES, ExportError, parse_size, write_hf_folder
     from p2p_diloco.training.state.anchor import load_peer_anchor
 
     out = Path(args.out).expanduser()
     if out.exists():  # before reading anything: nothing is overwritten
         raise ExportError(f"{out} exists; give a new folder (nothing was overwritten)")
+    try:
+        max_shard_bytes = parse_size(args.max_shard_size)
+    except ValueError as e:
+        raise ExportError(f"--max-shard-size: {e}") from None
     anchor = load_peer_anchor(Path(args.checkpoint), args.step)
-    tokenizer = checkpoint_tokenizer(anchor.data_path, anchor.config_path, args.tokenizer, anchor.args.vocab_size)
-    files = tokenizer_files(tokenizer)
+    source = init_from_source(anchor)
+    if source is not None and args.tokenizer is not None:
+        raise ExportError(f"--tokenizer: the run started from {source.path} (model.init_from), whose tokenizer files "
+                          "are exported as they are; leave --tokenizer out")
     num_values = sum(t.numel() for t in anchor.tensors.values())
     provenance = {"source": str(anchor.folders[0].parent.resolve()), "step": anchor.step, "round": anchor.round_index,
-                  "applied_round": anchor.applied_round, "stages": len(anchor.folders),
-                  "tokenizer": tokenizer.name, "parameters": num_values}
-    write_hf_folder(out, anchor.args, anchor.tensors, tokenizer_json=files.json, eos_token=files.eos_token,
-                    eos_token_id=tokenizer.eot_id, provenance=provenance)
+                  "applied_round": anchor.applied_round, "stages": len(anchor.folders), "parameters": num_values}
+    dtype = None if args.dtype == "auto" else DTYPES[args.dtype]
+    if source is not None:
+        described = f"the tokenizer and settings of {source.path}"
+        provenance.update(init_from=str(source.path.resolve()), tokenizer="model.init_from")
+        write_hf_folder(out, anchor.args, anchor.tensors, provenance=provenance, source=source, dtype=dtype,
+                        max_shard_bytes=max_shard_bytes)
+    else:
+        tokenizer = checkpoint_tokenizer(anchor.data_path, anchor.config_path, args.tokenizer,
+                                         anchor.args.vocab_size)
+        files = tokenizer_files(tokenizer)
+        described = f"tokenizer {tokenizer.name}"
+        provenance.update(tokenizer=tokenizer.name)
+        write_hf_folder(out, anchor.args, anchor.tensors, provenance=provenance, tokenizer_json=files.json,
+                        eos_token=files.eos_token, eos_token_id=tokenizer.eot_id, dtype=dtype,
+                        max_shard_bytes=max_shard_bytes)
     applied = f"rounds up to {anchor.applied_round} applied" if anchor.applied_round >= 0 \
         else "no round applied yet: the initial model"
     print(f"Exported the anchor at inner step {anchor.step} ({applied}) of a "
-          f"{len(anchor.folders)}-stage peer, {num_values:,} parameters, tokenizer {tokenizer.name}, to {out}\n"
+          f"{len(anchor.folders)}-stage peer, {num_values:,} parameters, {described}, to {out}\n"
           f"Load it with transformers: AutoModelForCausalLM.from_pretrained({str(out)!r})")
     return 0
+
+
+def init_from_source(anchor: PeerAnchor) -> Optional[HFFolder]:
+    """The ``model.init_from`` folder the peer started from (its config.toml says), checked to be of the
+    checkpoint's shape; None for a run from random weights. A recorded folder that is gone or no longer fits is a
+    warning, and the export is written as for a run without one."""
+    import dataclasses
+
+    from p2p_diloco.config import load_config
+    from p2p_diloco.model.hf_folder import FolderError, open_hf_folder
+    from p2p_diloco.model.init_from import recorded_folder
+
+    if anchor.config_path is None:
+        return None
+    given = load_config(anchor.config_path).model.init_from
+    if given is None:
+        return None
+    path = recorded_folder(given, anchor.config_path.parent)
+    try:
+        if path is None:
+            raise FolderError(Path(given), "not here")
+        source = open_hf_folder(path)
+    except FolderError as e:
+        print(f"warning: the run started from {e.path} (model.init_from), which cannot be read ({e.reason}): "
+              "exporting without its dtype, settings and tokenizer files", file=sys.stderr)
+        return None
+    if dataclasses.replace(source.args, init_seed=0) != dataclasses.replace(anchor.args, init_seed=0):
+        print(f"warning: the run started from {path} (model.init_from), whose config.json no longer gives the "
+              "checkpoint's shape: exporting without its dtype, settings and tokenizer files", file=sys.stderr)
+        return None
+    return source
 
 
 @dataclass

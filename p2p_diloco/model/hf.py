@@ -61,9 +61,17 @@ def our_name(name: str) -> str:
     return f"layers.{match.group(1)}.{_BLOCK_INVERSE[match.group(2)]}"
 
 
-def hf_config(args: ModelArgs, eos_token_id: int | None) -> dict:
-    """``config.json`` of a ``LlamaForCausalLM`` with this shape, in fp32 (rope given both ways: ``rope_theta`` for
-    transformers 4, ``rope_parameters`` for 5)."""
+def hf_order(args: ModelArgs) -> list[str]:
+    """Our parameter names in the order of transformers' ``state_dict`` (the order its shards are cut in)."""
+    names = ["tok_embeddings.weight"]
+    names += [f"layers.{i}.{name}" for i in range(args.n_layers) for name in _BLOCK]
+    names += ["norm.weight"] + ([] if args.tie_embeddings else ["output.weight"])
+    return names
+
+
+def hf_config(args: ModelArgs, eos_token_id: int | None, dtype: str = "float32") -> dict:
+    """``config.json`` of a ``LlamaForCausalLM`` with this shape whose weights are stored in ``dtype`` (rope given
+    both ways: ``rope_theta`` for transformers 4, ``rope_parameters`` for 5)."""
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -87,8 +95,8 @@ def hf_config(args: ModelArgs, eos_token_id: int | None) -> dict:
         "bos_token_id": None,
         "eos_token_id": eos_token_id,
         "pad_token_id": None,
-        "torch_dtype": "float32",
-        "dtype": "float32",
+        "torch_dtype": dtype,
+        "dtype": dtype,
         "use_cache": True,
     }
 
@@ -139,10 +147,11 @@ def byte_tokenizer_json() -> dict:
     }
 
 
-def tokenizer_config(eos_token: str | None) -> dict:
-    """``tokenizer_config.json``: which class loads ``tokenizer.json``, and its end-of-document token."""
+def tokenizer_config(eos_token: str | None, model_max_length: int) -> dict:
+    """``tokenizer_config.json``: which class loads ``tokenizer.json``, its end-of-document token, and the model's
+    context length (transformers warns of a longer input)."""
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
-              "model_max_length": 1_000_000_000}
+              "model_max_length": model_max_length}
     if eos_token is not None:
         config["eos_token"] = eos_token
     return config

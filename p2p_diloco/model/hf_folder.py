@@ -15,7 +15,7 @@ import hashlib
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -53,14 +53,23 @@ class HFFolder:
     path: Path
     args: ModelArgs
     tensors: dict[str, StoredTensor]
+    config: dict = field(default_factory=dict)  # config.json as read (export keeps every field it does not change)
 
     @property
     def files(self) -> list[Path]:
         return sorted({t.file for t in self.tensors.values()})
 
 
-def folder_error(path: Path, message: str) -> ConfigError:
-    return ConfigError(f"model.init_from: {path}: {message}")
+class FolderError(ConfigError):
+    """A folder that cannot be loaded: ``path`` and ``reason`` kept apart for a caller that is not ``init_from``."""
+
+    def __init__(self, path: Path, reason: str):
+        super().__init__(f"model.init_from: {path}: {reason}")
+        self.path, self.reason = path, reason
+
+
+def folder_error(path: Path, message: str) -> FolderError:
+    return FolderError(path, message)
 
 
 def open_hf_folder(path: str | Path) -> HFFolder:
@@ -85,7 +94,7 @@ def open_hf_folder(path: str | Path) -> HFFolder:
         raise folder_error(path, f"{e}") from None
     stored = _stored_tensors(path, args)
     _check_against(path, args, stored)
-    return HFFolder(path, args, stored)
+    return HFFolder(path, args, stored, config)
 
 
 def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:

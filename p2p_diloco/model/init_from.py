@@ -117,6 +117,21 @@ def init_digest(folder: HFFolder, cache_dir: Path) -> str:
     return digest
 
 
+def recorded_folder(given: str, output_dir: Path) -> Path | None:
+    """Where the ``model.init_from`` folder of a peer's config (``given``, as the user wrote it) is now: the absolute
+    path its digest cache in ``output_dir`` records, else ``given`` from here or from ``output_dir``; None if none
+    of them is a folder. Called by ``p2p-diloco export``."""
+    candidates = []
+    try:
+        cached = json.loads((Path(output_dir) / DIGEST_CACHE_FILE).read_text(encoding="utf-8"))
+        candidates.append(Path(cached["signature"]["path"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # no cache (or an unreadable one): the path as written
+    path = Path(given).expanduser()
+    candidates += [path] if path.is_absolute() else [path, Path(output_dir) / path]
+    return next((candidate for candidate in candidates if candidate.is_dir()), None)
+
+
 def _read_tokenizer(path: Path) -> dict:
     try:
         value = json.loads(path.read_text(encoding="utf-8"))

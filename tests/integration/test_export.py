@@ -19,6 +19,7 @@ import transformers  # a test dependency (pip install -e '.[test]'): missing, th
 from p2p_diloco.cli.main import main
 from p2p_diloco.data import ByteTokenizer
 from p2p_diloco.model import ModelArgs, Transformer
+from p2p_diloco.model.hf import hf_name
 from p2p_diloco.model.sample import build_model
 from p2p_diloco.training.state.anchor import load_peer_anchor
 from p2p_diloco.training.state.checkpoint import save_checkpoint
@@ -116,6 +117,23 @@ def test_generate_samples_the_same_text_from_the_checkpoint_and_the_exported_fol
     assert samples[0] == samples[1] and len(samples[0]) > len("The \n")
     greedy = run("generate", str(out), "--prompt", "a", "--max-new-tokens", "8", "--temperature", "0")
     assert greedy.returncode == 0, greedy.stderr[-3000:]
+
+
+def test_a_sharded_bf16_export_loads_in_transformers_and_generate_reads_it(peer, tmp_path):
+    out = tmp_path / "hf"
+    result = run("export", str(peer), "--out", str(out), "--max-shard-size", "20KB", "--dtype", "bfloat16")
+    assert result.returncode == 0, result.stderr[-3000:]
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(p.name for p in out.glob("*.safetensors"))
+    assert len(files) > 2 and files == sorted(set(index["weight_map"].values())) and "model.safetensors" not in files
+    anchor = load_peer_anchor(peer)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(out))  # the dtype config.json gives
+    assert model.dtype == torch.bfloat16
+    theirs = {name: value for name, value in model.state_dict().items()}
+    assert all(torch.equal(theirs[hf_name(name)], value.bfloat16()) for name, value in anchor.tensors.items())
+    assert transformers.AutoTokenizer.from_pretrained(str(out)).model_max_length == anchor.args.max_seq_len
+    result = run("generate", str(out), "--prompt", "The ", "--max-new-tokens", "8", "--device", "cpu")
+    assert result.returncode == 0 and result.stdout.startswith("The "), result.stderr[-3000:]
 
 
 def test_bad_input_is_a_one_line_error_and_nothing_is_overwritten(peer, tmp_path):

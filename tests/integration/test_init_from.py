@@ -31,20 +31,27 @@ SMALL = ["--data.batch_size", "8", "--data.seq_len", "32", "--data.eval_batches"
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> Path:
-    """A LlamaForCausalLM of transformers' own init (norm scales drawn too, so that none is left at its init), saved
-    in 12 shards with its index, and the byte tokenizer of the built-in corpus."""
+    """A bf16 LlamaForCausalLM of transformers' own init (norm scales drawn too, so that none is left at its init),
+    saved in 12 shards with its index, the byte tokenizer of the built-in corpus, and the tokenizer files of a Hub
+    checkpoint (special tokens, a chat template, the context length)."""
     path = tmp_path_factory.mktemp("init") / "llama"
     config = transformers.LlamaConfig(vocab_size=257, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                      rope_theta=500.0, rms_norm_eps=1e-6, tie_word_embeddings=False)
+                                      rope_theta=500.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                                      bos_token_id=0, eos_token_id=256, pretraining_tp=1)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.uniform_(0.5, 1.5)
-    model.save_pretrained(str(path), max_shard_size="20KB")
+    model.to(torch.bfloat16).save_pretrained(str(path), max_shard_size="20KB")
     (path / "tokenizer.json").write_text(json.dumps(byte_tokenizer_json()))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "\u0000", "eos_token": "<|endoftext|>",
+        "model_max_length": 64, "chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}"}))
+    (path / "special_tokens_map.json").write_text(json.dumps({"bos_token": "\u0000", "eos_token": "<|endoftext|>"}))
+    assert (path / "generation_config.json").is_file()
     assert (path / "model.safetensors.index.json").is_file() and len(list(path.glob("*.safetensors"))) > 2
     return path
 
@@ -71,9 +78,17 @@ def test_a_pipelined_peer_starts_from_the_folder_and_exports_it_bit_for_bit(fold
     exported = tmp_path / "hf"
     with contextlib.redirect_stdout(io.StringIO()):
         assert main(["export", str(peer), "--out", str(exported)]) == 0
-    theirs, ours = tensors_of(folder), load_file(str(exported / "model.safetensors"))
+    theirs, ours = tensors_of(folder), load_file(str(exported / "model.safetensors"))  # 5GB a shard: one file
     assert ours.keys() == theirs.keys() and len(ours) == 2 + 4 * 9 + 1
+    assert all(ours[name].dtype == torch.bfloat16 for name in ours)
     assert all(torch.equal(ours[name], theirs[name]) for name in theirs)  # load -> 0 rounds -> export: the same bits
+    assert_same_files(folder, exported, sharded=False)
+    resharded = tmp_path / "resharded"
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(["export", str(peer), "--out", str(resharded), "--max-shard-size", "20KB"]) == 0
+    assert_same_files(folder, resharded, sharded=True)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(exported))
+    assert tokenizer.model_max_length == 64 and tokenizer.bos_token == "\u0000" and tokenizer.chat_template
 
     anchor = load_peer_anchor(peer)  # both stages' anchors joined: every stage loaded its own tensors
     ids = torch.randint(0, 257, (2, 24), generator=torch.Generator().manual_seed(0))
@@ -83,6 +98,29 @@ def test_a_pipelined_peer_starts_from_the_folder_and_exports_it_bit_for_bit(fold
     assert (hf_logits(exported, ids) - logits).abs().max().item() < 1e-4
     cached = json.loads((peer / "init_from.json").read_text())["sha256"]
     assert cached == weights_digest(open_hf_folder(folder))
+
+
+def assert_same_files(source: Path, exported: Path, sharded: bool) -> None:
+    """Every file of ``source`` is in ``exported``: config.json field by field, the shards as transformers cut them
+    (when ``sharded``), every tensor bit for bit, every other file byte for byte; besides them, p2p_diloco.json."""
+    names = {p.name for p in source.iterdir()}
+    if not sharded:
+        names = {n for n in names if not n.startswith("model-") and n != "model.safetensors.index.json"}
+        names.add("model.safetensors")
+    assert {p.name for p in exported.iterdir()} == names | {"p2p_diloco.json"}
+    assert json.loads((exported / "config.json").read_text()) == json.loads((source / "config.json").read_text())
+    if sharded:
+        index = "model.safetensors.index.json"
+        assert json.loads((exported / index).read_text())["weight_map"] == \
+            json.loads((source / index).read_text())["weight_map"]
+    for name in names - {"config.json"}:
+        if name.endswith(".safetensors"):
+            theirs, ours = (tensors_of(source) if not sharded else load_file(str(source / name)),
+                            load_file(str(exported / name)))
+            assert ours.keys() == theirs.keys(), name
+            assert all(ours[k].dtype == theirs[k].dtype and torch.equal(ours[k], theirs[k]) for k in ours), name
+        elif not name.endswith(".index.json"):
+            assert (exported / name).read_bytes() == (source / name).read_bytes(), name
 
 
 def test_a_peer_that_loaded_other_weights_is_refused_by_the_swarm(folder, tmp_path):
@@ -98,10 +136,11 @@ def test_a_peer_that_loaded_other_weights_is_refused_by_the_swarm(folder, tmp_pa
     shutil.copytree(folder, other)
     shard = json.loads((other / "model.safetensors.index.json").read_text())["weight_map"]["model.norm.weight"]
     tensors = load_file(str(other / shard))
-    tensors["model.norm.weight"][0] += 1e-3
+    tensors["model.norm.weight"][0] += 0.25  # a change bf16 can hold
     save_file(tensors, str(other / shard), metadata={"format": "pt"})
     loaded = open_hf_folder(folder)
     theirs, mine = weights_digest(loaded), weights_digest(open_hf_folder(other))
+    assert theirs != mine
     record = config_fingerprint(loaded.args, [4], read_meta(resolve_data_path(DataConfig())), init_digest=theirs)
 
     node = start_dht(DHTConfig(host_maddrs=[LOOPBACK]), record_validators=swarm_validators("init-from"))

@@ -310,3 +310,115 @@ def test_a_pipelined_peer_refuses_a_folder_that_does_not_fit_before_starting_sta
     assert main(["peer", "--model.init_from", str(tied), "--output-dir", str(out), "--stages", "2"]) == 2
     assert "pipeline.stages: " + str(tied / "config.json") + " ties the output head" in capsys.readouterr().err
     assert not (out / "stages.toml").exists()  # no stage process was started
+
+
+def a_real_checkpoint(path: Path, weights: dict[str, torch.Tensor], num_shards: int) -> Path:
+    """A bf16 folder as the Hub ships them: config fields our decoder does not use, a BOS, and the tokenizer and
+    generation files (special tokens, a chat template, the model's context length)."""
+    source = write_folder(path, ARGS, weights, num_shards=num_shards, dtype=torch.bfloat16)
+    config = json.loads((source / "config.json").read_text())
+    config.update(bos_token_id=1, pretraining_tp=1, torch_dtype="bfloat16", transformers_version="4.44.0")
+    del config["dtype"]
+    (source / "config.json").write_text(json.dumps(config, indent=1))
+    (source / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": "<|endoftext|>", "model_max_length": 64, "add_bos_token": True,
+        "chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}"}))
+    (source / "special_tokens_map.json").write_text('{"bos_token": "<s>", "eos_token": "<|endoftext|>"}\n')
+    (source / "generation_config.json").write_text('{"bos_token_id": 1, "eos_token_id": 256, "temperature": 0.6}')
+    (source / "LICENSE").write_text("the base model's license\n")
+    return source
+
+
+def export_from(tmp_path: Path, source: Path, weights: dict[str, torch.Tensor], *options: str) -> Path:
+    """Export a one-stage peer that started from ``source`` and applied no round: its anchor is the folder's."""
+    from p2p_diloco.cli.main import main
+    from p2p_diloco.training.state.checkpoint import save_checkpoint
+
+    peer = tmp_path / "peer"
+    anchor = {f"anchor/{name}": value.bfloat16().float() for name, value in weights.items()}
+    if not (peer / "config.toml").exists():
+        save_checkpoint(peer / "checkpoints" / "stage0of1", 0, anchor,
+                        {"run_id": "r", "round": 0, "applied_round": -1, "model": ARGS.__dict__}, keep=2)
+        (peer / "config.toml").write_text(f"[model]\ninit_from = {json.dumps(str(source))}\n")
+    out = tmp_path / f"out{len(list(tmp_path.glob('out*')))}"
+    assert main(["export", str(peer), "--out", str(out), *options]) == 0
+    return out
+
+
+def stored(folder: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for file in folder.glob("*.safetensors"):
+        out.update(load_file(str(file)))
+    return out
+
+
+@pytest.mark.parametrize("num_shards", [1, 3])
+def test_export_gives_back_a_bf16_folder_unchanged(tmp_path, weights, num_shards, capsys):
+    source = a_real_checkpoint(tmp_path / "llama", weights, num_shards)
+    out = export_from(tmp_path, source, weights)
+    assert json.loads((out / "config.json").read_text()) == json.loads((source / "config.json").read_text())
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+                 "LICENSE"):
+        assert (out / name).read_bytes() == (source / name).read_bytes(), name
+    theirs, ours = stored(source), stored(out)
+    assert ours.keys() == theirs.keys()
+    assert all(ours[name].dtype == torch.bfloat16 and torch.equal(ours[name], theirs[name]) for name in theirs)
+    assert sorted(p.name for p in out.glob("*.safetensors")) == ["model.safetensors"]  # it fits in one file
+    assert "the tokenizer and settings of" in capsys.readouterr().out
+
+
+def test_export_shards_as_transformers_does_and_casts_on_request(tmp_path, weights):
+    from p2p_diloco.model.export import read_hf_folder
+
+    source = a_real_checkpoint(tmp_path / "llama", weights, 1)
+    out = export_from(tmp_path, source, weights, "--max-shard-size", "20KB", "--dtype", "float32")
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(p.name for p in out.glob("*.safetensors"))
+    assert len(files) > 2 and files == sorted(set(index["weight_map"].values()))
+    assert all(f"-of-{len(files):05d}.safetensors" in f for f in files)
+    ours = stored(out)
+    for file in files:  # at most 20 kB of tensors per file, or one tensor larger than that (the embedding) alone
+        sizes = [t.numel() * 4 for t in load_file(str(out / file)).values()]
+        assert sum(sizes) <= 20_000 or len(sizes) == 1, (file, sizes)
+    assert index["metadata"]["total_size"] == sum(t.numel() * 4 for t in ours.values())
+    assert all(t.dtype == torch.float32 and torch.equal(t, weights[name].bfloat16().float())
+               for name, t in read_hf_folder(out)[1].items() for t in [ours[hf_name(name)]])
+    config, theirs = json.loads((out / "config.json").read_text()), json.loads((source / "config.json").read_text())
+    assert config == dict(theirs, torch_dtype="float32")  # only the dtype changed
+
+
+def test_export_without_a_source_is_fp32_with_the_models_context_length(tmp_path, weights):
+    from p2p_diloco.cli.main import main
+    from p2p_diloco.training.state.checkpoint import save_checkpoint
+
+    peer = tmp_path / "peer"
+    save_checkpoint(peer / "checkpoints" / "stage0of1", 0, {f"anchor/{k}": v for k, v in weights.items()},
+                    {"run_id": "r", "round": 0, "applied_round": -1, "model": ARGS.__dict__}, keep=2)
+    assert main(["export", str(peer), "--out", str(tmp_path / "out"), "--tokenizer", "byte"]) == 0
+    assert json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())["model_max_length"] == 64
+    assert all(t.dtype == torch.float32 for t in stored(tmp_path / "out").values())
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["torch_dtype"] == "float32"
+
+
+def test_export_refuses_another_tokenizer_for_a_source_and_a_bad_size(tmp_path, weights, capsys):
+    from p2p_diloco.cli.main import main
+
+    source = a_real_checkpoint(tmp_path / "llama", weights, 1)
+    export_from(tmp_path, source, weights)
+    assert main(["export", str(tmp_path / "peer"), "--out", str(tmp_path / "x"), "--tokenizer", "byte"]) != 0
+    assert "leave --tokenizer out" in capsys.readouterr().err
+    assert main(["export", str(tmp_path / "peer"), "--out", str(tmp_path / "x"), "--max-shard-size", "5 parsecs"]) != 0
+    assert "--max-shard-size" in capsys.readouterr().err and not (tmp_path / "x").exists()
+    source.rename(tmp_path / "moved")  # gone: said, and exported as a run from random weights
+    assert main(["export", str(tmp_path / "peer"), "--out", str(tmp_path / "x"), "--tokenizer", "byte"]) == 0
+    assert "cannot be read (not here)" in capsys.readouterr().err
+    assert all(t.dtype == torch.float32 for t in stored(tmp_path / "x").values())
+
+
+def test_sizes_read_as_transformers_reads_them():
+    from p2p_diloco.model.export import parse_size
+
+    assert [parse_size(s) for s in ("5GB", "500MB", "2GiB", "20KB", "1234")] == [5 * 10**9, 5 * 10**8, 2 * 2**30,
+                                                                                 20_000, 1234]
+    with pytest.raises(ValueError):
+        parse_size("0")
