@@ -7,6 +7,7 @@ Called by :func:`~p2p_diloco.stage_process.run_stage` (replica 0, and a peer of 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -33,7 +34,31 @@ def load_data(cfg: Config, max_seq_len: int) -> StageData:
     seq_len = cfg.data.seq_len or max_seq_len
     if seq_len > max_seq_len:
         raise ConfigError(f"data.seq_len: {seq_len} is longer than the model's max_seq_len {max_seq_len}")
-    return StageData(train, eval_split, seq_len)
+    data = StageData(train, eval_split, seq_len)
+    check_eval_fits(data, cfg.data.batch_size, cfg.data.eval_batches)
+    return data
+
+
+def check_eval_fits(data: StageData, batch_size: int, num_eval_batches: int) -> None:
+    """Refuse, before training, an eval split that does not hold one eval batch; the message names the options that
+    fix it, with values that fit: no evaluation, a smaller batch or window, or a larger eval split."""
+    if data.eval is None or num_eval_batches == 0:
+        return
+    window_len = data.seq_len + 1
+    num_needed, num_have = batch_size * window_len, data.eval.num_tokens
+    if num_have >= num_needed:
+        return
+    fixes = ["--data.eval_batches 0 (no evaluation)"]
+    if num_have // window_len >= 1:
+        fixes.append(f"--data.batch_size {num_have // window_len}")
+    if num_have // batch_size - 1 > 1:
+        fixes.append(f"--data.seq_len {num_have // batch_size - 1}")
+    fraction = num_needed / (data.train.num_tokens + num_have)
+    if fraction < 0.5:  # the split is by whole documents: ask for a margin over the tokens needed
+        fixes.append(f"the shards made again with `prepare-data --eval-fraction {math.ceil(fraction * 1250) / 1000:g}`")
+    raise ConfigError(f"data.eval_batches: the eval split of {data.eval.path} has {num_have} tokens, fewer than one "
+                      f"eval batch of data.batch_size {batch_size} x (data.seq_len + 1) {window_len} = {num_needed}; "
+                      f"use {', or '.join(fixes)}")
 
 
 def check_vocab(data: StageData, vocab_size: int) -> None:

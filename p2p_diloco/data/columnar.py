@@ -2,11 +2,11 @@
 
 Only the text column is read (pyarrow's ``include_columns`` / ``columns``), so other columns are neither parsed
 nor held, and a CSV column whose inferred type changes half-way cannot fail the run. Text is read as bytes and
-decoded with replacement, as text files are. A CSV row with the wrong number of fields is a bad record (pyarrow's
-``invalid_row_handler`` names its row); a missing text column, or a Parquet text column that is not strings,
-is an error for the whole file. A CSV is parsed a block of ``MAX_DOCUMENT_BYTES`` at a time; a Parquet file, whose
-pages pyarrow decompresses at whatever size they declare, in a child process with a memory limit
-(:mod:`~p2p_diloco.data.watched`).
+decoded strictly: a text that is not UTF-8 is a bad record, as in every format. A CSV row with the wrong number of
+fields is a bad record (pyarrow's ``invalid_row_handler`` names its row); a missing text column, or a Parquet text
+column that is not strings, is an error for the whole file. A CSV is parsed a block of ``MAX_DOCUMENT_BYTES`` at a
+time; a Parquet file, whose pages pyarrow decompresses at whatever size they declare, in a child process with a
+memory limit (:mod:`~p2p_diloco.data.watched`).
 Who calls this: :func:`p2p_diloco.data.readers.read_records` (pyarrow is imported only when a CSV or Parquet
 file is read).
 """
@@ -21,7 +21,7 @@ import pyarrow as pa
 from pyarrow import csv as pa_csv
 from pyarrow import parquet as pa_parquet
 
-from p2p_diloco.data.documents import MAX_DOCUMENT_BYTES, Document, Record, open_input, too_long
+from p2p_diloco.data.documents import MAX_DOCUMENT_BYTES, Document, Record, decode_utf8, open_input, too_long
 from p2p_diloco.data.errors import DataError
 from p2p_diloco.data.watched import watched
 
@@ -163,8 +163,10 @@ def _row_record(doc: Document, row: int, value: str | bytes | None, bytes_read: 
         return Record(doc, row, None, "the text is null", bytes_read, unit="row")
     if len(value) > MAX_DOCUMENT_BYTES:  # characters of a string: at least as many bytes
         return Record(doc, row, None, too_long(), bytes_read, unit="row")
-    text = value.decode("utf-8", errors="replace") if isinstance(value, bytes) else value
-    return Record(doc, row, text, None, bytes_read, unit="row")
+    if isinstance(value, str):
+        return Record(doc, row, value, None, bytes_read, unit="row")
+    text, problem, num_invalid = decode_utf8(value, within=" of the text")
+    return Record(doc, row, text, problem, bytes_read, unit="row", num_invalid_bytes=num_invalid)
 
 
 def _checked(batches: Iterable[pa.RecordBatch], doc: Document, kind: str) -> Iterator[pa.RecordBatch]:

@@ -10,6 +10,7 @@ which take their records.
 from __future__ import annotations
 
 import gzip
+import re
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -51,6 +52,8 @@ class Record:
     bytes_read: int = 0
     """How far into the input file this record ends, in bytes of the file as stored (for progress)."""
     unit: str = "line"
+    num_invalid_bytes: int = 0
+    """Bytes of the record that are not UTF-8 (then ``problem`` says so and where the first is)."""
 
     @property
     def key(self) -> str:
@@ -86,6 +89,27 @@ def open_input(doc: Document, compression: str | None) -> Iterator[tuple[BinaryI
         raise DataError(f"{doc.path}: cannot read it ({exc})") from None
     finally:
         raw.close()
+
+
+def decode_utf8(data: bytes, start: int = 0, within: str = "") -> tuple[str | None, str | None, int]:
+    """Decode a document's bytes strictly: ``(text, None, 0)``, or ``(None, problem, num_invalid_bytes)`` when they
+    are not UTF-8, the problem naming the first bad byte's offset (``start`` plus its place in ``data``, ``within``
+    saying of what: '' for the file, ' of the line').
+
+    Bytes that are not UTF-8 make a bad record, as an invalid JSON line does, rather than U+FFFD characters the
+    model would learn: the caller's :class:`~p2p_diloco.data.readers.BadRecords` skips (and counts) it or stops.
+    """
+    try:
+        return data.decode("utf-8"), None, 0
+    except UnicodeDecodeError as exc:
+        # surrogateescape maps each undecodable byte to one lone surrogate: counting those counts the bytes.
+        num_invalid = len(_ESCAPED_BYTE.findall(data.decode("utf-8", errors="surrogateescape")))
+        problem = (f"not valid UTF-8: {num_invalid} invalid byte{'s' if num_invalid != 1 else ''}, the first at "
+                   f"byte offset {start + exc.start}{within} (convert it, e.g. `iconv -f latin1 -t utf-8`)")
+        return None, problem, num_invalid
+
+
+_ESCAPED_BYTE = re.compile("[\udc80-\udcff]")
 
 
 def too_long() -> str:

@@ -1,9 +1,10 @@
 """Turning local files into a shards folder, and the built-in corpus (the Python standard library's source).
 
 Every document (a text file or an 8 MiB piece of a longer one, or one record of a JSON Lines, CSV or Parquet file;
-see :mod:`readers`) is encoded and ended with the tokenizer's end-of-document token, streaming: memory holds one
-document at a time (and the two that :class:`~p2p_diloco.data.splits.SplitRouter` holds back), whatever the size of
-the input. A held-out eval split is a deterministic subset of whole documents, chosen by a stable hash of each
+see :mod:`readers`) is encoded, begun with the tokenizer's beginning-of-sequence token where it has one (the model
+was pretrained with it; ``bos=False`` leaves it out) and ended with its end-of-document token, streaming: memory holds
+one document at a time (and the two that :class:`~p2p_diloco.data.splits.SplitRouter` holds back), whatever the size
+of the input. A held-out eval split is a deterministic subset of whole documents, chosen by a stable hash of each
 document's key (its relative path, and line, row or piece), so eval tokens never appear in train and every machine
 makes the same split.
 Who calls this: the ``prepare-data`` CLI command (:func:`prepare_data`) and every peer at start-up
@@ -61,7 +62,7 @@ STDLIB_EXCLUDED_DIRS = frozenset({
 def prepare_data(inputs: Sequence[Path], out_dir: Path, tokenizer: Tokenizer, eval_fraction: float = 0.01,
                  tokens_per_shard: int = DEFAULT_TOKENS_PER_SHARD, extensions: Iterable[str] | None = None,
                  progress: bool = True, text_field: str = "text",
-                 bad_records: BadRecords | None = None) -> dict[str, Any]:
+                 bad_records: BadRecords | None = None, bos: bool = True) -> dict[str, Any]:
     """Tokenize text, JSON Lines, CSV and Parquet files into a shards folder with a train and an eval split.
 
     Args:
@@ -74,6 +75,7 @@ def prepare_data(inputs: Sequence[Path], out_dir: Path, tokenizer: Tokenizer, ev
         progress: show a progress bar (only when stderr is a terminal).
         text_field: the JSON field or CSV/Parquet column that holds each record's text.
         bad_records: skip or stop at an unusable record, and count those skipped (default: skip).
+        bos: put the tokenizer's beginning-of-sequence token (if it has one) before each document.
 
     Returns:
         The meta.json written.
@@ -89,12 +91,12 @@ def prepare_data(inputs: Sequence[Path], out_dir: Path, tokenizer: Tokenizer, ev
         wanted = f" with extension {', '.join(suffixes)}" if suffixes else ""
         raise DataError(f"no input files{wanted} found in {', '.join(str(p) for p in inputs) or '(no inputs)'}")
     return write_corpus(documents, out_dir, tokenizer, eval_fraction, tokens_per_shard, progress, text_field,
-                        bad_records)
+                        bad_records, bos)
 
 
 def write_corpus(documents: Sequence[Document], out_dir: Path, tokenizer: Tokenizer, eval_fraction: float,
                  tokens_per_shard: int = DEFAULT_TOKENS_PER_SHARD, progress: bool = True, text_field: str = "text",
-                 bad_records: BadRecords | None = None) -> dict[str, Any]:
+                 bad_records: BadRecords | None = None, bos: bool = True) -> dict[str, Any]:
     """Encode ``documents`` into the shards folder ``out_dir`` (atomically) and return its meta.json.
 
     The split follows :mod:`p2p_diloco.data.splits`: by rank of the files' hashes when every input is a text file,
@@ -110,32 +112,31 @@ def write_corpus(documents: Sequence[Document], out_dir: Path, tokenizer: Tokeni
     if len(documents) > 1 and all(input_format(doc.path)[0] == "text" for doc in documents):
         eval_documents = {documents[i] for i in choose_eval_documents(documents, eval_fraction)}
     dtype = dtype_for_vocab(tokenizer.vocab_size)
+    ends = {"bos_id": tokenizer.bos_id if bos else None, "eot_id": tokenizer.eot_id}
     start_s = time.monotonic()
     with atomic_output_dir(out_dir) as tmp_dir:
         writers = {split: ShardWriter(tmp_dir, split, dtype, tokens_per_shard) for split in ("train", "eval")}
         with writers["train"], writers["eval"]:
             router = SplitRouter(writers, eval_fraction, eval_documents)
-            _write_documents(documents, tokenizer, router, text_field, bad_records, progress)
+            _write_documents(documents, tokenizer, ends["bos_id"], router, text_field, bad_records, progress)
             num_documents = router.finish()
         splits = {}
         for split, writer in writers.items():
             splits[split] = {**writer.close(), "num_documents": num_documents[split]}
             if splits[split]["num_tokens"] == 0:
                 raise DataError(f"{out_dir}: the {split} split would be empty; the inputs hold too little text"
-                                + (f" ({bad_records.num_skipped} bad records skipped)" if bad_records.num_skipped
-                                   else ""))
-        meta = write_meta(tmp_dir, dtype, tokenizer.vocab_size, tokenizer.name, splits)
+                                + (f" ({bad_records.summary()})" if bad_records.num_skipped else ""))
+        meta = write_meta(tmp_dir, dtype, tokenizer.vocab_size, tokenizer.name, splits, documents=ends)
         if getattr(tokenizer, "path", None) is not None:  # the shards' tokenizer, for export and generate
             shutil.copyfile(tokenizer.path, tmp_dir / TOKENIZER_FILE)
-    logger.info("Prepared %s in %.1f s: train %d tokens (%d documents), eval %d tokens (%d documents), "
-                "%d bad records skipped", out_dir, time.monotonic() - start_s, splits["train"]["num_tokens"],
-                splits["train"]["num_documents"], splits["eval"]["num_tokens"], splits["eval"]["num_documents"],
-                bad_records.num_skipped)
+    logger.info("Prepared %s in %.1f s: train %d tokens (%d documents), eval %d tokens (%d documents), %s",
+                out_dir, time.monotonic() - start_s, splits["train"]["num_tokens"], splits["train"]["num_documents"],
+                splits["eval"]["num_tokens"], splits["eval"]["num_documents"], bad_records.summary())
     return meta
 
 
-def _write_documents(documents: Sequence[Document], tokenizer: Tokenizer, router: SplitRouter, text_field: str,
-                     bad_records: BadRecords, progress: bool) -> None:
+def _write_documents(documents: Sequence[Document], tokenizer: Tokenizer, bos_id: int | None, router: SplitRouter,
+                     text_field: str, bad_records: BadRecords, progress: bool) -> None:
     """Read, encode and route every document of every input, one at a time."""
     sizes = [doc.path.stat().st_size for doc in documents]
     with tqdm(total=sum(sizes), unit="B", unit_scale=True, desc="tokenizing", leave=False,
@@ -148,12 +149,14 @@ def _write_documents(documents: Sequence[Document], tokenizer: Tokenizer, router
                 if record.problem is not None:
                     bad_records.handle(record)
                 else:
-                    router.add(record, _encode(record.text, tokenizer))
+                    router.add(record, _encode(record.text, tokenizer, bos_id))
             bar.update(max(0, size - done))
 
 
-def _encode(text: str, tokenizer: Tokenizer) -> np.ndarray:
+def _encode(text: str, tokenizer: Tokenizer, bos_id: int | None) -> np.ndarray:
     ids = tokenizer.encode(text)
+    if bos_id is not None:
+        ids.insert(0, bos_id)
     if tokenizer.eot_id is not None:
         ids.append(tokenizer.eot_id)
     return np.asarray(ids, dtype=np.int64)

@@ -11,9 +11,10 @@ Records are streamed: memory holds one record (a Parquet or CSV batch at most), 
 document holds at most ``MAX_DOCUMENT_BYTES`` (decompressed), read no further than that: preparing a document takes
 some 20 times its size, and a small compressed file can hold one huge document (300 MB of text fit in a 299 KiB
 ``.txt.gz``).
-A record that cannot be used (invalid JSON, no text field, a text that is not a string, a longer one) is yielded with
-its ``problem`` set; the caller chooses to skip it or stop (:class:`BadRecords`). A file that cannot be read at all
-(unreadable, unknown format, no text column, corrupt compression) raises a :class:`DataError` naming it.
+A record that cannot be used (invalid JSON, no text field, a text that is not a string, a longer one, bytes that are
+not UTF-8, in any format: never read with replacement characters) is yielded with its ``problem`` set; the caller
+chooses to skip it or stop (:class:`BadRecords`). A file that cannot be read at all (unreadable, unknown format, no
+text column, corrupt compression) raises a :class:`DataError` naming it.
 Who calls this: :mod:`p2p_diloco.data.prepare`.
 """
 
@@ -27,7 +28,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
-from p2p_diloco.data.documents import MAX_DOCUMENT_BYTES, Document, Record, open_input, too_long
+from p2p_diloco.data.documents import MAX_DOCUMENT_BYTES, Document, Record, decode_utf8, open_input, too_long
 from p2p_diloco.data.errors import DataError
 from p2p_diloco.data.streams import COMPRESSIONS
 
@@ -139,20 +140,27 @@ def read_records(doc: Document, text_field: str = "text") -> Iterator[Record]:
 
 def _text_records(doc: Document, raw: BinaryIO, stream: BinaryIO) -> Iterator[Record]:
     """A text file as one document, or, longer than a document may be, as consecutive pieces of at most
-    MAX_DOCUMENT_BYTES, each cut after its last newline; streaming: memory holds one piece and the byte after it."""
+    MAX_DOCUMENT_BYTES, each cut after its last newline; streaming: memory holds one piece and the byte after it.
+    A document that is not UTF-8 is a bad record naming the (decompressed) byte offset of its first invalid byte."""
     limit = MAX_DOCUMENT_BYTES
     buffer = stream.read(limit + 1)
     if len(buffer) <= limit:
-        yield Record(doc, None, buffer.decode("utf-8", errors="replace"), bytes_read=raw.tell())
+        yield _text_record(doc, None, buffer, 0, raw.tell())
         return
-    number = 0
+    number, offset = 0, 0
     while len(buffer) > limit:
         cut = _piece_end(buffer, limit)
         number += 1
-        yield Record(doc, number, buffer[:cut].decode("utf-8", errors="replace"), bytes_read=raw.tell(), unit="piece")
+        yield _text_record(doc, number, buffer[:cut], offset, raw.tell())
+        offset += cut
         buffer = buffer[cut:]
         buffer += stream.read(limit + 1 - len(buffer))
-    yield Record(doc, number + 1, buffer.decode("utf-8", errors="replace"), bytes_read=raw.tell(), unit="piece")
+    yield _text_record(doc, number + 1, buffer, offset, raw.tell())
+
+
+def _text_record(doc: Document, number: int | None, data: bytes, offset: int, bytes_read: int) -> Record:
+    text, problem, num_invalid = decode_utf8(data, start=offset)
+    return Record(doc, number, text, problem, bytes_read, unit="piece", num_invalid_bytes=num_invalid)
 
 
 def _piece_end(buffer: bytes, limit: int) -> int:
@@ -179,8 +187,8 @@ def _jsonl_records(doc: Document, raw: BinaryIO, stream: BinaryIO, text_field: s
         if number == 1 and line.lstrip().startswith(b"["):
             raise DataError(f"{doc.path}: a JSON array, not JSON Lines (one object per line); convert it with "
                             f"`jq -c '.[]' {doc.path.name} > {doc.path.stem}.jsonl`")
-        text, problem = _json_text(line, text_field)
-        yield Record(doc, number, text, problem, raw.tell())
+        text, problem, num_invalid = _json_text(line, text_field)
+        yield Record(doc, number, text, problem, raw.tell(), num_invalid_bytes=num_invalid)
 
 
 def _lines(stream: BinaryIO, limit: int) -> Iterator[bytes | None]:
@@ -195,23 +203,26 @@ def _lines(stream: BinaryIO, limit: int) -> Iterator[bytes | None]:
         yield None
 
 
-def _json_text(line: bytes, text_field: str) -> tuple[str | None, str | None]:
-    """Return ``(text, None)`` for a usable JSON Lines record, else ``(None, problem)``."""
+def _json_text(line: bytes, text_field: str) -> tuple[str | None, str | None, int]:
+    """Return ``(text, None, 0)`` for a usable JSON Lines record, else ``(None, problem, num_invalid_bytes)``."""
+    decoded, problem, num_invalid = decode_utf8(line, within=" of the line")
+    if decoded is None:
+        return None, problem, num_invalid
     try:
-        value = json.loads(line)
-    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
-        return None, f"not valid JSON ({exc})"
+        value = json.loads(decoded)
+    except ValueError as exc:
+        return None, f"not valid JSON ({exc})", 0
     if not isinstance(value, dict):
-        return None, f"a JSON {_json_type(value)}, not an object"
+        return None, f"a JSON {_json_type(value)}, not an object", 0
     if text_field not in value:
         names = ", ".join(list(value)[:10]) or "none"
-        return None, f"no field {text_field!r} (fields: {names}); choose one with --text-field"
+        return None, f"no field {text_field!r} (fields: {names}); choose one with --text-field", 0
     text = value[text_field]
     if not isinstance(text, str):
-        return None, f"field {text_field!r} is a JSON {_json_type(text)}, not a string"
-    if (b"\\ud" in line or b"\\uD" in line) and _has_lone_surrogate(text):  # only a \\u escape can make one
-        return None, "the text is not valid Unicode (a lone surrogate escape)"
-    return text, None
+        return None, f"field {text_field!r} is a JSON {_json_type(text)}, not a string", 0
+    if ("\\ud" in decoded or "\\uD" in decoded) and _has_lone_surrogate(text):  # only a \\u escape can make one
+        return None, "the text is not valid Unicode (a lone surrogate escape)", 0
+    return text, None, 0
 
 
 def _has_lone_surrogate(text: str) -> bool:
@@ -236,16 +247,31 @@ class BadRecords:
         self.policy = policy
         self.num_named = num_named
         self.num_skipped = 0
+        self.num_not_utf8 = 0
+        """Skipped records that were not UTF-8 (counted in ``num_skipped`` too)."""
+        self.num_invalid_bytes = 0
+        """Bytes that were not UTF-8 in those records."""
 
     def handle(self, record: Record) -> None:
         """Count and maybe name a bad record; raise when the policy is 'stop'.
 
         Raises:
-            DataError: ``policy == 'stop'``; the message names the file and line or row.
+            DataError: ``policy == 'stop'``; the message names the file and line, row, piece or byte offset.
         """
         if self.policy == "stop":
             raise DataError(f"{record.location}: {record.problem} (--on-bad-record skip would skip it)")
         self.num_skipped += 1
+        if record.num_invalid_bytes:
+            self.num_not_utf8 += 1
+            self.num_invalid_bytes += record.num_invalid_bytes
         if self.num_skipped <= self.num_named:
             more = "; further ones are only counted" if self.num_skipped == self.num_named else ""
             logger.warning("Skipping %s: %s%s", record.location, record.problem, more)
+
+    def summary(self) -> str:
+        """``N bad records skipped``, and how many of them were not UTF-8 (and their invalid bytes)."""
+        text = f"{self.num_skipped:,} bad records skipped"
+        if self.num_not_utf8:
+            text += (f", {self.num_not_utf8:,} of them not UTF-8 ({self.num_invalid_bytes:,} invalid "
+                     f"byte{'s' if self.num_invalid_bytes != 1 else ''})")
+        return text

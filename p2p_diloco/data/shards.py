@@ -13,11 +13,13 @@ Who calls this: :mod:`p2p_diloco.data.prepare` (writing) and :mod:`p2p_diloco.da
 
 from __future__ import annotations
 
+import glob
 import json
 import logging
 import os
 import re
 import shutil
+import socket
 import tempfile
 import uuid
 from collections.abc import Iterator, Sequence
@@ -112,7 +114,7 @@ class ShardWriter:
 
 
 def write_meta(out_dir: Path, dtype: str, vocab_size: int, tokenizer_name: str,
-               splits: dict[str, dict[str, Any]]) -> dict[str, Any]:
+               splits: dict[str, dict[str, Any]], documents: dict[str, Any] | None = None) -> dict[str, Any]:
     """Write ``meta.json`` into ``out_dir`` and return it.
 
     Args:
@@ -121,11 +123,15 @@ def write_meta(out_dir: Path, dtype: str, vocab_size: int, tokenizer_name: str,
         vocab_size: every token id is below this.
         tokenizer_name: the tokenizer's ``name`` ('byte' or 'hf:<file name>').
         splits: split name -> the entry returned by :meth:`ShardWriter.close` (extra keys are kept).
+        documents: how each document was encoded (``bos_id``, ``eot_id``: the ids put before and after it, or
+            None), recorded as meta.json's ``documents``; left out when None.
     """
     if dtype not in DTYPES:
         raise DataError(f"unknown shard dtype {dtype!r}; expected one of {', '.join(DTYPES)}")
     meta = {"format": FORMAT, "version": VERSION, "dtype": dtype, "vocab_size": int(vocab_size),
             "tokenizer": tokenizer_name, "splits": splits}
+    if documents is not None:
+        meta["documents"] = documents
     with open(Path(out_dir) / META_FILE, "w", encoding="utf-8") as f:
         json.dump(meta, f, indent=2)
         f.write("\n")
@@ -140,11 +146,14 @@ def atomic_output_dir(out_dir: Path) -> Iterator[Path]:
 
     On an exception the temporary folder is removed and an existing ``out_dir`` is left untouched.
     An existing ``out_dir`` is only replaced when it is empty or a shards folder (has meta.json).
+    The temporary folder's name holds this host and process id, so a later write of the same folder removes the one
+    a killed process left (:func:`remove_stale_temp_dirs`).
     """
     out_dir = Path(out_dir).expanduser()
     _check_replaceable(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    remove_stale_temp_dirs(out_dir)
+    tmp_dir = Path(tempfile.mkdtemp(prefix=f"{_temp_prefix(out_dir)}{os.getpid()}-{_host()}-", dir=out_dir.parent))
     done = False
     try:
         yield tmp_dir
@@ -153,6 +162,41 @@ def atomic_output_dir(out_dir: Path) -> Iterator[Path]:
     finally:
         if not done:
             shutil.rmtree(tmp_dir, ignore_errors=True)
+
+
+def remove_stale_temp_dirs(out_dir: Path) -> list[Path]:
+    """Remove the temporary folders of ``out_dir`` whose writer, a process of this host, is gone; return them.
+
+    A folder of another host, or of a live process (or one this process cannot signal), is left alone.
+    """
+    prefix = _temp_prefix(out_dir)
+    removed = []
+    for stale in out_dir.parent.glob(f"{glob.escape(prefix)}*"):
+        pid, sep, rest = stale.name[len(prefix):].partition("-")
+        if not (pid.isdigit() and sep and rest.rpartition("-")[0] == _host()) or _process_alive(int(pid)):
+            continue
+        shutil.rmtree(stale, ignore_errors=True)
+        logger.info("Removed %s, left by process %s, which is gone", stale, pid)
+        removed.append(stale)
+    return removed
+
+
+def _temp_prefix(out_dir: Path) -> str:
+    return f".{out_dir.name}.tmp-"
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname()) or "host"
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _check_replaceable(out_dir: Path) -> None:

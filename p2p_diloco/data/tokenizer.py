@@ -27,6 +27,8 @@ class Tokenizer(Protocol):
     """Number of token ids; every id is in [0, vocab_size)."""
     eot_id: int | None
     """Id appended after each document, or None when the tokenizer has no end-of-document token."""
+    bos_id: int | None
+    """Id put before each document (the model's beginning-of-sequence token), or None when the tokenizer has none."""
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -39,6 +41,7 @@ class ByteTokenizer:
     name = "byte"
     vocab_size = 257
     eot_id: int | None = 256
+    bos_id: int | None = None
 
     def encode(self, text: str) -> list[int]:
         """Return the UTF-8 bytes of ``text`` as token ids (no end-of-document token)."""
@@ -72,6 +75,7 @@ class HFTokenizer:
             if token_id is not None:
                 self.eot_id = token_id
                 break
+        self.bos_id: int | None = _bos_id(self._tokenizer)
 
     def encode(self, text: str) -> list[int]:
         """Return the token ids of ``text``, without special tokens added by a post-processor."""
@@ -80,6 +84,16 @@ class HFTokenizer:
     def decode(self, ids: list[int]) -> str:
         """Return the text of ``ids`` (special tokens are kept, so document boundaries stay visible)."""
         return self._tokenizer.decode(list(ids), skip_special_tokens=False)
+
+
+def _bos_id(tokenizer) -> int | None:
+    """The special token the tokenizer's own post-processor puts before a text (Llama's ``<s>``, Llama 3's
+    ``<|begin_of_text|>``), which ``transformers`` adds to every input: the model was pretrained with it. None when it
+    adds none before the text (GPT-2, Qwen) or has no post-processor."""
+    encoding = tokenizer.encode("a", add_special_tokens=True)
+    if encoding.special_tokens_mask and encoding.special_tokens_mask[0] == 1:
+        return encoding.ids[0]
+    return None
 
 
 def _load_hf_tokenizer(path: Path):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -124,6 +125,82 @@ def test_bad_data_is_refused_before_training(tmp_path, shards, damage, extra, ex
     assert_one_line_error(result.stderr, "error: ")
     assert __import__("re").search(expected, result.stderr.strip().splitlines()[-1]), result.stderr[-2000:]
     assert not (out / "checkpoints").exists() and not (out / "config.toml").exists()  # refused before anything
+
+
+def test_an_eval_split_too_small_names_the_options_that_fix_it(tmp_path):
+    data = make_shards(tmp_path / "small", num_tokens=100, vocab_size=61, with_eval=True)  # eval: 100 < 4 x 33
+    out = tmp_path / "out"
+    result = run("peer", "--data.path", str(data), "--output-dir", str(out), *TINY)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert_one_line_error(result.stderr, f"error: data.eval_batches: the eval split of {data} has 100 tokens, fewer "
+                                         "than one eval batch of data.batch_size 4 x (data.seq_len + 1) 33 = 132; use "
+                                         "--data.eval_batches 0 (no evaluation), or --data.batch_size 3, or "
+                                         "--data.seq_len 24")
+    assert not (out / "checkpoints").exists() and not (out / "config.toml").exists()
+
+
+# ---- prepare-data ---------------------------------------------------------------------------------------------
+
+def write_texts(folder: Path) -> Path:
+    folder.mkdir(parents=True)
+    for i in range(4):
+        (folder / f"doc{i}.txt").write_text(f"plain text {i}\n" * 20)
+    (folder / "latin1.txt").write_bytes("café crème\n".encode("latin-1"))
+    return folder
+
+
+def test_prepare_data_counts_bytes_that_are_not_utf8_and_never_overwrites_without_force(tmp_path):
+    inputs, out = write_texts(tmp_path / "in"), tmp_path / "shards"
+    result = run("prepare-data", str(inputs), "-o", str(out))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "1 bad records skipped, 1 of them not UTF-8 (2 invalid bytes)" in result.stdout
+    assert "latin1.txt: not valid UTF-8: 2 invalid bytes, the first at byte offset 3" in result.stderr
+    before = snapshot(out)
+    result = run("prepare-data", str(inputs), "-o", str(out), "--eval-fraction", "0.5")
+    assert result.returncode == 2
+    assert_one_line_error(result.stderr, f"error: --output: {out} exists and is not empty; give --force to replace it")
+    assert snapshot(out) == before
+    result = run("prepare-data", str(inputs), "-o", str(tmp_path / "other"), "--on-bad-record", "stop")
+    assert result.returncode == 1
+    assert_one_line_error(result.stderr, f"error: {inputs / 'latin1.txt'}: not valid UTF-8: 2 invalid bytes, the "
+                                         "first at byte offset 3")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in", "shards"]  # no hidden temporary folder left
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL])
+def test_an_interrupted_or_killed_prepare_data_leaves_no_temporary_folder(tmp_path, signum):
+    """SIGTERM removes the temporary folder at once (exit 130); SIGKILL cannot, and the next run removes it."""
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    for i in range(8):
+        (inputs / f"big{i}.txt").write_bytes(b"some text to tokenize, line after line\n" * 150_000)  # 6 MB each
+    out = tmp_path / "shards"
+    process = subprocess.Popen(cli("prepare-data", str(inputs), "-o", str(out)), stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not list(tmp_path.glob(".shards.tmp-*")) and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert process.poll() is None, "prepare-data ended before its temporary folder was seen"
+        time.sleep(0.3)  # into the writing
+        process.send_signal(signum)
+        _, stderr = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    left = list(tmp_path.glob(".shards.tmp-*"))
+    if signum == signal.SIGTERM:
+        assert process.returncode == 130 and "interrupted" in stderr and left == []
+    else:
+        assert len(left) == 1
+        (inputs / "big0.txt").write_bytes(b"small now\n")
+        for i in range(1, 8):
+            (inputs / f"big{i}.txt").write_text(f"small {i}\n")
+        result = run("prepare-data", str(inputs), "-o", str(out))
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert f"Removed {left[0]}, left by process {process.pid}, which is gone" in result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["in", "shards"] if signum == signal.SIGKILL else ["in"])
 
 
 # ---- checkpoints ----------------------------------------------------------------------------------------------

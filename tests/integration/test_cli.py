@@ -174,7 +174,7 @@ def test_prepare_data_and_train_on_it(tmp_path, monkeypatch):
 
     empty = tmp_path / "empty"
     empty.mkdir()
-    result = run("prepare-data", str(empty), "--output", str(out))
+    result = run("prepare-data", str(empty), "--output", str(out), "--force")
     assert result.returncode == 1
     assert_one_line_error(result.stderr, "error: ")
     assert (out / "meta.json").exists()  # the failed prepare left the existing shards alone

@@ -256,3 +256,38 @@ def test_token_ids_beyond_the_models_vocabulary(tmp_path):
                                         rf"vocabulary size 40 \(model.vocab_size\) \(the largest id in this file is "
                                         rf"{largest}\)"):
         check_vocab(data, 40)
+
+
+def test_an_eval_split_too_small_for_one_batch_names_the_options_that_fix_it(tmp_path):
+    from p2p_diloco.stage_setup import load_data
+
+    path = write_meta_with_eval(tmp_path, num_train=20_000, num_eval=300)
+    cfg = load_config(None, [("data.path", str(path)), ("data.seq_len", "64"), ("data.batch_size", "8")])
+    with pytest.raises(ConfigError) as caught:
+        load_data(cfg, max_seq_len=128)
+    message = str(caught.value)
+    assert message.startswith(f"data.eval_batches: the eval split of {path} has 300 tokens, fewer than one eval "
+                              "batch of data.batch_size 8 x (data.seq_len + 1) 65 = 520")
+    # each value named fits: 4 windows of 65 in 300 tokens, 8 windows of 37, and ~520 of 20,300 tokens held out
+    assert "--data.eval_batches 0" in message and "--data.batch_size 4" in message
+    assert "--data.seq_len 36" in message and "prepare-data --eval-fraction 0.033" in message
+    assert "\n" not in message
+    fitting = load_config(None, [("data.path", str(path)), ("data.seq_len", "64"), ("data.batch_size", "4")])
+    assert load_data(fitting, max_seq_len=128).eval.num_tokens == 300
+    no_eval = load_config(None, [("data.path", str(path)), ("data.seq_len", "64"), ("data.batch_size", "8"),
+                                 ("data.eval_batches", "0")])
+    assert load_data(no_eval, max_seq_len=128).eval is not None
+
+
+def write_meta_with_eval(tmp_path: Path, num_train: int, num_eval: int) -> Path:
+    from p2p_diloco.data import ShardWriter, atomic_output_dir, write_meta
+
+    path = tmp_path / "small-eval"
+    with atomic_output_dir(path) as tmp:
+        splits = {}
+        for split, num_tokens in (("train", num_train), ("eval", num_eval)):
+            with ShardWriter(tmp, split, "uint16") as writer:
+                writer.append(np.arange(num_tokens) % 61)
+            splits[split] = writer.close()
+        write_meta(tmp, "uint16", 61, "test", splits)
+    return path

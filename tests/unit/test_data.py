@@ -16,6 +16,7 @@ import torch
 
 from p2p_diloco.config.sections import DataConfig
 from p2p_diloco.data import (
+    BadRecords,
     ByteTokenizer,
     DataError,
     HFTokenizer,
@@ -125,6 +126,41 @@ def test_hf_tokenizer_round_trip_and_prepare(tmp_path: Path) -> None:
     assert sorted(texts) == sorted(DOCS.values())
 
 
+def test_prepare_puts_the_tokenizers_bos_before_each_document_unless_turned_off(tmp_path: Path) -> None:
+    """A Llama-style tokenizer.json, whose post-processor puts <s> before every text (as transformers feeds the model
+    in pretraining): each document is <s>, its text, </s>; bos=False (--no-bos) leaves <s> out; meta.json says which."""
+    tokenizers = pytest.importorskip("tokenizers")
+    path = make_hf_tokenizer_json(tmp_path / "tokenizer.json", ["<s>", "</s>"])
+    llama = tokenizers.Tokenizer.from_file(str(path))
+    bos, eos = llama.token_to_id("<s>"), llama.token_to_id("</s>")
+    llama.post_processor = tokenizers.processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    llama.save(str(path))
+    tokenizer = HFTokenizer(path)
+    assert (tokenizer.bos_id, tokenizer.eot_id) == (bos, eos)
+    docs = write_docs(tmp_path / "docs", {"a.txt": "hello world\n", "b.txt": "def f(x): return x\n", "c.txt": "z\n"})
+    meta = prepare_data([docs], tmp_path / "with", tokenizer, eval_fraction=0.3, progress=False)
+    assert meta["documents"] == {"bos_id": bos, "eot_id": eos}
+    for split in ("train", "eval"):
+        for doc in split_documents(all_tokens(ShardDataset(tmp_path / "with", split)), eos):
+            assert doc[0] == bos and bos not in doc[1:]
+    meta = prepare_data([docs], tmp_path / "without", tokenizer, eval_fraction=0.3, progress=False, bos=False)
+    assert meta["documents"] == {"bos_id": None, "eot_id": eos}
+    assert bos not in all_tokens(ShardDataset(tmp_path / "without", "train"))
+    assert json.loads((tmp_path / "without" / "meta.json").read_text())["documents"]["bos_id"] is None
+    from p2p_diloco.cli.main import main
+
+    for flags, expected in (([], bos), (["--no-bos"], None)):
+        out = tmp_path / f"cli{len(flags)}"
+        assert main(["prepare-data", str(docs), "-o", str(out), "--tokenizer", str(path), "--eval-fraction", "0.3",
+                     *flags]) == 0
+        assert json.loads((out / "meta.json").read_text())["documents"] == {"bos_id": expected, "eot_id": eos}
+    # A tokenizer that adds nothing before a text (GPT-2, and the byte tokenizer) gets no BOS.
+    assert HFTokenizer(make_hf_tokenizer_json(tmp_path / "gpt2.json", ["<|endoftext|>"])).bos_id is None
+    assert ByteTokenizer().bos_id is None
+    meta = prepare_data([docs], tmp_path / "bytes", ByteTokenizer(), eval_fraction=0.3, progress=False)
+    assert meta["documents"] == {"bos_id": None, "eot_id": 256}
+
+
 def test_hf_tokenizer_without_eot_token(tmp_path: Path) -> None:
     tokenizer = HFTokenizer(make_hf_tokenizer_json(tmp_path / "tok.json", ["<pad>"]))
     assert tokenizer.eot_id is None and tokenizer.name == "hf:tok.json"
@@ -167,15 +203,19 @@ def test_prepare_round_trip_with_disjoint_eval_documents(tmp_path: Path) -> None
 
 
 def test_prepare_filters_extensions_and_skips_binary_files(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    inputs = write_docs(tmp_path / "docs", {"one.py": "x = 1\n", "two.py": "y = 2\n", "notes.md": "# notes\n"})
+    inputs = write_docs(tmp_path / "docs", {"one.py": "x = 1\n", "two.py": "y = 2\n", "three.py": "w = 3\n",
+                                            "four.py": "v = 4\n", "notes.md": "# notes\n"})
     (inputs / "blob.py").write_bytes(b"\x00\x01binary\x00")
-    (inputs / "latin1.py").write_bytes("z = 'caf\xe9'\n".encode("latin-1"))  # invalid UTF-8: replaced, kept
+    (inputs / "latin1.py").write_bytes("z = 'caf\xe9'\n".encode("latin-1"))  # not UTF-8: a bad record
+    bad_records = BadRecords()
     with caplog.at_level(logging.WARNING):
         prepare_data([inputs], tmp_path / "out", ByteTokenizer(), eval_fraction=0.3, extensions=(".py",),
-                     progress=False)
+                     progress=False, bad_records=bad_records)
     assert "blob.py: looks like a binary file" in caplog.text
+    assert "latin1.py: not valid UTF-8: 1 invalid byte, the first at byte offset 8" in caplog.text
+    assert (bad_records.num_skipped, bad_records.num_not_utf8, bad_records.num_invalid_bytes) == (1, 1, 1)
     texts = decoded_documents(tmp_path / "out", "train") + decoded_documents(tmp_path / "out", "eval")
-    assert sorted(texts) == sorted(["x = 1\n", "y = 2\n", "z = 'caf\ufffd'\n"])
+    assert sorted(texts) == sorted(["x = 1\n", "y = 2\n", "w = 3\n", "v = 4\n"])  # no U+FFFD anywhere
 
 
 def test_prepare_single_file_holds_out_its_tail(tmp_path: Path) -> None:

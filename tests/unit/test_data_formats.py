@@ -336,7 +336,119 @@ def test_cli_options_and_summary_line(tmp_path: Path, capsys: pytest.CaptureFixt
     assert summary.endswith(", 1 bad records skipped")
     assert json.loads(line)["num_skipped_records"] == 1 and json.loads(line)["num_documents"] == 30
     assert main(["prepare-data", str(tmp_path / "in"), "-o", str(out), "--text-field", "body",
-                 "--on-bad-record", "stop"]) == 1
+                 "--on-bad-record", "stop", "--force"]) == 1
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f"error: {tmp_path / 'in' / 'a.jsonl'}:31: not valid JSON (Expecting property name enclosed in double quotes: "
         "line 1 column 2 (char 1)) (--on-bad-record skip would skip it)")
+
+
+# ---- bytes that are not UTF-8 ----------------------------------------------------------------------------------
+
+LATIN1 = "café crème\n".encode("latin-1")  # two bytes that are not UTF-8, the first at offset 3
+
+
+@pytest.mark.parametrize("name", ["notes.txt", "notes.txt.gz", "notes.jsonl", "notes.csv.zst"])
+def test_bytes_that_are_not_utf8_are_a_bad_record_in_every_format(tmp_path: Path, name: str,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """Never U+FFFD characters the model would learn: skipped and counted (bytes too), or a stop naming the offset."""
+    (tmp_path / "in").mkdir()
+    for i in range(3):
+        (tmp_path / "in" / f"good{i}.txt").write_text(f"fine text {i}\n")
+    if ".txt" in name:
+        data, location = LATIN1, f"{name}: "
+    elif ".jsonl" in name:
+        data, location = b'{"text": "ok"}\n{"text": "' + LATIN1.strip() + b'"}\n', f"{name}:2: "
+    else:
+        data, location = b"text\nok\n" + LATIN1, f"{name} row 2: "
+    (tmp_path / "in" / name).write_bytes(compress(data, name))
+    skipped = BadRecords("skip")
+    with caplog.at_level(logging.WARNING):
+        prepare_data([tmp_path / "in"], tmp_path / "out", ByteTokenizer(), eval_fraction=0.5, bad_records=skipped,
+                     progress=False)
+    assert (skipped.num_skipped, skipped.num_not_utf8, skipped.num_invalid_bytes) == (1, 1, 2)
+    assert skipped.summary() == "1 bad records skipped, 1 of them not UTF-8 (2 invalid bytes)"
+    assert location + "not valid UTF-8: 2 invalid bytes, the first at byte offset" in caplog.text
+    assert not any("\ufffd" in text for text in all_texts(tmp_path / "out"))
+    with pytest.raises(DataError) as caught:
+        prepare_data([tmp_path / "in"], tmp_path / "out2", ByteTokenizer(), bad_records=BadRecords("stop"),
+                     progress=False)
+    offset = 3 if ".txt" in name else (13 if ".jsonl" in name else 3)
+    assert str(caught.value).startswith(f"{tmp_path / 'in' / name}{location[len(name):]}not valid UTF-8: 2 invalid "
+                                        f"bytes, the first at byte offset {offset}")
+
+
+def test_the_byte_offset_of_a_long_text_file_counts_from_the_start_of_the_file(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(readers, "MAX_DOCUMENT_BYTES", 64)
+    path = tmp_path / "long.txt"
+    path.write_bytes(b"a" * 40 + b"\n" + b"b" * 40 + b"\n" + b"c" * 10 + b"\xff\n")
+    records = list(read_records(collect_documents([path])[0]))  # piece 2 starts at byte 41: the b and c lines
+    assert [r.text for r in records] == ["a" * 40 + "\n", None] and records[1].location == f"{path} piece 2"
+    assert records[1].problem.startswith("not valid UTF-8: 1 invalid byte, the first at byte offset 92")
+
+
+def test_the_cli_reports_bytes_that_are_not_utf8(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    write_records(tmp_path / "in" / "a.jsonl", TEXTS[:30])
+    (tmp_path / "in" / "b.txt").write_bytes(LATIN1)
+    out = tmp_path / "out"
+    assert main(["prepare-data", str(tmp_path / "in"), "-o", str(out)]) == 0
+    summary, line = capsys.readouterr().out.splitlines()
+    assert summary.endswith(", 1 bad records skipped, 1 of them not UTF-8 (2 invalid bytes)")
+    assert json.loads(line)["num_not_utf8_records"] == 1 and json.loads(line)["num_invalid_utf8_bytes"] == 2
+    assert main(["prepare-data", str(tmp_path / "in"), "-o", str(tmp_path / "out2"), "--on-bad-record", "stop"]) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: {tmp_path / 'in' / 'b.txt'}: not valid UTF-8: 2 invalid bytes, the first at byte offset 3 (convert "
+        "it, e.g. `iconv -f latin1 -t utf-8`) (--on-bad-record skip would skip it)")
+
+
+# ---- the output folder ------------------------------------------------------------------------------------------
+
+def test_an_existing_output_folder_is_replaced_only_with_force(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    write_records(tmp_path / "in" / "a.jsonl", TEXTS[:30])
+    out = tmp_path / "out"
+    assert main(["prepare-data", str(tmp_path / "in"), "-o", str(out)]) == 0
+    before = {f.name: f.read_bytes() for f in out.iterdir()}
+    write_records(tmp_path / "in" / "a.jsonl", TEXTS[30:])
+    assert main(["prepare-data", str(tmp_path / "in"), "-o", str(out)]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: --output: {out} exists and is not empty; give --force to replace it, or a new folder (nothing was "
+        "overwritten)")
+    assert {f.name: f.read_bytes() for f in out.iterdir()} == before
+    assert main(["prepare-data", str(tmp_path / "in"), "-o", str(out), "--force"]) == 0
+    assert {f.name: f.read_bytes() for f in out.iterdir()} != before
+    (tmp_path / "empty").mkdir()  # an empty folder holds nothing to lose
+    assert main(["prepare-data", str(tmp_path / "in"), "-o", str(tmp_path / "empty")]) == 0
+
+
+def test_a_killed_writers_temporary_folder_is_removed_by_the_next_write(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from p2p_diloco.data import shards
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True)
+    out = tmp_path / "out"
+    stale = tmp_path / f".out.tmp-{int(gone.stdout)}-{shards._host()}-abcd1234"
+    alive = tmp_path / f".out.tmp-{os.getpid()}-{shards._host()}-efgh5678"  # a write still under way
+    elsewhere = tmp_path / f".out.tmp-{int(gone.stdout)}-otherhost-ijkl9012"  # another host's, on a shared disk
+    other = tmp_path / f".other.tmp-{int(gone.stdout)}-{shards._host()}-mnop3456"  # another folder's
+    for folder in (stale, alive, elsewhere, other):
+        (folder / "x").mkdir(parents=True)
+    write_records(tmp_path / "in" / "a.jsonl", TEXTS[:30])
+    prepare_data([tmp_path / "in"], out, ByteTokenizer(), eval_fraction=0.1, progress=False)
+    assert not stale.exists() and alive.exists() and elsewhere.exists() and other.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["in", "out", alive.name, elsewhere.name, other.name])
+
+
+def test_sigterm_removes_the_temporary_folder_as_ctrl_c_does(tmp_path: Path) -> None:
+    import signal
+
+    from p2p_diloco.cli.prepare import _sigterm_as_interrupt
+    from p2p_diloco.data import atomic_output_dir
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt), _sigterm_as_interrupt(), atomic_output_dir(tmp_path / "out") as tmp:
+        (tmp / "part.bin").write_bytes(b"half")
+        os.kill(os.getpid(), signal.SIGTERM)
+    assert list(tmp_path.iterdir()) == []
+    assert signal.getsignal(signal.SIGTERM) == before  # the previous handler is back
