@@ -7,9 +7,10 @@ contract test checks) and replaces four methods of their collaborators, on insta
 this module listed in :data:`~p2p_diloco.hivemind_adapter.registry.PATCHES`:
 
 - ``Matchmaking._request_join_group`` (:func:`wrap_join_request`, called by
-  :mod:`~p2p_diloco.swarm.averaging.serving`): a follower never asks a banned peer or an outsider to lead its group;
+  :class:`~p2p_diloco.swarm.averaging.server.AveragingServer`): a follower never asks a banned peer or an outsider
+  to lead its group;
 - ``Matchmaking.follower_assemble_group`` and ``Matchmaking.look_for_group`` (:func:`replace_group_assembly`, called
-  by :mod:`~p2p_diloco.swarm.averaging.serving` with the hooks of
+  by :class:`~p2p_diloco.swarm.averaging.server.AveragingServer` with the hooks of
   :class:`~p2p_diloco.swarm.averaging.guard.GroupViews`): a follower notes which leader relayed its group's records
   (hivemind forgets it before the group is averaged), and the group comes back under its view id (hivemind's group
   id and a digest of the records as this peer read them), with the exact record this peer sent noted;

@@ -31,7 +31,7 @@ from p2p_diloco.swarm.averaging.guard import (
     read_group,
     view_digest,
 )
-from p2p_diloco.swarm.averaging.serving import GuardedAverager
+from p2p_diloco.swarm.averaging.server import AveragingServer
 from tests.hostile import parse_hostility
 from tests.hostile.leader import ForgingLeader, MissingBegin
 from tests.hostile.metadata import Lowball
@@ -247,7 +247,7 @@ def test_a_miss_begin_peer_ignores_the_first_groups_of_each_round():
     assert [MissingBegin._takes_group(miss, LEADER) for _ in range(3)] == [False, False, True]
     round_index[0] = 4
     assert [MissingBegin._takes_group(miss, LEADER) for _ in range(3)] == [False, False, True]
-    assert parse_hostility("miss-begin").value == 1 and GuardedAverager._takes_group(None, LEADER)
+    assert parse_hostility("miss-begin").value == 1 and AveragingServer._takes_group(None, LEADER)
 
 
 class _CancelledStep:

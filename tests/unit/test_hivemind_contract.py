@@ -18,6 +18,7 @@ from types import SimpleNamespace
 
 import hivemind
 import pytest
+import torch
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.key_manager import GroupKeyManager
 from hivemind.p2p import PeerID
@@ -74,18 +75,16 @@ def _kind(function) -> str:
 def _our_overrides() -> list[tuple[type, str, type]]:
     """(our class, method, the hivemind class it overrides it in) for every method our subclasses of hivemind's
     classes (:data:`HIVEMIND_BASES`: the averaging, the DHT, its stores and validators) redefine."""
-    from p2p_diloco.swarm.averaging import allreduce, averager, guard, server, serving, slices
+    from p2p_diloco.swarm.averaging import allreduce, averager, guard, server, slices
     from p2p_diloco.swarm.discovery import averager_keys, dht, records, storage_budget
 
     found = []
-    for module in (averager, server, serving, allreduce, slices, guard, dht, storage_budget, records, averager_keys):
+    for module in (averager, server, allreduce, slices, guard, dht, storage_budget, records, averager_keys):
         for cls in vars(module).values():
             if not inspect.isclass(cls) or cls.__module__ != module.__name__:
                 continue
             bases = [b for b in (*cls.__mro__[1:], *HIVEMIND_BASES) if b.__module__.startswith("hivemind")]
-            if cls is serving.GuardedAverager:  # a mixin of hivemind's DecentralizedAverager
-                bases = [DecentralizedAverager]
-            elif not issubclass(cls, HIVEMIND_BASES):
+            if not issubclass(cls, HIVEMIND_BASES):
                 continue
             for name, member in vars(cls).items():
                 base = next((b for b in bases if name in vars(b)), None)
@@ -101,7 +100,7 @@ def test_every_method_our_subclasses_override_exists_in_hivemind_with_the_same_p
     names = {(ours.__name__, name) for ours, name, _ in overrides}
     # the walk finds the hooks it must (a walk that found nothing would pass anything)
     assert {("AveragingServer", "_aggregate_with_group"), ("ExactAllReduceRunner", "rpc_aggregate_part"),
-            ("RobustPartReducer", "accumulate_part"), ("GuardedAverager", "_step"), ("BoundedStorage", "store"),
+            ("RobustPartReducer", "accumulate_part"), ("AveragingServer", "_step"), ("BoundedStorage", "store"),
             ("BoundedStorage", "store_subkey"), ("_DHT", "shutdown"), ("SignatureValidator", "validate")} <= names, \
         names
     for ours, name, base in overrides:
@@ -194,7 +193,7 @@ def _nodes_outside_the_adapter():
 
 def test_the_walk_of_the_package_sees_its_modules_and_skips_the_adapter():
     files = {str(where) for where, node in _nodes_outside_the_adapter() if isinstance(node, ast.Module)}
-    assert {"swarm/discovery/dht.py", "swarm/averaging/serving.py", "compression/codecs.py"} <= files
+    assert {"swarm/discovery/dht.py", "swarm/averaging/server.py", "compression/codecs.py"} <= files
     assert not any(f.startswith("hivemind_adapter/") for f in files)
 
 
@@ -245,7 +244,7 @@ def test_hivemind_relays_the_records_through_the_leader_and_forgets_it_so_a_foll
 
 
 def test_hivemind_holds_parts_for_an_unknown_group_so_guarded_averagers_refuse_foreign_views_at_once():
-    """Why GuardedAverager overrides rpc_aggregate_part: hivemind holds a part whose group is not registered until
+    """Why AveragingServer overrides rpc_aggregate_part: hivemind holds a part whose group is not registered until
     this peer registers its next group (the sender would wait out its timeout and see a stall), and lets one sender's
     timeout end every other sender's stream."""
     source = _source(DecentralizedAverager.rpc_aggregate_part)
@@ -258,7 +257,7 @@ def test_hivemind_holds_parts_for_an_unknown_group_so_guarded_averagers_refuse_f
 
 
 def test_a_follower_that_gave_up_on_its_leader_follows_nobody_and_keeps_looking():
-    """What GuardedAverager._await_registered reads: a follower sets current_leader when its leader accepts it and
+    """What AveragingServer._await_registered reads: a follower sets current_leader when its leader accepts it and
     clears it when it gives up (a timeout) or is done, a leader's group is its assembled_group future, each request
     is bounded by request_timeout, and the averager clears _pending_groups_registered while it looks for a group."""
     join = _source(Matchmaking._request_join_group)
@@ -293,10 +292,11 @@ class _Matchmaking:
 @pytest.mark.parametrize("leader", [OTHER, None])
 def test_guarded_matchmaking_hands_back_the_group_under_its_view_id_with_its_origin(leader):
     from p2p_diloco.swarm.averaging.guard import GroupOrigin, PeerGuard, view_digest
-    from p2p_diloco.swarm.averaging.serving import GuardedAverager
+    from p2p_diloco.swarm.averaging.server import AveragingServer
 
-    averager = GuardedAverager()
-    averager.guard, averager.peer_id = PeerGuard(ban_after=3), ME
+    averager = object.__new__(AveragingServer)  # its matchmaking alone: no process, no DHT
+    averager.guard, averager.dht = PeerGuard(ban_after=3), SimpleNamespace(peer_id=ME)
+    averager.buffered_round = torch.full((1,), -1)  # averaging no round
     averager._matchmaking = _Matchmaking(leader, (b"mine", b"theirs"))
     averager._guard_matchmaking()
     averager._guard_matchmaking()  # idempotent

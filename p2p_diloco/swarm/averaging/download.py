@@ -7,7 +7,7 @@ caller chooses the donors (from the swarm's signed records: ``training.fetch``),
 declares for itself in hivemind's unsigned ``all_averagers`` key.
 
 Runs in the averager's background process (:meth:`p2p_diloco.swarm.averaging.server.AveragingServer.download_from`);
-what a donor serves is :class:`~p2p_diloco.swarm.averaging.serving.GuardedAverager`'s ``rpc_download_state``.
+what a donor serves is :class:`~p2p_diloco.swarm.averaging.server.AveragingServer`'s ``rpc_download_state``.
 """
 
 from __future__ import annotations

@@ -21,10 +21,10 @@
   now and then, a hostile part never comes from an honest peer); with ``averaging.allowlist`` it also knows who is
   in a private swarm.
 - What the averager answers to other peers with these decisions (join requests, parts, state) is
-  :mod:`~p2p_diloco.swarm.averaging.serving`. Everything here is plain logic, tested without a network.
+  :class:`~p2p_diloco.swarm.averaging.server.AveragingServer`. Everything here is plain logic, tested without a network.
 
 Called by :class:`p2p_diloco.swarm.averaging.server.AveragingServer` and its
-:class:`~p2p_diloco.swarm.averaging.serving.GuardedAverager`.
+:class:`~p2p_diloco.swarm.averaging.server.AveragingServer`.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ logger = logging.getLogger(__name__)
 
 NOT_IN_GROUP = averaging_pb2.GROUP_DISBANDED
 """A reducer's reply to parts sent for a group it is not in (it gave up on the group's leader; see
-:meth:`GuardedAverager._await_registered`)."""
+:meth:`AveragingServer._await_registered`)."""
 REGISTERED_POLL_S = 0.1
 
 # why a groupmate is flagged, besides the reducer's reasons (robust.MALFORMED, NONFINITE, TOO_LARGE, CLIPPED)

@@ -25,7 +25,7 @@
   by preempting each other in turns). Readers that hold a slot without reading cannot keep out a newcomer that
   reads faster than they do: to keep it out they must take the state faster than it (their own bandwidth) or bring
   a fresh identity for every slot they take from another. Called by
-  :meth:`~p2p_diloco.swarm.averaging.serving.GuardedAverager.rpc_download_state`.
+  :meth:`~p2p_diloco.swarm.averaging.server.AveragingServer.rpc_download_state`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The averager's server: what runs in its background process (hivemind's ``DecentralizedAverager``).
 
 :class:`AveragingServer` finds the round's group through the DHT and averages one stage's (or fragment's)
-pseudo-gradients with it over libp2p, answering other peers as it goes (:mod:`~p2p_diloco.swarm.averaging.serving`):
+pseudo-gradients with it over libp2p, answering other peers as it goes:
 
 - the group key is ``<prefix>.0b<round bits>``: peers of another run, stage split or round never land in the same
   group, and the round carried in the gathered metadata is checked again (:func:`~p2p_diloco.swarm.averaging.guard.
@@ -12,11 +12,24 @@ pseudo-gradients with it over libp2p, answering other peers as it goes (:mod:`~p
   members compare the digests of what each reducer sent them before using it
   (:mod:`p2p_diloco.swarm.averaging.digests`);
 - the average and this peer's error-feedback residual are left in shared memory for the client;
-- downloads of a stage's state run here too (:mod:`p2p_diloco.swarm.averaging.download`).
+- downloads of a stage's state run here too (:mod:`p2p_diloco.swarm.averaging.download`);
+- what it answers to other peers is guarded: join requests from banned peers and outsiders, or with a record over the
+  size cap, are refused; a group relayed with oversized records is refused; banned peers and outsiders are never
+  followed as leaders; hivemind gets each group under its view id
+  (:class:`~p2p_diloco.swarm.averaging.guard.GroupViews`), so parts sent under another view of a group, or for a
+  group this peer has left, are refused at once; the averages of its slice are served again to the groupmates of
+  that all-reduce only; and no state is served to outsiders (at most a bounded number of streams at a time:
+  :class:`~p2p_diloco.swarm.averaging.limits.StateGate`). What it decides with is the plain logic of
+  :mod:`~p2p_diloco.swarm.averaging.guard`; the matchmaking swaps it installs are the adapter's
+  (:mod:`p2p_diloco.hivemind_adapter.averaging`).
+
+One class, in one file: hivemind registers a servicer's ``rpc_*`` handlers from its class, so what the averager
+answers to other peers lives on it with the round it runs.
 
 The training process talks to it only through :class:`p2p_diloco.swarm.averaging.averager.PseudoGradientAverager`,
 the client: the shared buffers (:attr:`residuals`, :attr:`traffic`, :attr:`buffered_round`, hivemind's
-``get_tensors``), hivemind's ``step`` and ``set_group_bits``, and :meth:`ask` for this module's own calls.
+``get_tensors``), hivemind's ``step`` and ``set_group_bits``, and its typed calls (:meth:`set_target_group_size`,
+:meth:`report_flags`, :meth:`download_from`; what crosses: :mod:`~p2p_diloco.swarm.averaging.boundary`).
 """
 
 from __future__ import annotations
@@ -28,8 +41,10 @@ import logging
 import signal
 import time
 import typing
+from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Optional
 
 import torch
@@ -44,17 +59,24 @@ from p2p_diloco.hivemind_adapter.averaging import (
     DecentralizedAverager,
     MatchmakingException,
     MPFuture,
+    P2PContext,
     PerTensorCompression,
+    achain,
+    as_aiter,
+    averaging_pb2,
     cancel_signalled,
     enter_asynchronously,
     groups_registered,
+    keep_round_key,
     load_balance_peers,
     matchmaking_of,
     outer_pipe,
     p2p_of,
     quiet_if_cancelled,
+    replace_group_assembly,
     running_groups,
     set_data_for_gather,
+    wrap_join_request,
 )
 from p2p_diloco.monitoring.memtrace import MemoryTrace
 from p2p_diloco.process import (
@@ -66,14 +88,24 @@ from p2p_diloco.process import (
     ready_or_killed,
     release_free_memory,
 )
-from p2p_diloco.swarm.averaging.allreduce import BYTES_RECEIVED, ExactAllReduceRunner
+from p2p_diloco.swarm.averaging.allreduce import BYTES_RECEIVED, BYTES_SENT, ExactAllReduceRunner
 from p2p_diloco.swarm.averaging.boundary import Flags, GroupResult, OwnRecord, RoundClaim
 from p2p_diloco.swarm.averaging.digests import exchange_digests, judge
 from p2p_diloco.swarm.averaging.download import download_from
-from p2p_diloco.swarm.averaging.guard import MAX_CATCH_UP, GroupView, PeerGuard, read_group
+from p2p_diloco.swarm.averaging.gathered import MAX_GATHERED_BYTES, join_refusal, relayed_group_refusal
+from p2p_diloco.swarm.averaging.guard import (
+    MAX_CATCH_UP,
+    NOT_IN_GROUP,
+    OVERSIZED,
+    GroupView,
+    GroupViews,
+    PeerGuard,
+    read_group,
+)
+from p2p_diloco.swarm.averaging.limits import StateGate
 from p2p_diloco.swarm.averaging.reduce import RoundReducer
 from p2p_diloco.swarm.averaging.robust import RobustRule, average_bound
-from p2p_diloco.swarm.averaging.serving import GuardedAverager
+from p2p_diloco.swarm.averaging.slices import ServedAverages
 from p2p_diloco.swarm.averaging.state_host import StateHost
 from p2p_diloco.swarm.discovery.records import record_owner
 from p2p_diloco.swarm.errors import SwarmError
@@ -86,13 +118,15 @@ _STEP: contextvars.ContextVar = contextvars.ContextVar("p2p_diloco_step", defaul
 # when this task's step began (time.monotonic()): its matchmaking time is from there to its group's formation
 _STEP_STARTED: contextvars.ContextVar = contextvars.ContextVar("p2p_diloco_step_started", default=None)
 AVERAGER_START_TIMEOUT_S = 60.0  # its process needs only the local p2p daemon: over a minute means a stuck machine
+REGISTERED_POLL_S = 0.1
+SERVED_ALLREDUCES = 8  # the last all-reduces whose averages (this peer's slice) are kept for groupmates to ask again
 
 
 class _StepCancelled(AllreduceException):
     """The all-reduce was left because this peer cancelled the round's step."""
 
 
-class AveragingServer(GuardedAverager, DecentralizedAverager):
+class AveragingServer(DecentralizedAverager):
     """Averages the pseudo-gradients of one stage (or fragment) with the same unit of other peers.
 
     Args:
@@ -107,8 +141,8 @@ class AveragingServer(GuardedAverager, DecentralizedAverager):
     Seams for tests (``tests/hostile`` subclasses them to lie to groupmates): :attr:`runner_type`, the all-reduce each
     phase runs; :meth:`_record`, the record this peer gathers into a round's group; :meth:`_allreduce_phase`, which
     gets the tensors this peer sends; :meth:`_aggregate_with_group`, what it does with a group formed;
-    :meth:`get_current_state`, the state it serves; and those of
-    :class:`~p2p_diloco.swarm.averaging.serving.GuardedAverager`.
+    :meth:`get_current_state`, the state it serves; ``rpc_join_group``, the group it relays as a leader; and
+    :meth:`_refuses_leader` and :meth:`_takes_group`, whom it follows.
     """
 
     # hivemind caches a servicer's handlers and stub type on the class, and a subclass inherits the cache when its
@@ -153,7 +187,7 @@ class AveragingServer(GuardedAverager, DecentralizedAverager):
             declare_state_period=10,
             shutdown_timeout=5,
         )
-        self.state_host = StateHost(self.get_current_state, self.serializer)  # what newcomers download (serving.py)
+        self.state_host = StateHost(self.get_current_state, self.serializer)  # for rpc_download_state
         self._start_bounded(AVERAGER_START_TIMEOUT_S)
 
     # ---- called from the training process (by the client) ------------------------------------------
@@ -224,7 +258,7 @@ class AveragingServer(GuardedAverager, DecentralizedAverager):
         self._memtrace.tick()
         _STEP_STARTED.set(time.monotonic())
         try:
-            return await quiet_if_cancelled(super()._step(**kwargs), kwargs.get("step"))
+            return await quiet_if_cancelled(self._matchmaking_step(**kwargs), kwargs.get("step"))
         finally:
             release_free_memory()
 
@@ -422,3 +456,188 @@ class AveragingServer(GuardedAverager, DecentralizedAverager):
         finally:
             if not future.done():
                 future.set_result(None)
+
+    # ---- what it answers to other peers, and whom it follows (background process) --------------------------------
+    @property
+    def group_views(self) -> GroupViews:
+        """The groups this peer was in (made on first use, in the background process)."""
+        views = vars(self).get("_group_views")
+        if views is None:
+            views = self._group_views = GroupViews()
+        return views
+
+    # hivemind registers rpc_* handlers from their annotations, and needs typing's AsyncIterator there
+    async def rpc_join_group(self, request: averaging_pb2.JoinRequest,
+                             context: P2PContext) -> typing.AsyncIterator[averaging_pb2.MessageFromLeader]:
+        """As a leader: refuse banned peers and outsiders, and a record over the size cap (the sender's offence:
+        :mod:`~p2p_diloco.swarm.averaging.gathered`), before hivemind's matchmaking keeps the request."""
+        reason = self.guard.refuses(context.remote_id, self._round_averaged())
+        if reason is not None:
+            logger.info(f"Refused the join request of {context.remote_id}: {reason}")
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        reason = join_refusal(request, len(matchmaking_of(self).current_followers))
+        if reason is not None:
+            logger.info(f"Refused the join request of {context.remote_id}: {reason}")
+            if len(request.gather) > MAX_GATHERED_BYTES:  # its own bytes: a proof (a full group is nobody's fault)
+                self.guard.record(self._round_or_none(), context.remote_id, OVERSIZED)
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        async for message in super().rpc_join_group(request, context):
+            yield message
+
+    async def rpc_aggregate_part(self, stream: typing.AsyncIterator[averaging_pb2.AveragingData],
+                                 context: P2PContext) -> typing.AsyncIterator[averaging_pb2.AveragingData]:
+        """hivemind's routing of a sender's parts to this peer's all-reduce, but parts sent for another view of a
+        group, or for a group this peer has left, are refused at once; and a sender that gives up waiting for this
+        peer's all-reduce to start no longer cancels it for every other sender (hivemind's handlers all await the
+        same future: the first to time out cancelled it, and the others' streams ended too)."""
+        request = await anext(stream)
+        if self.group_views.refuses(request.group_id):
+            yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
+            return
+        if not await self._await_registered(request.group_id):
+            yield averaging_pb2.AveragingData(code=NOT_IN_GROUP)
+            return
+        future = running_groups(self).get(request.group_id)
+        if future is None:
+            yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
+            return
+        runner = await asyncio.shield(future)
+        async for message in runner.rpc_aggregate_part(achain(as_aiter(request), stream), context):
+            yield message
+
+    async def _await_registered(self, allreduce_id: bytes) -> bool:
+        """hivemind's wait for an all-reduce this peer has not registered (its leader may have begun it before its
+        BEGIN_ALLREDUCE reached this peer): until a group of this peer registers. But False once this peer has
+        followed no leader and assembled no group for one request timeout: a follower that gives up waiting for its
+        leader (on a busy machine) after the leader has counted it in is in no group, and the senders wait out
+        their reducer timeout for its averages while it goes on looking for the round's group, and the round falls
+        back for every member. Told at once, they re-form and meet it again."""
+        matchmaking, loop = matchmaking_of(self), asyncio.get_event_loop()
+        alone_since = None
+        while allreduce_id not in running_groups(self) and not groups_registered(self).is_set():
+            now = loop.time()
+            if matchmaking.current_leader is not None or matchmaking.assembled_group.done():
+                alone_since = None
+            elif alone_since is None:
+                alone_since = now
+            elif now - alone_since >= matchmaking.request_timeout:
+                return False
+            try:
+                await asyncio.wait_for(groups_registered(self).wait(), timeout=REGISTERED_POLL_S)
+            except TimeoutError:
+                pass
+        return True
+
+    async def rpc_download_state(self, request: averaging_pb2.DownloadRequest,
+                                 context: P2PContext) -> typing.AsyncIterator[averaging_pb2.DownloadData]:
+        """Serve this stage's state to members of the swarm only, to a bounded number of peers at a time, each at a
+        minimum rate (each stream holds a copy of anchor and momentum: see
+        :class:`~p2p_diloco.swarm.averaging.limits.StateGate`). A refused request makes no copy: it ends with no
+        data, and the downloader moves on to its next donor."""
+        if self.guard.outsider(context.remote_id):
+            logger.warning(f"Refused to serve state to {context.remote_id}: not on averaging.allowlist")
+            return
+        serve = StateGate.of(self).serve(context.remote_id, partial(super().rpc_download_state, request, context),
+                                         averaging_pb2.DownloadData.ByteSize)
+        async for message in serve:
+            yield message
+
+    async def _get_current_state_from_host_process(self):
+        """hivemind's request for the state to serve, through :class:`StateHost` (which keeps none of it)."""
+        return await self.state_host.request()
+
+    def shutdown(self) -> None:
+        self.state_host.close()
+        super().shutdown()
+
+    def _keep_served(self, allreduce_id: bytes, served: ServedAverages) -> None:
+        """Keep the averages of an all-reduce this peer reduces a slice of, for its last :data:`SERVED_ALLREDUCES`
+        all-reduces (a round runs one to two; each holds one slice of the round's compressed averages)."""
+        kept = vars(self).setdefault("_served", OrderedDict())
+        kept[allreduce_id] = served
+        while len(kept) > SERVED_ALLREDUCES:
+            kept.popitem(last=False)
+
+    async def rpc_fetch_averages(self, request: averaging_pb2.AveragingData,
+                                 context: P2PContext) -> typing.AsyncIterator[averaging_pb2.AveragingData]:
+        """The averages of this peer's slice in the all-reduce ``request.group_id``, again: for a groupmate whose
+        stream of them broke. The same bytes every groupmate got, each as soon as it is computed, to the peers that
+        all-reduce averaged only (anyone else gets BAD_GROUP_ID)."""
+        served = vars(self).get("_served", {}).get(request.group_id)
+        if served is None or context.remote_id not in served.senders:
+            yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
+            return
+        async for serialized in served.iterate(timeout_s=2 * self.cfg.next_chunk_timeout_s):
+            reply = averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
+            self.traffic[BYTES_SENT] += reply.ByteSize()
+            yield reply
+
+    def _round_or_none(self) -> int:
+        """The round offences found outside a group are recorded under (-1 when this peer averages none)."""
+        round_index = self._round_averaged()
+        return -1 if round_index is None else round_index
+
+    async def _matchmaking_step(self, **kwargs):
+        """hivemind's step, with this peer's matchmaking guarded and the round's group key kept."""
+        self._guard_matchmaking()
+        keep_round_key(matchmaking_of(self).group_key_manager)
+        return await super()._step(**kwargs)
+
+    def _guard_matchmaking(self) -> None:
+        """As a follower: never ask a banned peer or an outsider to lead this peer's group (also when another leader
+        redirects to it). Note whom this peer followed into each group and the exact record it sent, and hand
+        hivemind each group under its view id (:class:`GroupViews`). Runs in the background process, once, after
+        hivemind made its Matchmaking."""
+        matchmaking = matchmaking_of(self)
+
+        def unless_refused(request_join_group):
+            async def join_unless_refused(leader):
+                reason = self._refuses_leader(leader)
+                if reason is not None:
+                    logger.debug(f"Not following {leader}: {reason}")
+                    return None
+                return await request_join_group(leader)
+            return join_unless_refused
+
+        if not wrap_join_request(matchmaking, unless_refused):
+            return
+        look_for_group, follower_assemble_group = matchmaking.look_for_group, matchmaking.follower_assemble_group
+        views = self.group_views
+
+        async def assemble_as_follower(leader, msg):
+            if not self._takes_group(leader):
+                return None
+            reason = relayed_group_refusal(msg)
+            if reason is not None:  # an honest leader refuses oversized records at the join: the leader's proof
+                logger.warning(f"Refused the group relayed by {leader}: {reason}")
+                self.guard.record(self._round_or_none(), leader, OVERSIZED)
+                return None
+            views.followed(msg.group_id, leader)
+            return await follower_assemble_group(leader, msg)
+
+        async def look_for_viewed_group(step):
+            group_info = await look_for_group(step)
+            return None if group_info is None else views.assembled(group_info, step.data_for_gather, self.peer_id)
+
+        replace_group_assembly(matchmaking, assemble_as_follower, look_for_viewed_group)
+
+    def _refuses_leader(self, leader) -> Optional[str]:
+        """As a follower: why this peer does not ask ``leader`` to lead its group (a banned peer, an outsider), or
+        None."""
+        return self.guard.refuses(leader, self._round_averaged())
+
+    def _takes_group(self, leader) -> bool:
+        """As a follower: whether this peer takes the group ``leader`` has just formed with it (before its relayed
+        records are checked): always (a seam)."""
+        return True
+
+    def _leave_group(self, view_id: bytes) -> None:
+        """Done with a group (averaged, refused or failed): parts sent for it from now on are refused at once, and
+        so are those already waiting for one of its all-reduces that will not start."""
+        self.group_views.leave(view_id)
+        for allreduce_id, future in list(running_groups(self).items()):
+            if allreduce_id.startswith(view_id) and not future.done():
+                future.set_exception(AllreduceException("this peer has left the group"))
+                future.exception()  # retrieved here: nobody may be waiting for it

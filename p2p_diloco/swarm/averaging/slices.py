@@ -5,7 +5,8 @@ it sent back for a groupmate whose stream of them broke.
   then combined robustly (:func:`~p2p_diloco.swarm.averaging.robust.combine`) in sender order, each sender weighted
   by the group's capped record of its tokens (not the weight it writes in its messages).
 - :class:`ServedAverages`: the exact bytes every groupmate got, served again by the averager's
-  ``rpc_fetch_averages`` (:mod:`~p2p_diloco.swarm.averaging.serving`) to that all-reduce's senders only.
+  ``rpc_fetch_averages`` (:class:`~p2p_diloco.swarm.averaging.server.AveragingServer`) to that all-reduce's senders
+  only.
 
 Used by :class:`p2p_diloco.swarm.averaging.allreduce.ExactAllReduceRunner`.
 """

@@ -11,7 +11,7 @@ is over). hivemind's thread stays, idle.
 
 Made in the training process before the averager's process is forked (:class:`~p2p_diloco.swarm.averaging.server.
 AveragingServer`); :meth:`StateHost.request` is called in the averager's process
-(:class:`~p2p_diloco.swarm.averaging.serving.GuardedAverager`'s hook of hivemind's ``rpc_download_state``).
+(:class:`~p2p_diloco.swarm.averaging.server.AveragingServer`'s hook of hivemind's ``rpc_download_state``).
 """
 
 from __future__ import annotations
