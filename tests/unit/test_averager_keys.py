@@ -36,7 +36,7 @@ def declaration(key: str, subkey=PEER.to_bytes(), value=True, ahead_s: float = 5
 
 def test_the_keys_are_the_averagers_and_hashed_as_hivemind_does():
     assert averager_prefixes("run", num_stages=3) == [averager.group_prefix("run", j, 3) for j in range(3)]
-    assert averager_prefixes("run", fragments=4) == [averager.fragment_prefix("run", f, 4) for f in range(4)]
+    assert averager_prefixes("run", fragments=4) == [f"run_f{f}of4" for f in range(4)]
     assert averager_prefixes("run", fragments=4) == [records_run("run", (f, 4)) for f in range(4)]
     assert averager_keys.ROUND_BITS == averager.ROUND_BITS
     key = f"{averager.group_prefix('run', 1, 2)}.0b{averager.round_bits(54321)}"

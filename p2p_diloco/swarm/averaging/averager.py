@@ -39,6 +39,7 @@ from p2p_diloco.round.outcome import RoundOutcome
 from p2p_diloco.swarm.averaging.allreduce import BYTES_RECEIVED, BYTES_SENT
 from p2p_diloco.swarm.averaging.boundary import GroupResult, RoundClaim
 from p2p_diloco.swarm.averaging.server import AveragingServer
+from p2p_diloco.unit import Unit
 
 logger = logging.getLogger(__name__)
 
@@ -47,13 +48,9 @@ ASK_TIMEOUT_S = 10.0  # the background process answers a call at once: longer is
 
 
 def group_prefix(run_id: str, stage_index: int, num_stages: int) -> str:
-    """DHT prefix shared by stage ``stage_index`` of every peer of a run with ``num_stages`` stages."""
-    return f"{run_id}_s{stage_index}of{num_stages}"
-
-
-def fragment_prefix(run_id: str, fragment: int, num_fragments: int) -> str:
-    """DHT prefix shared by fragment ``fragment`` of F (model/fragments.py) on every peer, whatever its split."""
-    return f"{run_id}_f{fragment}of{num_fragments}"
+    """DHT prefix shared by stage ``stage_index`` of every peer of a run with ``num_stages`` stages
+    (:meth:`~p2p_diloco.unit.Unit.group_prefix`)."""
+    return Unit(stage_index, num_stages).group_prefix(run_id)
 
 
 def round_bits(round_index: int) -> str:
@@ -93,8 +90,7 @@ class PseudoGradientAverager:
                  cfg: AveragingConfig, fragment: Optional[tuple[int, int]] = None,
                  server_type: Callable[..., AveragingServer] = AveragingServer):
         self.cfg = cfg
-        prefix = fragment_prefix(run_id, *fragment) if fragment is not None else \
-            group_prefix(run_id, stage_index, num_stages)
+        prefix = Unit.of(stage_index, num_stages, fragment).group_prefix(run_id)
         self.server = server_type(templates, dht, prefix=prefix, initial_group_bits=round_bits(0), cfg=cfg)
         self._pending: Optional[_PendingRound] = None
         self._abandoned: Optional[_PendingRound] = None  # left to finish in the background, its result unread

@@ -132,9 +132,8 @@ class AveragingServer(DecentralizedAverager):
     Args:
         templates: tensors with the shapes of the unit's parameters (values are not used).
         dht: a running hivemind DHT.
-        prefix: the unit's group key prefix (:func:`~p2p_diloco.swarm.averaging.averager.group_prefix` or
-            :func:`~p2p_diloco.swarm.averaging.averager.fragment_prefix`; several units on one DHT each have their
-            own, and their own RPC namespace).
+        prefix: the unit's group key prefix (:meth:`~p2p_diloco.unit.Unit.group_prefix`; several units on one DHT
+            each have their own, and their own RPC namespace).
         initial_group_bits: the group key's round bits of round 0.
         cfg: the ``[averaging]`` section.
 

@@ -1,7 +1,7 @@
 """The unsigned DHT keys hivemind's averagers of a run write, held to the shape hivemind gives them.
 
 The averagers of one stage (or fragment) share a prefix, ``<run_id>_s<j>of<P>`` or ``<run_id>_f<f>of<F>``
-(:func:`~p2p_diloco.swarm.averaging.averager.group_prefix`, ``fragment_prefix``), and write two kinds of entries
+(:meth:`~p2p_diloco.unit.Unit.group_prefix`), and write two kinds of entries
 that nobody signs (hivemind's design):
 
 - matchmaking, under the round's group key ``<prefix>.0b<16 round bits>`` (``GroupKeyManager.declare_averager``):
