@@ -36,6 +36,7 @@ from tests.hostile import parse_hostility
 from tests.hostile.leader import ForgingLeader, MissingBegin
 from tests.hostile.metadata import Lowball
 from tests.hostile.wire import ScaledReplies, Stalling
+from tests.unit.bare import bare
 
 PEERS = [PeerID(bytes([0x12, 0x20]) + bytes([i]) * 32) for i in range(4)]
 ME, LEADER = PEERS[0], PEERS[3]
@@ -212,7 +213,7 @@ def test_a_hostile_leader_forges_what_it_relays_and_follows_nobody():
 
 
 def test_lowball_and_stall_peers():
-    lowball = object.__new__(Lowball)  # its record alone: no process, no DHT
+    lowball = bare(Lowball)  # its record alone
     lowball.hostility = parse_hostility("lowball")
     lowball.own = OwnRecord({"rank": 8, "bits": 8, "q_round": 1}, bandwidth_mbit=100.0, last_error=0.4)
     low = lowball._record(RoundClaim(2, 64.0, 30.0))
