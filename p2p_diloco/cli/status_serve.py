@@ -2,9 +2,10 @@
 
 A client-mode DHT node reads the run's progress records again every :data:`REFRESH_S` (each read bounded by
 ``--timeout``) and the page's document is replaced by the new report (``status --json``'s, with how many DHT peers
-are reachable and when it was read). The eval-loss curve is kept across reads, so it reaches back further than the
-evaluations a record carries. A node that cannot join, or whose process died, is started again at the next read;
-the page says why it has no records meanwhile. Called by :mod:`p2p_diloco.cli.status`.
+are reachable and when it was read). The eval-loss curve and each stage process's train-loss curve are kept across
+reads, so they reach back further than a record carries, and so are the stage processes whose records are gone
+(:class:`SwarmMemory`: shown as left, or finished, for a while). A node that cannot join, or whose process died, is
+started again at the next read; the page says why it has no records meanwhile. Called by :mod:`p2p_diloco.cli.status`.
 """
 
 from __future__ import annotations
@@ -16,13 +17,16 @@ import threading
 import time
 
 from p2p_diloco.cli.logs import configure_logging
-from p2p_diloco.cli.status_report import build_report, read_run
+from p2p_diloco.cli.status_report import build_report, read_run, swarm_groups
 from p2p_diloco.config import ConfigError
 
 logger = logging.getLogger(__name__)
 
 REFRESH_S = 5.0  # how often the records are read again (each record is refreshed every 10 s by its writer)
 MAX_CURVE_POINTS = 4096  # rounds of the eval-loss curve kept (the latest)
+MAX_PEER_CURVE_POINTS = 512  # rounds of each stage process's train-loss curve kept (the latest)
+KEEP_GONE_S = 1800.0  # how long a stage process whose record is gone is still shown
+MAX_GONE_ROWS = 64  # stage processes gone still shown (those last seen latest)
 
 
 def serve(cfg, args: argparse.Namespace) -> int:
@@ -64,6 +68,7 @@ class Watcher:
         self.cfg, self.timeout_s = cfg, timeout_s
         self.dht = None
         self.curve: dict[int, float] = {}  # round -> eval loss, across reads
+        self.memory = SwarmMemory()
         self.document: dict = {"run_id": cfg.run.run_id, "peers": [], "eval_curve": [], "read_at": None,
                                "error": "joining the swarm"}
 
@@ -96,7 +101,9 @@ class Watcher:
         reachable = (PeerCounts(dht, timeout_s=min(2.0, self.timeout_s)).get() or (None,))[0]
         records, fragments = read_run(dht, run_id, deadline, max_attempts=1)
         report = build_report(run_id, records, get_dht_time(), num_fragments=fragments)
-        report.update(eval_curve=self._curve(report["eval_curve"]), reachable=reachable, read_at=time.time(),
+        peers = self.memory.update(report["peers"], get_dht_time())
+        report.update(peers=peers, groups=swarm_groups(peers), eval_curve=self._curve(report["eval_curve"]),
+                      reachable=reachable, read_at=time.time(),
                       error=None if records else f"no records of run {run_id} yet ({reachable} DHT peer(s) reachable)")
         return report
 
@@ -125,3 +132,43 @@ class Watcher:
         dht, self.dht = self.dht, None
         if dht is not None:
             dht.shutdown()
+
+
+class SwarmMemory:
+    """What ``status --serve`` remembers of the report's rows across reads (no network, no clock of its own).
+
+    Each stage process (a row, by its ``node``) keeps its train-loss curve of all reads (the latest
+    :data:`MAX_PEER_CURVE_POINTS` rounds), and a stage process whose record is gone (it left, or its record expired
+    120 s after it stopped) is still shown, with its last row and state ``left`` (``finished`` if its last record said
+    so), for :data:`KEEP_GONE_S` after it was last seen, at most :data:`MAX_GONE_ROWS` of them.
+    """
+
+    def __init__(self):
+        self.last: dict[str, tuple[float, dict]] = {}  # node -> (when last seen, its row) of the latest read
+        self.gone: dict[str, tuple[float, dict]] = {}  # node -> (when last seen, its last row): records gone
+        self.curves: dict[str, dict[int, float]] = {}  # node -> round -> train loss, across reads
+
+    def update(self, rows: list[dict], now: float) -> list[dict]:
+        """The rows to show after a read at ``now`` (the records' clock) that found ``rows``: these, each with its
+        curve of all reads, then those gone, the last seen first."""
+        present = {row["node"] for row in rows}
+        self.gone.update({node: seen for node, seen in self.last.items() if node not in present})
+        self.last = {row["node"]: (now - row["last_seen_s"], row) for row in rows}
+        kept = sorted(((seen_at, node) for node, (seen_at, _) in self.gone.items()
+                       if node not in present and now - seen_at <= KEEP_GONE_S), reverse=True)[:MAX_GONE_ROWS]
+        self.gone = {node: self.gone[node] for _, node in kept}
+        for row in rows:
+            curve = self.curves.setdefault(row["node"], {})
+            curve.update({int(r): float(loss) for r, loss in row["train_losses"]})
+            while len(curve) > MAX_PEER_CURVE_POINTS:
+                del curve[min(curve)]
+        self.curves = {node: curve for node, curve in self.curves.items() if node in present or node in self.gone}
+        shown = [dict(row, train_losses=self._curve(row["node"])) for row in rows]
+        for node, (seen_at, row) in self.gone.items():
+            shown.append(dict(row, state="finished" if row["state"] == "finished" else "left",
+                              last_seen_s=round(max(0.0, now - seen_at), 1), train_losses=self._curve(node)))
+        return shown
+
+    def _curve(self, node: str) -> list[list]:
+        curve = self.curves.get(node, {})
+        return [[r, curve[r]] for r in sorted(curve)]

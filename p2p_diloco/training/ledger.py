@@ -7,6 +7,8 @@ Used by :class:`~p2p_diloco.training.trainer.Trainer`, which owns the loop; the 
 
 from __future__ import annotations
 
+import functools
+import math
 from collections import deque
 from dataclasses import dataclass
 from typing import Optional
@@ -14,7 +16,12 @@ from typing import Optional
 from p2p_diloco.monitoring.memtrace import MemoryTrace
 from p2p_diloco.round.outcome import RoundReport
 from p2p_diloco.round.stage import Stage
-from p2p_diloco.swarm.discovery.records import MAX_BANS_SHOWN, MAX_EVALS_SHOWN
+from p2p_diloco.swarm.discovery.records import (
+    MAX_BANS_SHOWN,
+    MAX_EVALS_SHOWN,
+    MAX_GROUPS_SHOWN,
+    MAX_TRAIN_LOSSES_SHOWN,
+)
 from p2p_diloco.training.metrics import MetricsWriter
 from p2p_diloco.training.summary import TrainSummary, combined_report
 from p2p_diloco.training.sync import SwarmSync
@@ -41,25 +48,46 @@ class Ledger:
         reporter: the console.
         inner_steps: H.
         anchor_digest: whether metrics rows carry each anchor's sha256 (``train.anchor_digest``).
+        num_rounds: the run's end (``train.num_rounds``): the records say ``finished`` once every unit applied its
+            last round; None: never.
     """
 
     def __init__(self, held: list, metrics: MetricsWriter, summary: TrainSummary, reporter, inner_steps: int,
-                 anchor_digest: bool):
+                 anchor_digest: bool, num_rounds: Optional[int] = None):
         self.held, self.metrics, self.summary, self.reporter = held, metrics, summary, reporter
-        self.inner_steps, self.anchor_digest = inner_steps, anchor_digest
+        self.inner_steps, self.anchor_digest, self.num_rounds = inner_steps, anchor_digest, num_rounds
         self.last_group: dict[int, list[str]] = {}  # per unit held: the group of its last round applied
+        # per unit held: (round applied, its group) of its last rounds averaged, for the records
+        self.groups: list[deque[tuple[int, tuple[str, ...]]]] = [deque(maxlen=MAX_GROUPS_SHOWN) for _ in held]
+        # (round, sum, count) of the train losses of the last rounds (the last one in progress)
+        self.train_losses: deque[tuple[int, float, int]] = deque(maxlen=MAX_TRAIN_LOSSES_SHOWN)
         self.fingerprints: list[str] = [""] * len(held)  # each unit's anchor sha256, as last noted
         self.evals: deque[tuple[int, float]] = deque(maxlen=MAX_EVALS_SHOWN)  # (rounds done, eval loss)
         self.bans: dict[str, str] = {}  # peer -> why, the last MAX_BANS_SHOWN banned
         self.memtrace = MemoryTrace("training")  # off unless P2P_DILOCO_MEMTRACE is set (a diagnostic)
-        for unit in held:
+        for index, unit in enumerate(held):
             if unit.swarm is not None:
-                unit.swarm.facts = self.facts
+                unit.swarm.facts = functools.partial(self.facts, index)
 
-    def facts(self) -> dict:
-        """What the progress records tell besides the position (``ProgressRecord.eval_losses`` and the rest)."""
+    def facts(self, index: int = 0) -> dict:
+        """What the records of unit ``index`` tell besides the position (``ProgressRecord.eval_losses`` and the
+        rest): the stage process's, and the groups of that unit's last rounds."""
+        finished = self.num_rounds is not None and \
+            min(unit.stage.applied_round for unit in self.held) >= self.num_rounds - 1
         return {"eval_losses": tuple(self.evals), "bytes_sent": self.summary.bytes_sent,
-                "rounds_averaged": self.summary.averaged_rounds, "bans": tuple(self.bans.items())}
+                "rounds_averaged": self.summary.averaged_rounds, "bans": tuple(self.bans.items()),
+                "groups": tuple(self.groups[index]), "finished": finished,
+                "train_losses": tuple((r, total / count) for r, total, count in self.train_losses)}
+
+    def note_loss(self, round_index: int, loss: float) -> None:
+        """One inner step's train loss (on a peer's last stage), into its round's mean."""
+        if not math.isfinite(loss):
+            return
+        if self.train_losses and self.train_losses[-1][0] == round_index:
+            _, total, count = self.train_losses.pop()
+            self.train_losses.append((round_index, total + loss, count + 1))
+        else:
+            self.train_losses.append((round_index, loss, 1))
 
     def note_eval(self, round_index: int, inner_step: int, loss: float | None, first: bool = False) -> None:
         """An evaluation of the anchor after ``round_index`` rounds (None: not on the last stage), in the metrics,
@@ -115,6 +143,8 @@ class Ledger:
         """The metrics row of each unit's round end, and what it tells the sync (the group met, the new anchor)."""
         for unit, report in zip(units, reports):
             self.last_group[self.held.index(unit)] = list(report.outcome.group_peers)
+            if report.applied_round is not None and report.outcome.group_peers:
+                self.groups[self.held.index(unit)].append((report.applied_round, tuple(report.outcome.group_peers)))
             if unit.sync is not None:  # believed from now on: the groupmates whose parts were not refused
                 banned = set(report.outcome.banned)
                 unit.sync.witnesses.met_group([p for p in report.outcome.group_peers if p not in banned])

@@ -98,7 +98,7 @@ class Trainer:
         self.summary = TrainSummary(peer_name, cfg.run.run_id, stage.stage_index, stage.num_stages, num_params,
                                     mode=stage.mode)
         self.ledger = Ledger(self.held, self.metrics, self.summary, self.reporter, cfg.diloco.inner_steps,
-                             cfg.train.anchor_digest)
+                             cfg.train.anchor_digest, num_rounds=cfg.train.num_rounds)
         # every state from other peers passes this peer's own check on its held-out batches first
         self.syncs = SyncGroup([u.sync for u in self.held], executor,
                                OwnCheck(executor, eval_data, [u.stage for u in self.held])) \
@@ -369,6 +369,7 @@ class Trainer:
         if self.summary.first_loss is None:
             self.summary.first_loss = loss
         self.summary.last_loss = loss
+        self.ledger.note_loss(self._peer_round, loss)
 
     def _rounds_applied(self) -> int:
         """Rounds the anchor holds (its stages' applied round + 1): 0 at a fresh start, more after a reload."""

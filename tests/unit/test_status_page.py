@@ -205,7 +205,8 @@ def test_the_ledger_tells_the_records_its_evals_bytes_rounds_and_bans():
     summary = TrainSummary("p", "r", 0, 1, num_params=10)
     ledger = Ledger([Held(stage=None, swarm=link) for link in links], _Metrics(), summary, _Console(),
                     inner_steps=5, anchor_digest=False)
-    assert links[0].facts() == {"eval_losses": (), "bytes_sent": 0, "rounds_averaged": 0, "bans": ()}
+    assert links[0].facts() == {"eval_losses": (), "bytes_sent": 0, "rounds_averaged": 0, "bans": (), "groups": (),
+                                "train_losses": (), "finished": False}
     ledger.note_eval(0, 0, 4.0, first=True)
     ledger.note_eval(1, 5, None)  # not the last stage: nothing to show
     for r in range(1, MAX_EVALS_SHOWN + 3):

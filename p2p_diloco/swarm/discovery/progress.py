@@ -24,7 +24,10 @@ from typing import Optional
 from p2p_diloco.swarm.discovery.records import (
     MAX_BANS_SHOWN,
     MAX_EVALS_SHOWN,
+    MAX_GROUP_MEMBERS_SHOWN,
+    MAX_GROUPS_SHOWN,
     MAX_REASON_CHARS,
+    MAX_TRAIN_LOSSES_SHOWN,
     ProgressValue,
     bound_to_writer,
     is_owner_subkey,
@@ -72,13 +75,21 @@ class ProgressRecord:
     """DHT peer id of the stage process that wrote it (part of its signed record; one record per writer's key)."""
     eval_losses: tuple[tuple[int, float], ...] = ()
     """(rounds done, eval loss of the anchor then) of this stage process's last evaluations, oldest first (empty except
-    on a peer's last stage). This field and the three below are shown by ``status``; nothing else reads them."""
+    on a peer's last stage). This field and the six below are shown by ``status``; nothing else reads them."""
     bytes_sent: int = 0
     """Bytes this stage process's averagers have sent since its run began."""
     rounds_averaged: int = 0
     """Rounds whose average of a group this stage process applied."""
     bans: tuple[tuple[str, str], ...] = ()
     """(peer id, why) of the last peers this stage process banned, oldest first."""
+    groups: tuple[tuple[int, tuple[str, ...]], ...] = ()
+    """(round, DHT peer ids of its group, sorted) of the last rounds whose group's average this record's unit applied,
+    oldest first: who averaged with whom."""
+    train_losses: tuple[tuple[int, float], ...] = ()
+    """(round, mean train loss of its inner steps) of this stage process's last rounds, oldest first (empty except on
+    a peer's last stage); the round in progress is the last, its mean so far."""
+    finished: bool = False
+    """This stage process has applied the run's last round (``train.num_rounds``)."""
     expiration: float = 0.0
 
 
@@ -87,27 +98,48 @@ def publish_progress(dht, run_id: str, record: ProgressRecord, ttl_s: float) -> 
     from p2p_diloco.hivemind_adapter.dht import get_dht_time
 
     value = {f.name: getattr(record, f.name) for f in fields(record) if f.name != "expiration"}
-    value.update(node=dht.peer_id.to_base58(), loss=float(record.loss) if math.isfinite(record.loss) else None,
+    node = dht.peer_id.to_base58()
+    value.update(node=node, loss=float(record.loss) if math.isfinite(record.loss) else None,
                  tokens_per_s=max(0.0, float(record.tokens_per_s)) if math.isfinite(record.tokens_per_s) else 0.0,
-                 **shown_facts(record))
+                 **shown_facts(record, node))
     dht.store(progress_key(run_id), subkey=record_owner(dht, run_id), value=value,
               expiration_time=get_dht_time() + ttl_s, return_future=True)
 
 
 _MAX_COUNT = 2**62
 _PEER_NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+_NODE_ID = re.compile(r"^[A-Za-z0-9]{1,56}$")
 
 
-def shown_facts(record: ProgressRecord) -> dict:
+def shown_facts(record: ProgressRecord, node: str = "") -> dict:
     """The fields only ``status`` shows, made to pass the schema whatever the trainer noted (a record the schema
     refuses is not stored, and a peer without one is invisible to the round's timing): the last finite eval
-    losses, counts within bounds, the last bans with their reasons cut to printable ASCII."""
-    evals = [(int(r), float(loss)) for r, loss in record.eval_losses if 0 <= r <= _MAX_COUNT and math.isfinite(loss)]
+    losses, counts within bounds, the last bans with their reasons cut to printable ASCII, the last groups (each
+    its members that are peer ids, sorted; of a larger group, the writer ``node`` and the first others) and train
+    losses, whether it finished."""
     bans = [(peer, re.sub(r"[^\x20-\x7e]", "?", str(why))[:MAX_REASON_CHARS]) for peer, why in record.bans
             if isinstance(peer, str) and _PEER_NAME.match(peer)]
-    return {"eval_losses": evals[-MAX_EVALS_SHOWN:], "bans": bans[-MAX_BANS_SHOWN:],
+    groups = [(int(r), nodes) for r, members in record.groups if 0 <= r <= _MAX_COUNT
+              for nodes in [_group_shown(members, node)] if nodes]
+    return {"eval_losses": _finite_points(record.eval_losses)[-MAX_EVALS_SHOWN:], "bans": bans[-MAX_BANS_SHOWN:],
             "bytes_sent": min(max(0, int(record.bytes_sent)), _MAX_COUNT),
-            "rounds_averaged": min(max(0, int(record.rounds_averaged)), _MAX_COUNT)}
+            "rounds_averaged": min(max(0, int(record.rounds_averaged)), _MAX_COUNT),
+            "groups": groups[-MAX_GROUPS_SHOWN:],
+            "train_losses": _finite_points(record.train_losses)[-MAX_TRAIN_LOSSES_SHOWN:],
+            "finished": bool(record.finished)}
+
+
+def _group_shown(members, node: str) -> list[str]:
+    """A group's members that are peer ids, sorted, at most MAX_GROUP_MEMBERS_SHOWN: ``node`` (the writer: a reader
+    shows only the groups a record's writer is in) and the first others."""
+    ids = {m for m in members if isinstance(m, str) and _NODE_ID.match(m)}
+    mine = ids & {node}
+    return sorted(mine | set(sorted(ids - mine)[:MAX_GROUP_MEMBERS_SHOWN - len(mine)]))
+
+
+def _finite_points(points) -> list[tuple[int, float]]:
+    """The (round, loss) pairs with a round the schema takes and a finite loss."""
+    return [(int(r), float(loss)) for r, loss in points if 0 <= r <= _MAX_COUNT and math.isfinite(loss)]
 
 
 def fetch_progress(dht, run_id: str, timeout_s: float = 10.0) -> list[ProgressRecord]:
@@ -145,7 +177,9 @@ def parse_progress(found) -> list[ProgressRecord]:
             logger.debug(f"Skipping a malformed progress record under {subkey!r}: {e!r}")
             continue
         value.update(loss=float("nan") if value["loss"] is None else value["loss"],
-                     eval_losses=tuple(value.get("eval_losses", ())), bans=tuple(value.get("bans", ())))
+                     eval_losses=tuple(value.get("eval_losses", ())), bans=tuple(value.get("bans", ())),
+                     groups=tuple((r, tuple(nodes)) for r, nodes in value.get("groups", ())),
+                     train_losses=tuple(value.get("train_losses", ())))
         records.append(ProgressRecord(**value, expiration=float(entry.expiration_time)))
     return records
 

@@ -55,6 +55,12 @@ ADD_VALIDATORS_TIMEOUT_S = 10.0  # a node that takes longer to add a schema is s
 MAX_EVALS_SHOWN = 32  # the eval losses a progress record carries (its last ones)
 MAX_BANS_SHOWN = 16  # the bans a progress record names (its last ones)
 MAX_REASON_CHARS = 160  # a ban's reason, printable ASCII
+MAX_GROUPS_SHOWN = 3  # the groups a progress record names (of its last rounds averaged)
+MAX_GROUP_MEMBERS_SHOWN = 32  # the members of a group a progress record names (its first, sorted)
+MAX_TRAIN_LOSSES_SHOWN = 32  # the rounds' mean train losses a progress record carries (its last ones)
+# a group member's DHT peer id: base58, 46 characters for the RSA identities this project writes (52 for Ed25519);
+# tighter than _NAME so that full groups stay well inside MAX_RECORD_VALUE_BYTES
+_NODE_ID = constr(strict=True, min_length=1, max_length=56, regex=r"^[A-Za-z0-9]+$")
 _REASON = constr(strict=True, max_length=MAX_REASON_CHARS, regex=r"^[\x20-\x7e]*$")
 MAX_RECORD_TTL_S = 600.0
 """No node stores or returns a run's record that expires further ahead than this (peers refresh their records with a
@@ -83,6 +89,10 @@ class ProgressValue(BaseModel):
     bytes_sent: _COUNT = 0
     rounds_averaged: _COUNT = 0
     bans: conlist(tuple[_NAME, _REASON], max_items=MAX_BANS_SHOWN) = []
+    groups: conlist(tuple[_COUNT, conlist(_NODE_ID, min_items=1, max_items=MAX_GROUP_MEMBERS_SHOWN)],
+                    max_items=MAX_GROUPS_SHOWN) = []
+    train_losses: conlist(tuple[_COUNT, _FINITE], max_items=MAX_TRAIN_LOSSES_SHOWN) = []
+    finished: StrictBool = False
 
     class Config:
         extra = Extra.forbid
