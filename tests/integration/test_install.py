@@ -13,19 +13,23 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
+import shlex
 import signal
 import subprocess
 import sys
 import sysconfig
 import tarfile
+import time
 import tomllib
+import urllib.request
 import zipfile
 from pathlib import Path
 
 import pytest
 
 from p2p_diloco.cli.main import build_parser
-from tests.integration.conftest import LOOPBACK, wait_for_file
+from tests.integration.conftest import FAST_AVERAGING, LOOPBACK, wait_for_file
 
 pytestmark = pytest.mark.timeout(300)
 ROOT = Path(__file__).resolve().parents[2]
@@ -159,3 +163,168 @@ def test_sdist_installs_what_the_wheel_installs(dist, wheel_venv, tmp_path):
     sdist_venv = Venv(tmp_path / "venv", dist["sdist"])
     assert sdist_venv.installed_package() == wheel_venv.installed_package()
     assert sdist_venv.cli("--version").strip() == f"p2p-diloco {VERSION}"
+
+
+# ------------------------------------------------------------------------------------------------ the README's walk
+
+README_ADDRESS = re.compile(r"^/(ip4|dns4)/(203\.0\.113\.\d+|[a-z0-9.-]*example\.org)/")
+# what the walk does not run, by the command's first word, and why: the install lines are what the wheel_venv
+# fixture does to this very wheel (pip from the registry is not reachable in CI); torchrun needs two machines
+# (tests/integration/test_torchrun_cluster.py runs its script on one)
+NOT_RUN = {"make": "the Makefile's targets: CI runs make test itself",
+           "python3": "a venv and its activation: the wheel_venv fixture makes one",
+           "pip": "torch, python -m build and the wheel: the dist and wheel_venv fixtures build and install it",
+           "NNODES=2": "torchrun across two machines"}
+FAST = ["--model.preset", "tiny", "--data.batch_size", "8", "--data.seq_len", "32", "--data.eval_batches", "2",
+        "--train.num_rounds", "1", "--diloco.inner_steps", "5", "--train.progress", "false",
+        "--run.num_threads", "1", "--host-maddrs", LOOPBACK, *FAST_AVERAGING]
+
+
+def readme_lines() -> list[list[str]]:
+    """Every command line of README.md's bash blocks, top to bottom, as words (continuations joined)."""
+    text = (ROOT / "README.md").read_text()
+    lines = []
+    for block in re.findall(r"^```bash\n(.*?)^```", text, re.M | re.S):
+        lines += [words for line in block.replace("\\\n", " ").splitlines()
+                  if (words := shlex.split(line, comments=True))]
+    return lines
+
+
+def make_llama(path: Path) -> None:
+    """/models/my-llama of the README: a bf16 LlamaForCausalLM of 4 blocks with the byte tokenizer."""
+    import json
+
+    import torch
+    import transformers
+
+    from p2p_diloco.model.hf import byte_tokenizer_json
+
+    config = transformers.LlamaConfig(vocab_size=257, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      bos_token_id=0, eos_token_id=256, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(str(path))
+    (path / "tokenizer.json").write_text(json.dumps(byte_tokenizer_json()))
+
+
+class Walk:
+    """Runs the README's commands in the wheel's venv, in its folder, as a user would, with these substitutions
+    (each a thing of the user's world the test makes for itself): the README's example addresses are the walk's
+    own bootstrap node; a listening address is 127.0.0.1; ``/models/my-llama`` and ``my-data.jsonl.gz`` are made
+    here; the export's ``runs/swarm-.../peer0`` is the folder the README's Hugging Face peer wrote; ``--serve 8080``
+    is any free port. A peer also gets :data:`FAST` after its own options (the tiny preset, one round of 5 steps,
+    nobody waited for, the tests' averaging timeouts): the README's peers train a 26M model for 1000 rounds."""
+
+    def __init__(self, venv: Venv):
+        self.venv, self.here = venv, venv.folder
+        self.maddrs: list[str] = []
+        self.background: list[subprocess.Popen] = []
+        self.ran: list[str] = []
+
+    def substitute(self, argv: list[str]) -> list[str]:
+        out, skip = [], False
+        for word in argv:
+            if skip:
+                skip = False
+                continue
+            if word == "--announce-maddrs":  # the README's public address: not this machine's
+                skip = True
+                continue
+            if README_ADDRESS.match(word):
+                out += [m for m in self.maddrs if m not in out]
+                continue
+            if word.startswith("/ip4/0.0.0.0/"):
+                word = LOOPBACK
+            word = {"/models/my-llama": str(self.here / "models" / "my-llama"),
+                    "/models/my-llama/tokenizer.json": str(self.here / "models" / "my-llama" / "tokenizer.json"),
+                    "runs/swarm-.../peer0": "runs/peer"}.get(word, word)
+            out.append(word)
+        if out[0] == "status" and "--serve" in out:
+            out[out.index("--serve") + 1] = "0"
+        if out[0] == "peer":
+            fast = FAST if "--model.init_from" not in out else FAST[2:]  # (the folder gives the shape)
+            out += [*fast, "--train.wait_for_peers", "1"]
+        return out
+
+    def start(self, argv: list[str], ready: str, timeout: float = 120) -> str:
+        """Start a long-running command in the background; its output once it has printed ``ready``."""
+        log = self.here / f"background-{len(self.background)}.log"
+        proc = subprocess.Popen([self.venv.bin / "p2p-diloco", *argv], cwd=self.here, env=clean_env(),
+                                stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+        self.background.append(proc)
+        deadline = time.monotonic() + timeout
+        while ready not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, \
+                f"p2p-diloco {shlex.join(argv)} exited with {proc.returncode} or hung:\n{log.read_text()[-3000:]}"
+            time.sleep(0.3)
+        time.sleep(0.5)
+        return log.read_text()
+
+    def run(self, words: list[str]) -> None:
+        argv = self.substitute(words[1:])
+        self.ran.append(argv[0])
+        started = time.monotonic()
+        print(f"README: p2p-diloco {shlex.join(words[1:])}\n  runs as: p2p-diloco {shlex.join(argv)}", flush=True)
+        if argv[0] == "bootstrap":
+            out = self.start(argv, "--initial-peers ")
+            assert re.search(r"--initial-peers /ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+", out), out
+        elif argv[0] == "status" and "--serve" in argv:
+            out = self.start(argv, "(Ctrl-C to stop)")
+            url = re.search(r"(http://\S+/)", out).group(1)
+            with urllib.request.urlopen(url + "api/status", timeout=10) as response:
+                assert response.status == 200
+        else:
+            result = subprocess.run([self.venv.bin / "p2p-diloco", *argv], cwd=self.here, env=clean_env(),
+                                    capture_output=True, text=True, timeout=240)
+            assert result.returncode == 0, \
+                f"README: p2p-diloco {shlex.join(words[1:])}\nran as: p2p-diloco {shlex.join(argv)}\n" \
+                f"exit code {result.returncode}:\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
+        print(f"  {time.monotonic() - started:.1f} s", flush=True)
+
+    def stop(self) -> None:
+        for proc in self.background:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc in self.background:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def test_every_command_of_the_readme_runs_top_to_bottom_in_the_wheels_venv(wheel_venv):
+    """The README walked as a user walks it, in a fresh venv with the wheel installed: every p2p-diloco line of its
+    bash blocks, in order, exits 0 (the bootstrap nodes and the status page stay up in the background), with only
+    :class:`Walk`'s substitutions. A README command that fails fails here, naming the line. What is not run is
+    listed in :data:`NOT_RUN` with the reason, and lines with "..." are fragments of a command (the cluster
+    options), whose options ``tests/unit/test_deployment.py`` parses."""
+    import gzip
+    import json
+
+    walk = Walk(wheel_venv)
+    # the public swarm the README's first peer joins: a bootstrap node of the walk's own, whose address stands for
+    # every example address of the README
+    out = walk.start(["bootstrap", "--host-maddrs", LOOPBACK, "--identity-path", "public.id"], "--initial-peers ")
+    walk.maddrs = re.search(r"--initial-peers (.+)", out).group(1).split()
+    make_llama(walk.here / "models" / "my-llama")
+    texts = [f"Document {i}: " + " ".join(f"word{(i * j) % 97}" for j in range(200)) for i in range(300)]
+    with gzip.open(walk.here / "my-data.jsonl.gz", "wt") as f:
+        f.writelines(json.dumps({"text": t}) + "\n" for t in texts)
+    skipped = set()
+    try:
+        for words in readme_lines():
+            if words[0] in NOT_RUN:
+                skipped.add(words[0])
+            elif words[0] == "p2p-diloco" and "..." not in words:
+                walk.run(words)
+            elif words[0] != "p2p-diloco":
+                raise AssertionError(f"a README line the walk does not know: {shlex.join(words)}")
+    finally:
+        walk.stop()
+    assert skipped == set(NOT_RUN), skipped
+    # the README's paths all ran (the count of each: a README that lost one fails here too)
+    assert {c: walk.ran.count(c) for c in set(walk.ran)} == {
+        "--version": 1, "plan": 2, "config": 1, "peer": 3, "bootstrap": 2, "status": 1, "prepare-data": 1,
+        "export": 1, "generate": 1}, walk.ran
+    assert (walk.here / "my-model" / "config.json").is_file()

@@ -157,6 +157,28 @@ def test_only_strangers_keep_a_round_waiting_for_its_group_for_a_bounded_time(mo
     assert link(met=frozenset({"a"})).moved_past(3)
 
 
+def test_a_lone_peer_ends_its_rounds_search_after_one_window_unless_others_were_seen_lately(monkeypatch):
+    """Nobody else of the stage visible: the round's search is hopeless once it has looked for ``stranger_wait_s``
+    (a matchmaking window and a request), not after its whole round timeout (a lone peer of peers/peer.toml waited
+    180 s for its first round); an empty read within a record's lifetime of seeing others is a failed read, and
+    the round keeps waiting."""
+    reads = [[]]
+    monkeypatch.setattr(swarm_link, "fetch_progress", lambda dht, run_id: list(reads[-1]))
+    alone = link()
+    assert alone.expected_group_size(0) is None  # a peer that joined a swarm: its first round tries the network
+    assert not alone.moved_past(0)  # within the window
+    alone._matching_since[0] -= alone.stranger_wait_s
+    assert alone.moved_past(0)
+    reads.append([record("other", 1)])
+    seen = link()
+    assert seen.expected_group_size(1) == 2
+    reads.append([])  # the others' records vanish from one read
+    seen._matching_since[1] -= seen.stranger_wait_s
+    assert not seen.moved_past(1)
+    seen._others_seen_at -= seen.ttl_s
+    assert seen.moved_past(1)
+
+
 def test_a_groupmate_that_ended_the_next_round_and_still_collects_this_one_keeps_it_alive(monkeypatch):
     """Eager and delayed modes: a peer that ended round r + 1 announces r + 2 before it collects round r's average
     (its record then names r + 2 with r not applied). Until it applies r it is still in r's group: the slower peer

@@ -230,7 +230,11 @@ class SwarmLink:
         """Whether no group can form for ``round_index`` any more: no other live peer of the stage can still
         average it (one on that round, or on the next with that round not yet applied, averaging it in the
         background). Peers further behind will reload rather than join it. False when no other peer is
-        visible (a DHT hiccup looks the same).
+        visible (a DHT hiccup looks the same), until the round has looked for its group ``stranger_wait_s`` (a
+        matchmaking window and a request) and no other peer of the stage was seen for a record's lifetime
+        (``ttl_s``): then it is alone, and the round ends at once. (A lone peer waited out its whole
+        ``round_timeout_s``, 180 s in ``peers/peer.toml``, before its first round fell back, and a one-round run's
+        end as long.)
 
         Only believed records (:meth:`believed`) keep this stage waiting for as long as the round's own bounds
         allow; strangers' records that say they could still join keep it waiting ``stranger_wait_s`` after it began
@@ -244,6 +248,9 @@ class SwarmLink:
         if could_join(believed, round_index):
             return False
         started = self._matching_since.setdefault(round_index, time.monotonic())
+        if not believed and not strangers:
+            now = time.monotonic()
+            return now - started >= self.stranger_wait_s and now - self._others_seen_at >= self.ttl_s
         if could_join(strangers, round_index) and time.monotonic() - started < self.stranger_wait_s:
             return False
         return any(r.round <= round_index + 2 for r in [*believed, *strangers])  # (less the discredited)
