@@ -29,8 +29,8 @@ JOIN_BOUND_HELP = (
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="TOML",
-                        help="config file (examples: peers/*.toml and bootstrap/bootstrap.toml of the source "
-                        "repository and of the sdist; --help-config lists every key)")
+                        help="config file (`p2p-diloco config --example peer --out peers/peer.toml` writes an "
+                        "example: `p2p-diloco config` lists them; --help-config lists every key)")
     parser.add_argument("--help-config", action="store_true", help="list every config key and exit")
     dht = parser.add_argument_group("swarm (shortcuts for [dht] and [run] keys)")
     dht.add_argument("--initial-peers", nargs="+", metavar="MADDR",

@@ -186,7 +186,10 @@ class Trainer:
             return
         logger.info(f"Waiting for {wanted} peers of run {self.cfg.run.run_id} before the first round "
                     f"(at most {self.cfg.train.wait_for_peers_timeout_s:.0f} s)")
-        seen = self.swarm.wait_for_peers(self.stage.position(), wanted, self.cfg.train.wait_for_peers_timeout_s)
+        seen = self.swarm.wait_for_peers(
+            self.stage.position(), wanted, self.cfg.train.wait_for_peers_timeout_s,
+            progress=lambda here, left_s: logger.info(f"Waiting for peers: {here} of {wanted} here, starting in at "
+                                                      f"most {left_s:.0f} s"))
         if seen < wanted:
             logger.warning(f"Starting with {seen} of the {wanted} peers waited for")
 

@@ -201,6 +201,22 @@ def test_a_groupmate_that_ended_the_next_round_and_still_collects_this_one_keeps
     assert stranger_view.moved_past(3)
 
 
+def test_a_peer_waiting_for_others_is_told_how_many_are_here_as_it_changes_and_every_while(monkeypatch):
+    """``train.wait_for_peers``: the wait shows progress (a first peer may wait half an hour, silent before)."""
+    monkeypatch.setattr(SwarmLink, "publish", lambda self, *args, **kwargs: None)
+
+    def told_while_waiting(every_s: float) -> list[tuple[int, int]]:
+        reads = [[], [], [record("a", 0)], [record("a", 0)], [record("a", 0), record("b", 0)]]
+        monkeypatch.setattr(swarm_link, "fetch_progress", lambda dht, run_id: reads.pop(0))
+        told = []
+        assert link().wait_for_peers(Position(0, 0, -1), 3, timeout_s=30, poll_s=0.001, progress_every_s=every_s,
+                                     progress=lambda here, left: told.append((here, round(left)))) == 3
+        return told
+
+    assert told_while_waiting(every_s=1000) == [(2, 30)]  # when the count changes
+    assert told_while_waiting(every_s=0) == [(1, 30), (1, 30), (2, 30), (2, 30)]  # and every while meanwhile
+
+
 def test_waiting_for_peers_in_a_private_swarm_counts_its_members_only(monkeypatch):
     """``train.wait_for_peers``: outsiders' records of a private swarm do not end the wait before its members came."""
     records = [record(node, 0) for node in SYBILS]

@@ -195,16 +195,24 @@ class SwarmLink:
         return self.num_rounds is not None and record.round >= self.num_rounds and \
             record.applied_round >= self.num_rounds - 1
 
-    def wait_for_peers(self, position: Position, count: int, timeout_s: float, poll_s: float = 1.0) -> int:
+    def wait_for_peers(self, position: Position, count: int, timeout_s: float, poll_s: float = 1.0,
+                       progress: Optional[Callable[[int, float], None]] = None, progress_every_s: float = 30.0) -> int:
         """Wait until ``count`` peers (this one included) train this stage, at most ``timeout_s``, publishing
-        ``position`` meanwhile; returns how many were seen."""
+        ``position`` meanwhile; returns how many were seen. ``progress(seen, seconds_left)`` is told whenever the
+        count changes, and every ``progress_every_s`` meanwhile (a first peer may wait half an hour)."""
 
         deadline = time.monotonic() + timeout_s
+        told, told_at = None, time.monotonic()
         while True:
             seen = live_group_size(self.believed(self._fetch())[0], self.stage_index,
                                    self.num_stages, self.node)
             if seen >= count or time.monotonic() >= deadline:
                 return seen
+            now = time.monotonic()
+            if progress is not None and (seen != told and told is not None or now - told_at >= progress_every_s):
+                progress(seen, deadline - now)
+                told_at = now
+            told = seen
             self.publish(position, float("nan"), 0.0, force=True)
             time.sleep(poll_s)
 
