@@ -122,10 +122,7 @@ class Watcher:
 
     def _curve(self, fresh: list) -> list[list]:
         """The curve of all reads so far, with this read's points (the latest values of their rounds)."""
-        self.curve.update({int(r): float(loss) for r, loss in fresh})
-        while len(self.curve) > MAX_CURVE_POINTS:
-            del self.curve[min(self.curve)]
-        return [[r, self.curve[r]] for r in sorted(self.curve)]
+        return merge_curve(self.curve, fresh, MAX_CURVE_POINTS)
 
     def close(self) -> None:
         """Stop the node (a read in flight fails; the reader thread ends with the process)."""
@@ -158,10 +155,7 @@ class SwarmMemory:
                        if node not in present and now - seen_at <= KEEP_GONE_S), reverse=True)[:MAX_GONE_ROWS]
         self.gone = {node: self.gone[node] for _, node in kept}
         for row in rows:
-            curve = self.curves.setdefault(row["node"], {})
-            curve.update({int(r): float(loss) for r, loss in row["train_losses"]})
-            while len(curve) > MAX_PEER_CURVE_POINTS:
-                del curve[min(curve)]
+            merge_curve(self.curves.setdefault(row["node"], {}), row["train_losses"], MAX_PEER_CURVE_POINTS)
         self.curves = {node: curve for node, curve in self.curves.items() if node in present or node in self.gone}
         shown = [dict(row, train_losses=self._curve(row["node"])) for row in rows]
         for node, (seen_at, row) in self.gone.items():
@@ -170,5 +164,13 @@ class SwarmMemory:
         return shown
 
     def _curve(self, node: str) -> list[list]:
-        curve = self.curves.get(node, {})
-        return [[r, curve[r]] for r in sorted(curve)]
+        return merge_curve(self.curves.get(node, {}), [], MAX_PEER_CURVE_POINTS)
+
+
+def merge_curve(curve: dict[int, float], fresh, limit: int) -> list[list]:
+    """``curve`` (round -> loss, kept across reads) with a read's ``fresh`` (round, loss) points in (the latest value
+    of a round wins), cut to its latest ``limit`` rounds; the curve as sorted [round, loss] points."""
+    curve.update({int(r): float(loss) for r, loss in fresh})
+    for r in sorted(curve)[:max(0, len(curve) - limit)]:
+        del curve[r]
+    return [[r, curve[r]] for r in sorted(curve)]

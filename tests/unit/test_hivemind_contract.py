@@ -123,20 +123,8 @@ def test_every_private_attribute_we_use_is_one_hivemind_sets():
     for (cls, name), _what in ATTRIBUTES.items():
         if name in vars(cls):  # a method (replaced on instances: REPLACED checks its parameters)
             continue
-        source = _class_source(cls)
+        source = inspect.getsource(cls)
         assert re.search(rf"self\.{name}\b[^=\n]*=[^=]", source), (cls.__name__, name)
-
-
-def _class_source(cls: type) -> str:
-    """The text of ``cls``'s definition, cut from its module's file by indentation. (Not ``inspect.getsource``: on
-    Python 3.11 it parses the whole module with ``ast``, which raised ``SystemError: AST constructor recursion depth
-    mismatch`` in CI while another thread of the test process compiled code, a CPython bug.)"""
-    lines = Path(inspect.getsourcefile(cls)).read_text().splitlines()
-    start = next(i for i, line in enumerate(lines) if re.match(rf"class {cls.__name__}\b", line))
-    end = next((i for i in range(start + 1, len(lines)) if lines[i][:1] not in ("", " ", "\t", "#", ")")),
-               len(lines))
-    assert end - start > 3, (cls.__name__, start, end)  # a class found, with a body
-    return "\n".join(lines[start:end])
 
 
 def test_every_patch_is_applied_from_the_adapter_and_covered_by_a_contract_test_here():

@@ -209,7 +209,8 @@ class SwarmLink:
             if seen >= count or time.monotonic() >= deadline:
                 return seen
             now = time.monotonic()
-            if progress is not None and (seen != told and told is not None or now - told_at >= progress_every_s):
+            changed = told is not None and seen != told
+            if progress is not None and (changed or now - told_at >= progress_every_s):
                 progress(seen, deadline - now)
                 told_at = now
             told = seen

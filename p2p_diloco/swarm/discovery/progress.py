@@ -28,6 +28,8 @@ from p2p_diloco.swarm.discovery.records import (
     MAX_GROUPS_SHOWN,
     MAX_REASON_CHARS,
     MAX_TRAIN_LOSSES_SHOWN,
+    NODE_ID_PATTERN,
+    PEER_NAME_PATTERN,
     ProgressValue,
     bound_to_writer,
     is_owner_subkey,
@@ -107,8 +109,8 @@ def publish_progress(dht, run_id: str, record: ProgressRecord, ttl_s: float) -> 
 
 
 _MAX_COUNT = 2**62
-_PEER_NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
-_NODE_ID = re.compile(r"^[A-Za-z0-9]{1,56}$")
+_PEER_NAME = re.compile(PEER_NAME_PATTERN)  # the schema's own patterns: what passes here, the schema accepts
+_NODE_ID = re.compile(NODE_ID_PATTERN)
 
 
 def shown_facts(record: ProgressRecord, node: str = "") -> dict:

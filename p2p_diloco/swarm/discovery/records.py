@@ -47,7 +47,8 @@ from p2p_diloco.swarm.discovery.averager_keys import AveragerKeys, averager_pref
 from p2p_diloco.swarm.errors import SwarmError
 
 # the base58 peer ids this project writes, or any other short printable name
-_NAME = constr(strict=True, min_length=1, max_length=128, regex=r"^[A-Za-z0-9._-]+$")
+PEER_NAME_PATTERN = r"^[A-Za-z0-9._-]{1,128}$"  # a peer id as records name it (bans)
+_NAME = constr(strict=True, min_length=1, max_length=128, regex=PEER_NAME_PATTERN)
 _COUNT = conint(strict=True, ge=0, le=2**62)
 _FINITE = confloat(strict=True, allow_inf_nan=False)
 MAX_STAGES = 1024
@@ -60,7 +61,8 @@ MAX_GROUP_MEMBERS_SHOWN = 32  # the members of a group a progress record names (
 MAX_TRAIN_LOSSES_SHOWN = 32  # the rounds' mean train losses a progress record carries (its last ones)
 # a group member's DHT peer id: base58, 46 characters for the RSA identities this project writes (52 for Ed25519);
 # tighter than _NAME so that full groups stay well inside MAX_RECORD_VALUE_BYTES
-_NODE_ID = constr(strict=True, min_length=1, max_length=56, regex=r"^[A-Za-z0-9]+$")
+NODE_ID_PATTERN = r"^[A-Za-z0-9]{1,56}$"
+_NODE_ID = constr(strict=True, min_length=1, max_length=56, regex=NODE_ID_PATTERN)
 _REASON = constr(strict=True, max_length=MAX_REASON_CHARS, regex=r"^[\x20-\x7e]*$")
 MAX_RECORD_TTL_S = 600.0
 """No node stores or returns a run's record that expires further ahead than this (peers refresh their records with a
