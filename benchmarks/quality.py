@@ -237,7 +237,7 @@ def run_diloco(setting: Setting, seed: int, workers: int, mode: str, compression
             for k in range(workers):
                 t0 = time.monotonic()
                 inner_step(units[k], executors[k], samplers[k])
-                spent = time.monotonic() - t0
+                spent = args.step_s or time.monotonic() - t0
                 compute[k] = [c + spent for c in compute[k]]
             for i in units[0].ending_early(r, step):  # streaming: these fragments' rounds end a few steps early
                 end_round(i, step)
@@ -388,7 +388,8 @@ def summarize(results: dict[str, list[RowResult]]) -> list[dict]:
 def report_text(table: list[dict], args, command: str) -> str:
     lines = [f"# {command}", f"# preset {args.preset}, K = {args.workers}, H = {args.h}, {args.rounds} rounds, batch "
              f"{args.batch} x seq {args.seq}, {args.eval_batches} eval batches, seeds {args.seeds}, "
-             f"overrides {args.set or 'none'}",
+             f"overrides {args.set or 'none'}" + (f", {args.step_s:g} s of compute claimed per step" if args.step_s
+                                                   else ""),
              f"# tokens per worker: {args.rounds * args.h * args.batch * args.seq:,}",
              "row                 eval loss (mean +- spread)   vs alone   gap closed   vs none/fp32   bytes/round  "
              "peak/averaging  fallbacks  wall s  tokens to alone's loss  speedup"]
@@ -437,7 +438,7 @@ def plot(results: dict[str, list[RowResult]], path: Path, title: str) -> None:
 
 
 SETTING_KEYS = ("preset", "workers", "h", "rounds", "batch", "seq", "eval_batches", "arrival_steps", "eval_every",
-                "set", "device")
+                "set", "device", "step_s")
 
 
 def previous_results(folder: Path, args, parser) -> dict[tuple[int, str], RowResult]:
@@ -478,6 +479,11 @@ def main() -> None:
     parser.add_argument("--arrival-steps", type=int, default=None, metavar="N",
                         help="delayed mode: a round's average arrives N inner steps into the next round (the network's "
                         "time; default H, a whole round: the worst case, as on a slow link)")
+    parser.add_argument("--step-s", type=float, default=None, metavar="S",
+                        help="the compute each worker claims per inner step, in seconds: with "
+                        "--set averaging.assumed_bandwidth_mbit=L, the link and round of compute the compression "
+                        "budget is planned for, the same on any machine (default: the step's measured time, which "
+                        "follows this machine's load)")
     parser.add_argument("--eval-every", type=int, default=3, help="rounds between points of the curves")
     parser.add_argument("--seeds", default="0", help="comma-separated; each seed changes init and data windows")
     parser.add_argument("--rows", default=",".join(ALL_ROWS))

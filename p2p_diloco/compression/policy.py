@@ -2,14 +2,17 @@
 
 ``averaging.compression`` picks the scheme: ``none`` (fp32), ``fp16``, ``int8`` (blockwise, or 4-bit with
 ``averaging.quant_bits = 4``), ``lowrank`` (2-D tensors of at least ``lowrank_min_size`` values through
-PowerSGD two-phase averaging at a fixed rank, factors quantized; the rest quantized), ``adaptive``
-(lowrank whose rank and bits change every round) and ``sparseloco`` (every tensor as the top-k of each chunk at 2
+PowerSGD two-phase averaging at a fixed rank, factors quantized; the rest quantized), ``adaptive`` (the least lossy
+rung of a ladder that fits the link: every tensor whole at ``int8``, else whole at ``int4``, else low rank whose rank
+and bits change every round; blockwise codes with error feedback cost no measurable loss at 4-8x fewer bytes, low
+rank does, BENCHMARKS "What compression costs") and ``sparseloco`` (every tensor as the top-k of each chunk at 2
 bits, :mod:`p2p_diloco.compression.sparse`; k is ``averaging.sparse_topk``, halved until the round fits the
 bandwidth budget of the group's slowest link, as ``adaptive`` cuts its rank). Every peer proposes (rank, bits, the
 round of the warm Q it holds), its last compression error, link rate and round of compute in the round's gathered
-metadata; :meth:`CompressionPolicy.agree` turns them into one :class:`RoundPlan` (the group's median rank and bits, more
-rank while the group's error is high, cut to the bandwidth budget of the slowest link; warm start only if
-everyone holds the same Q), and :meth:`CompressionPolicy.next_proposal` derives the next proposal from what
+metadata; :meth:`CompressionPolicy.agree` turns them into one :class:`RoundPlan` (for ``adaptive``: the first rung
+whose contribution fits the bandwidth budget of the slowest link; in low rank, the group's median rank and bits, more
+rank while the group's error is high, cut to that budget; warm start only if everyone holds the same Q of a low-rank
+round), and :meth:`CompressionPolicy.next_proposal` derives the next proposal from what
 the group shares after the round (the spectrum of the averaged Qs). So all peers of a group pick the same
 plan with no extra message. Pure logic; called in the averager process.
 
@@ -88,15 +91,20 @@ class CompressionPolicy:
         Each member brings ``compression`` (its proposal: rank, bits, round of its warm Q), ``last_error`` (the
         relative compression error of its last averaged round), ``bandwidth_mbit`` and ``compute_s``. The rank and
         bits are the proposals' lower median (the rank within ``averaging.max_rank``, in a pair at least the larger
-        proposal over :data:`LINK_SPREAD`); for ``adaptive`` the rank doubles while the upper median of the last
-        errors is above ``averaging.target_error``, and it is then cut (or the bits halved) to what the group's
-        slowest link can send within the budget (see the module docstring for what one member's claims can move).
+        proposal over :data:`LINK_SPREAD`); ``adaptive`` sends every tensor whole at those bits, else at 4 bits,
+        if that fits what the group's slowest link can send within the budget; else in low rank, where the rank
+        doubles while the upper median of the last errors is above ``averaging.target_error`` and is then cut (or
+        the bits halved) to the budget (see the module docstring for what one member's claims can move).
         """
         proposals = [m["compression"] for m in members]
         rank = min(_floored_median([int(p["rank"]) for p in proposals]), self.cfg.max_rank)
         bits = lower_median([int(p["bits"]) for p in proposals])
         q_rounds = {int(p["q_round"]) for p in proposals}
         warm = q_rounds.pop() if len(q_rounds) == 1 and -1 not in q_rounds else None
+        if self.scheme == "adaptive":
+            whole = self._whole_that_fits(rank, bits, members)
+            if whole is not None:
+                return whole
         if self.scheme == "adaptive" and self.eligible:
             errors = [float(m["last_error"]) for m in members if m.get("last_error") is not None]
             if errors and upper_median(errors) > self.cfg.target_error:
@@ -151,6 +159,24 @@ class CompressionPolicy:
     def _sparse_plan(self, k: int) -> RoundPlan:
         return RoundPlan(codecs=(TopK2Bit(k).name,) * len(self.shapes), lowrank=(), rank=0, warm_round=None)
 
+    def _whole_that_fits(self, rank: int, bits: int, members: list[dict]) -> RoundPlan | None:
+        """'adaptive', the first rungs of its ladder: every tensor sent whole, blockwise at ``bits`` (the group's
+        lower median), else at 4 bits, whichever first fits the budget; None where neither does (low rank then) or
+        no round of compute was measured yet. A model without matrices for low rank is sent whole at 4 bits where
+        nothing fits. The plan keeps ``rank``, the rank low rank would start from if the link narrows."""
+        budget = self._budget(members)
+        if budget is None:
+            return None
+        for candidate_bits in sorted({bits, 4}, reverse=True):
+            plan = self._whole_plan(rank, candidate_bits)
+            if self.payload_bytes(plan) <= budget:
+                return plan
+        return None if self.eligible else self._whole_plan(rank, 4)
+
+    def _whole_plan(self, rank: int, bits: int) -> RoundPlan:
+        return RoundPlan(codecs=("int4" if bits <= 4 else "int8",) * len(self.shapes), lowrank=(), rank=rank,
+                         warm_round=None)
+
     def _fit_budget(self, rank: int, bits: int, members: list[dict]) -> tuple[int, int]:
         """The largest rank up to ``rank`` (at ``bits``, else at 4 bits) whose round fits the bandwidth budget."""
         budget = self._budget(members)
@@ -183,8 +209,9 @@ class CompressionPolicy:
         rank = plan.rank
         if self.scheme == "adaptive" and q_avgs:
             rank = max(desired_rank(q, plan.rank, self.cfg.min_rank, self.cfg.max_rank) for q in q_avgs.values())
+        # a round that sent every tensor whole left no averaged Q to start the next from
         return self._with_topk({"rank": max(rank, self.cfg.min_rank), "bits": self.cfg.quant_bits,
-                                "q_round": round_index})
+                                "q_round": round_index if plan.lowrank else -1})
 
     def _plan_at(self, rank: int, bits: int, warm_round: int | None) -> RoundPlan:
         if self.scheme == "sparseloco":  # every tensor: top-k of each chunk, 2 bits each

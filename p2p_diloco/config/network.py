@@ -22,12 +22,13 @@ class AveragingConfig:
     compression: str = "adaptive"
     """How pseudo-gradients cross the wire: 'none' (fp32), 'fp16', 'int8' (blockwise; 4-bit with quant_bits = 4),
     'lowrank' (large matrices through PowerSGD at a fixed rank, factors quantized, the rest quantized) or
-    'adaptive' (lowrank whose rank and bits follow the spectrum and the bandwidth budget) or 'sparseloco' (SparseLoCo,
+    'adaptive' (the least lossy of int8, int4 and lowrank whose rank and bits follow the spectrum, that fits the
+    bandwidth budget) or 'sparseloco' (SparseLoCo,
     arXiv 2508.15706: the sparse_topk largest values of each chunk of 4096, 2 bits each; its error feedback decays by
     sparse_feedback_decay and plays the outer momentum, so set diloco.outer_momentum = 0 as the paper does). Errors
     are fed back."""
     quant_bits: int = 8
-    """Bits per value of quantized tensors and low-rank factors: 8 or 4."""
+    """Bits per value of quantized tensors and low-rank factors: 8 or 4 ('adaptive': the most it sends with)."""
     rank: int = 8
     """Low rank of the first round (all rounds for 'lowrank')."""
     min_rank: int = 1
@@ -46,7 +47,8 @@ class AveragingConfig:
     target_error: float = 0.5
     """'adaptive' doubles the rank while the group's relative compression error is above this."""
     bandwidth_budget: float = 0.5
-    """'adaptive' keeps the expected transfer of a round within this fraction of a round of compute."""
+    """'adaptive' keeps the expected transfer of a round within this fraction of a round of compute (it sends whole
+    tensors at 8 or 4 bits where they fit, low rank where they do not)."""
     assumed_bandwidth_mbit: float = 100.0
     """Link rate assumed for the bandwidth budget until the first round has measured one."""
     target_group_size: Optional[int] = None

@@ -51,8 +51,9 @@ SETTINGS = {
     # blocking DiLoCo, fp32, with the outer step that grows with the group (design 2.3)
     "none-fp32": ["--diloco.mode", "none", "--averaging.compression", "none",
                   "--diloco.outer_lr_group_exponent", "0.5"],
-    # eager overlap, adaptive compression with the tiny model's matrices in low rank
-    "eager-lowrank": ["--diloco.mode", "eager", "--averaging.lowrank_min_size", "16384"],
+    # eager overlap, the tiny model's matrices in low rank (on loopback 'adaptive' sends them whole)
+    "eager-lowrank": ["--diloco.mode", "eager", "--averaging.compression", "lowrank",
+                      "--averaging.lowrank_min_size", "16384"],
     # SparseLoCo: top-k of each chunk at 2 bits, the paper's outer step (no momentum, alpha 1)
     "delayed-sparseloco": ["--diloco.mode", "delayed", "--averaging.compression", "sparseloco",
                            "--diloco.outer_momentum", "0", "--diloco.outer_lr", "1.0",

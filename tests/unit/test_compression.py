@@ -263,7 +263,9 @@ def cfg(**overrides) -> AveragingConfig:
     return AveragingConfig(**{"lowrank_min_size": 1000, **overrides})
 
 
-def member(rank=8, bits=8, q_round=3, error=None, bandwidth=1000.0, compute=60.0) -> dict:
+def member(rank=8, bits=8, q_round=3, error=None, bandwidth=1000.0, compute=0.0) -> dict:
+    """A member's gathered metadata. By default no round of compute measured: no bandwidth budget, so 'adaptive'
+    plans low rank with nothing cut (the tests of its ladder give a round of compute and a link)."""
     return {"compression": {"rank": rank, "bits": bits, "q_round": q_round}, "last_error": error,
             "bandwidth_mbit": bandwidth, "compute_s": compute}
 
@@ -303,9 +305,10 @@ def test_one_hostile_proposal_cannot_lower_the_precision_of_an_honest_majority()
     # a rank beyond max_rank is never planned, whoever proposes it
     assert policy.agree([member(1000)] * 3).rank == 64
     # an honest slow link within LINK_SPREAD of the median is respected in full
-    slow = [member(8, bandwidth=0.01), member(8, bandwidth=0.01), member(8, bandwidth=0.003)]
+    slow = [member(8, bandwidth=0.01, compute=60.0), member(8, bandwidth=0.01, compute=60.0),
+            member(8, bandwidth=0.003, compute=60.0)]
     assert policy.agree(slow) == policy.agree([dict(m, bandwidth_mbit=0.003) for m in slow])
-    assert policy.agree(slow).rank < policy.agree([member(8, bandwidth=0.01)] * 3).rank
+    assert policy.agree(slow).rank < policy.agree([member(8, bandwidth=0.01, compute=60.0)] * 3).rank
 
 
 def test_one_member_of_a_pair_cuts_the_rank_and_the_budget_at_most_link_spread_fold():
@@ -363,6 +366,76 @@ def test_fixed_schemes():
     plan = lowrank.agree([member(4, q_round=-1, error=0.99)])
     assert plan.rank == 4 and plan.lowrank == (0, 1, 3)  # fixed rank, whatever the error
     assert lowrank.next_proposal(plan, {}, 2) == {"rank": 4, "bits": 8, "q_round": 2}
+
+
+def whole_bytes(bits: int) -> int:
+    """Bytes of one contribution of SHAPES, every tensor whole, from the blockwise layout: a 4-byte scale per block
+    of BLOCK values and ``bits`` per value."""
+    return sum(4 * math.ceil(math.prod(s) / BLOCK) + math.ceil(math.prod(s) * bits / 8) for s in SHAPES)
+
+
+def link_for(contribution_bytes: float, group_size: int = 4, compute_s: float = 60.0) -> float:
+    """The link (Mbit/s) on which ``contribution_bytes`` is exactly the budget of a round: bandwidth_budget (0.5)
+    of a round of compute, over the all-reduce's 2(N-1)/N contributions."""
+    return contribution_bytes * 8 * (2 * (group_size - 1) / group_size) / (0.5 * compute_s * 1e6)
+
+
+def test_adaptive_sends_whole_tensors_at_the_least_lossy_bits_the_link_fits_else_low_rank():
+    """The ladder: int8 whole where the round's contribution fits the budget, else int4 whole, else low rank."""
+    policy = CompressionPolicy(SHAPES, cfg(compression="adaptive", max_rank=64))
+
+    def plan_on(link: float, bits: int = 8, **kw):
+        return policy.agree([member(8, bits, bandwidth=link, compute=60.0, **kw) for _ in range(4)])
+
+    int8, int4 = whole_bytes(8), whole_bytes(4)
+    assert policy.payload_bytes(plan_on(1000.0)) == int8  # the layout the ladder budgets with
+    for link, codec in ((link_for(int8), "int8"), (link_for(int8) * 0.999, "int4"), (link_for(int4), "int4")):
+        plan = plan_on(link)
+        assert plan.codecs == (codec,) * len(SHAPES) and plan.lowrank == () and plan.warm_round is None, link
+        assert plan.rank == 8  # kept: low rank starts from it if the link narrows
+    narrow = plan_on(link_for(int4) * 0.999)
+    assert narrow.lowrank == (0, 1, 3) and policy.payload_bytes(narrow) <= int4 * 0.999
+    # a group that proposes 4 bits is never sent 8, and is sent low rank below int4's budget too
+    assert plan_on(1000.0, bits=4).codecs == ("int4",) * len(SHAPES)
+    assert plan_on(link_for(int4) * 0.999, bits=4).lowrank == (0, 1, 3)
+    # no round of compute measured yet: no budget, low rank (the most a first round can cost)
+    assert policy.agree([member(8)] * 4).lowrank == (0, 1, 3)
+    # nothing fits and no matrix is large enough for low rank: whole at 4 bits, the fewest bytes there are
+    small = CompressionPolicy(SHAPES, cfg(compression="adaptive", lowrank_min_size=10**9))
+    tight = [member(8, bandwidth=1e-6, compute=60.0)] * 4
+    assert small.agree(tight).codecs == ("int4",) * len(SHAPES) and small.agree(tight).lowrank == ()
+    # one member claiming a link a million times slower moves the group by LINK_SPREAD at most
+    roomy = link_for(int8) * LINK_SPREAD
+    lowball = member(8, bandwidth=roomy * 1e-6, compute=60.0)
+    assert policy.agree([member(8, bandwidth=roomy, compute=60.0)] * 3 + [lowball]).codecs[0] == "int8"
+
+
+async def reduce_together(reducers, contributions, plan, round_index: int):
+    group = InMemoryGroup(len(reducers))
+    return await asyncio.gather(*(r.reduce(c, plan, round_index, group.member())
+                                  for r, c in zip(reducers, contributions)))
+
+
+def test_a_whole_round_leaves_no_warm_q_and_the_next_low_rank_round_starts_cold():
+    """After a round sent whole, the next proposal names no round of Qs (there are none); a low-rank round after it
+    starts from seeded Qs on every member, and the round after that warm from its Qs."""
+    shapes = [(96, 64), (64,)]
+    policy_cfg = AveragingConfig(compression="adaptive", rank=4, lowrank_min_size=1000)
+    reducers = [RoundReducer(CompressionPolicy(shapes, policy_cfg), seed="g") for _ in range(2)]
+    policy = reducers[0].policy
+    links = {"wide": 1000.0, "narrow": 1e-5}
+    proposals = [policy.initial_proposal()] * 2
+    for round_index, link in enumerate(("wide", "narrow", "narrow")):
+        metadata = [{"compression": p, "last_error": None, "bandwidth_mbit": links[link], "compute_s": 10.0}
+                    for p in proposals]
+        plan = policy.agree(metadata)
+        assert (plan.lowrank == ()) == (link == "wide")
+        assert plan.warm_round == (1 if round_index == 2 else None)
+        contributions = [[sample(*s, seed=10 * k + round_index) for s in shapes] for k in range(2)]
+        outcomes = asyncio.run(reduce_together(reducers, contributions, plan, round_index))
+        assert all(torch.equal(a, b) for a, b in zip(outcomes[0].averaged, outcomes[1].averaged))
+        proposals = [r.policy.next_proposal(plan, o.q_avgs, round_index) for r, o in zip(reducers, outcomes)]
+        assert proposals[0]["q_round"] == (-1 if link == "wide" else round_index)
 
 
 class InMemoryGroup:
