@@ -10,6 +10,13 @@ anchors take DiLoCo's outer step (Nesterov) with the combined average. A peer's 
 when it is capped or flagged in any slice. No network, no compression: this measures the rule alone.
 
     python benchmarks/honest_flags.py --out benchmarks/results/honest_flags     # ~10 minutes on 2 busy cores
+
+``--live``: the same groups as real tiny peers on 127.0.0.1 (a bootstrap node, K ``p2p-diloco peer`` processes of
+the defaults but for ``--h``, the slower ones with ``--train.slowdown``, all waited for), every part through the
+real codecs, all-reduce and guard; a groupmate's part counts as flagged when a peer's ``round`` row names it among
+its ``suspects``. ``late`` has no live row (a late peer downloads the swarm's state instead).
+
+    python benchmarks/honest_flags.py --live --rounds 6 --h 60 --speeds equal,third,mixed --out DIR  # ~8 minutes
 """
 
 from __future__ import annotations
@@ -17,7 +24,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -29,6 +38,16 @@ from p2p_diloco.data import WindowSampler, eval_batches  # noqa: E402
 from p2p_diloco.model import build_stage_model, model_args_from_config  # noqa: E402
 from p2p_diloco.stage_setup import load_data  # noqa: E402
 from p2p_diloco.swarm.averaging.robust import RobustRule, cap_weights, combine  # noqa: E402
+from p2p_diloco.training.metrics import read_metrics  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from local_bootstrap import start_bootstrap  # noqa: E402
+
+LIVE_PEER = ["--model.preset", "tiny", "--data.batch_size", "8", "--data.seq_len", "32", "--data.eval_batches", "2",
+             "--train.progress", "false", "--run.num_threads", "1", "--checkpoint.every_rounds", "0",
+             "--averaging.matchmaking_time_s", "8"]
+"""A live peer: the tiny model on the batches of the simulation, one thread (K peers share 2 cores), an 8 s
+matchmaking window (a slow peer on a busy machine still reaches the others' group)."""
 
 SPEEDS = {"equal": [1.0, 1.0, 1.0, 1.0], "third": [1.0, 1.0, 1.0, 1 / 3], "mixed": [1.0, 1 / 2, 1 / 3, 1 / 4],
           "late": [1.0, 1.0, 1.0, 1.0]}
@@ -106,6 +125,47 @@ def run(k: int, speeds: list[float], args, seed: int, late: bool = False) -> dic
             "flagged_rounds": flagged_rounds, "reasons": reasons, "eval_loss": sum(losses) / len(losses)}
 
 
+def run_live(k: int, speeds: list[float], args, root: Path) -> dict:
+    """K real peers, the i-th at ``speeds[i]`` of the fastest; counts the groupmates' parts they flag."""
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / "bootstrap.log", "w") as log:
+        bootstrap, maddrs = start_bootstrap(root, log=log)
+    procs = []
+    try:
+        for i, speed in enumerate(speeds):
+            slowdown = ["--train.slowdown", f"{max(speeds) / speed:g}"] if speed < max(speeds) else []
+            command = [sys.executable, "-m", "p2p_diloco", "peer", "--initial-peers", *maddrs, "--host-maddrs",
+                       "/ip4/127.0.0.1/tcp/0", "--run-id", "honest-flags", "--output-dir", str(root / f"p{i}"),
+                       "--train.num_rounds", str(args.rounds), "--diloco.inner_steps", str(args.h),
+                       "--train.wait_for_peers", str(k), "--run.seed", str(i), *LIVE_PEER, *slowdown]
+            with open(root / f"p{i}.log", "w") as log:
+                procs.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT))
+        codes = [proc.wait(timeout=1800) for proc in procs]
+    finally:
+        for proc in [*procs, bootstrap]:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    parts = flagged_parts = rounds = flagged_rounds = 0
+    reasons: dict[str, int] = {}
+    for i in range(k):
+        for e in read_metrics(root / f"p{i}" / "metrics-stage0.jsonl"):
+            if e["kind"] != "round" or e.get("applied_round") is None or not e.get("averaged"):
+                continue
+            rounds += 1
+            parts += int(e["group_size"]) - 1
+            named = {peer: why for peer, why in (e.get("suspects") or {}).items() if why}
+            flagged_parts += len(named)
+            flagged_rounds += bool(named)
+            for why in named.values():
+                for w in why:
+                    reasons[w] = reasons.get(w, 0) + 1
+    if any(codes):
+        raise RuntimeError(f"a live peer in {root} exited with {codes}: see its log there")
+    return {"parts": parts, "flagged_parts": flagged_parts, "rounds": rounds, "flagged_rounds": flagged_rounds,
+            "reasons": reasons, "eval_loss": float("nan")}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--groups", default="2,3,4")
@@ -117,7 +177,11 @@ def main() -> None:
     parser.add_argument("--seeds", default="0")
     parser.add_argument("--eval-batches", type=int, default=8)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--live", action="store_true", help="real peers on 127.0.0.1 instead of the simulation "
+                        "(parts: groupmates' parts seen by each peer; rounds: each peer's averaged rounds)")
     args = parser.parse_args()
+    if args.live and "late" in args.speeds.split(","):
+        parser.error("--live has no 'late' row (a late peer downloads the swarm's state)")
     torch.set_num_threads(1)
     rows = []
     for speed in args.speeds.split(","):
@@ -126,7 +190,11 @@ def main() -> None:
             reasons: dict[str, int] = {}
             losses = []
             for seed in map(int, args.seeds.split(",")):
-                result = run(k, SPEEDS[speed][-k:], args, seed, late=speed == "late")
+                if args.live:
+                    folder = Path(args.out or tempfile.mkdtemp(prefix="honest-flags-")) / f"live-{speed}-k{k}-s{seed}"
+                    result = run_live(k, SPEEDS[speed][-k:], args, folder)
+                else:
+                    result = run(k, SPEEDS[speed][-k:], args, seed, late=speed == "late")
                 for key in totals:
                     totals[key] += result[key]
                 for why, n in result["reasons"].items():

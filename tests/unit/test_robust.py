@@ -58,7 +58,7 @@ def test_one_scaled_outlier_is_left_out_and_named():
     combined = combine(hostile, weights, DEFAULT)
     assert combined.flags == {2: "norm"}
     assert torch.equal(combined.average, weighted_mean([parts[0], parts[1], parts[3]], [1.0] * 3))
-    undefended = combine(hostile, weights, RobustRule(0, 0)).average
+    undefended = combine(hostile, weights, RobustRule(outlier_ratio=0, clip_ratio=0)).average
     assert undefended.norm() > 100 * combined.average.norm()  # what the defence prevents
 
 
@@ -79,6 +79,32 @@ def test_an_outlier_within_the_norm_bound_is_clipped_and_its_influence_bounded(a
                              float((weighted_mean([bad, *honest], [1.0] * 4) - honest_mean).norm()))
     assert errors[9][0] < spread and errors[9][0] < 1.05 * errors[5][0], (errors, spread)
     assert errors[9][1] > 2 * spread  # what the clipping prevents
+
+
+def test_the_part_of_a_peer_that_trained_fewer_tokens_is_not_clipped_and_a_turned_one_is():
+    """Two peers whose parts agree closely and a slow one (a quarter of their tokens) whose part is a tenth of
+    theirs, along their direction: the triple of a live swarm whose slow member CenteredClip clipped in 5 of 30
+    groupmate-rounds (its distance to the mean is about the mean's norm, above tau). It lies within tau of the
+    segment from 0 to the mean, so the result is the plain weighted mean. The same small part turned away from the
+    group's direction, or reversed, is still clipped; a hostile zero part shrinks the result by its weight share
+    at most."""
+    g = torch.Generator().manual_seed(3)
+    shared = torch.randn(32896, generator=g)
+    fast = [shared + 0.35 * torch.randn(32896, generator=g) for _ in range(2)]
+    slow = 0.1 * shared + 0.05 * torch.randn(32896, generator=g)
+    weights = [3840.0, 15360.0, 15360.0]
+    parts = [slow, *fast]
+    plain = weighted_mean(parts, weights)
+    assert float((slow - plain).norm()) > 0.8 * float(plain.norm())  # far from the mean: clipped before
+    combined = combine(parts, weights, DEFAULT)
+    assert combined.flags == {} and torch.equal(combined.average, plain)
+    turned = 0.1 * shared.norm() * torch.randn(32896, generator=g) / math.sqrt(32896) * 12  # as far, any direction
+    for bad in (turned, -slow * 8):
+        assert combine([bad, *fast], weights, DEFAULT).flags == {0: "clipped"}
+    fast_mean = weighted_mean(fast, weights[1:])
+    zero = combine([torch.zeros(32896), *fast], weights, DEFAULT)
+    assert zero.flags == {}  # a zero part is a fraction (0) of the progress: it shrinks the result by its share
+    torch.testing.assert_close(zero.average, fast_mean * (sum(weights[1:]) / sum(weights)))
 
 
 def test_honest_parts_of_a_few_values_are_not_clipped_and_a_hostile_one_still_meets_the_norm_test():

@@ -16,9 +16,11 @@ groupmate receives the reducer's bytes, so the result stays bit-identical across
 4. CenteredClip (Karimireddy, He and Jaggi, "Learning from History for Byzantine Robust Optimization", ICML 2021)
    with 3 or more parts: ``v <- v + sum_i w_i clip(x_i - v, tau) / sum_i w_i`` from v = the mean, with
    ``tau = clip_ratio`` times the median distance of the parts to their coordinate-wise median (the honest
-   majority's spread, which an outlier cannot inflate). When no part lies beyond tau from the mean (the usual
-   honest case) the result is the plain weighted mean, bit for bit; otherwise an outlier moves the result by at
-   most about tau times its weight share.
+   majority's spread, which an outlier cannot inflate); a part is clipped only beyond tau from the segment from 0
+   to v, so the part of a peer that trained fewer tokens (a fraction of the group's progress) is not. When no part
+   lies beyond it (the usual honest case) the result is the plain weighted mean, bit for bit; otherwise an outlier
+   moves the result by at most about tau times its weight share, and a part along the segment shrinks it by at most
+   its weight share.
 
 Leaving a part out (steps 1 and 2) is an offence of its sender; clipping it (steps 2 with 2 parts, and 4) is only
 reported, never an offence: with 2 parts the clipped one may be the honest one (the other sent a tiny part), and with
@@ -254,12 +256,14 @@ def pair_excess(average: torch.Tensor, own: torch.Tensor, own_weight: float, oth
 def centered_clip(parts: Sequence[torch.Tensor], weights: Sequence[float], start: torch.Tensor,
                   clip_ratio: float) -> tuple[torch.Tensor, list[int]]:
     """CenteredClip from ``start`` (the weighted mean); returns the result and the indices of the parts still farther
-    than tau from it (clipped in the last iteration).
+    than tau from the segment from 0 to it (:func:`off_progress`; clipped in the last iteration).
 
     tau is ``clip_ratio`` times the median distance of the parts to their coordinate-wise median: the spread of
     the honest majority, which an outlier cannot inflate (as it would the distances to the mean); on large parts it
-    is estimated on every k-th coordinate. ``start`` comes back unchanged (the same tensor) when no part is farther
-    than tau from it.
+    is estimated on every k-th coordinate. A part farther than tau from the segment from 0 to the center is clipped
+    as in the paper (its difference to the center scaled to tau); one within tau of the segment, a fraction of the
+    group's progress, is not. ``start`` comes back unchanged (the same tensor) when no part is farther than tau
+    from that segment.
 
     Parts with fewer than :data:`CLIP_VALUES` non-zero values (the lower median of the senders' counts, which a
     hostile minority cannot lower) are not clipped: a spread measured on so few values is noise. sparseloco keeps
@@ -276,14 +280,35 @@ def centered_clip(parts: Sequence[torch.Tensor], weights: Sequence[float], start
     center_of_majority = sample.median(dim=0).values
     spread = lower_median([float(torch.linalg.vector_norm(row - center_of_majority)) for row in sample])
     tau = clip_ratio * spread * math.sqrt(numel / sample.shape[1])
-    distances = [float(torch.linalg.vector_norm(part - start)) for part in parts]
     center, total = start, sum(weights)
+    off = [off_progress(part, center) for part in parts]
     for _ in range(CLIP_ITERATIONS):
-        if not any(d > tau for d in distances):
+        if not any(d > tau for d in off):
             break
         step = torch.zeros_like(center)
-        for part, weight, distance in zip(parts, weights, distances):
-            step.add_(part - center, alpha=weight * (tau / distance if distance > tau else 1.0) / total)
+        for part, weight, d in zip(parts, weights, off):
+            scale = 1.0
+            if d > tau:  # then the distance to the center is above tau too (the center is on the segment)
+                scale = tau / float(torch.linalg.vector_norm(part - center))
+            step.add_(part - center, alpha=weight * scale / total)
         center = center + step
-        distances = [float(torch.linalg.vector_norm(part - center)) for part in parts]
-    return center, [j for j, d in enumerate(distances) if d > tau]
+        off = [off_progress(part, center) for part in parts]
+    return center, [j for j, d in enumerate(off) if d > tau]
+
+
+def off_progress(part: torch.Tensor, center: torch.Tensor) -> float:
+    """The distance of ``part`` to the segment from 0 to ``center``: how far it is from every fraction of the
+    group's progress (:func:`centered_clip` clips a part only beyond tau from that segment).
+
+    A peer that trained fewer tokens in the round (a slow peer, one that joined late) sends a part that is a
+    fraction of the others' progress, in norm often far less than in proportion (the learning rate of its schedule,
+    its warmup): a live triple of two peers and one at a third of their speed sent a part 10 times smaller than the
+    others', almost along their direction. Its distance to the center is about the center's norm, over tau whenever
+    the two others agree closely, and CenteredClip then clipped it in 5 of 30 groupmate-rounds. Its distance to the
+    segment is its spread across the center's direction, as for any honest part. What a hostile part gains from
+    this (docs/threat-model.md 6): sent as a fraction s of the center, unclipped, it shrinks the result by at most
+    its weight share times (1 - s), never reverses or turns it beyond tau times its weight share."""
+    flat_part, flat_center = part.reshape(-1).double(), center.reshape(-1).double()
+    squared = float(flat_center.dot(flat_center))
+    fraction = min(1.0, max(0.0, float(flat_part.dot(flat_center)) / squared)) if squared > 0 else 0.0
+    return float(torch.linalg.vector_norm(flat_part - fraction * flat_center))
