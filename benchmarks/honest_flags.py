@@ -204,8 +204,9 @@ def main() -> None:
                    "wall_s": round(time.monotonic() - started)}
             rows.append(row)
             print(f"K={k} {speed:6s} flagged parts {row['flagged_parts']}/{row['parts']}, rounds with a flagged part "
-                  f"{row['flagged_rounds']}/{row['rounds']} {reasons}, eval loss {sum(losses) / len(losses):.4f} "
-                  f"({row['wall_s']} s)", flush=True)
+                  f"{row['flagged_rounds']}/{row['rounds']} {reasons}"
+                  + ("" if args.live else f", eval loss {sum(losses) / len(losses):.4f}") + f" ({row['wall_s']} s)",
+                  flush=True)
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "honest_flags.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
