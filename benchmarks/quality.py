@@ -13,7 +13,9 @@ only. Rows, each at the same tokens per worker:
 
 For each row: final eval loss of the anchor (mean and spread over seeds) on ``--eval-batches`` held-out
 batches, its change against the better alone row, the fraction of the gap between alone and data parallel
-it closes, bytes per worker per round, and rounds that fell back. Curves (eval loss against tokens per worker)
+it closes, bytes per worker per round, and rounds that fell back. A delayed row's point of the curve for a round is
+taken when that round's average lands in its anchor, ``diloco.overlap_steps`` into the next round, at the tokens
+trained by then (at the round's end its anchor still lacks it). Curves (eval loss against tokens per worker)
 go to ``quality.png``; raw results to ``quality.json`` and the table to ``quality_report.txt`` in ``--out``.
 
     python benchmarks/quality.py --quick                       # a few minutes
@@ -232,6 +234,10 @@ def run_diloco(setting: Setting, seed: int, workers: int, mode: str, compression
         _account(result, reports, payload)
         _check_identical([u.stages[i] for u in units], name, step)
 
+    # delayed mode: a round's average lands in the anchor a few steps into the next round (the merge); its point of
+    # the curve is taken then, at the tokens trained by then, not at the round end, where the anchor still lacks it
+    merges = mode in ("delayed", "delayed-H") and count == 1
+    awaiting_merge = False
     for r in range(args.rounds):
         for step in range(r * args.h + 1, (r + 1) * args.h + 1):
             for k in range(workers):
@@ -241,6 +247,10 @@ def run_diloco(setting: Setting, seed: int, workers: int, mode: str, compression
                 compute[k] = [c + spent for c in compute[k]]
             for i in units[0].ending_early(r, step):  # streaming: these fragments' rounds end a few steps early
                 end_round(i, step)
+            if awaiting_merge and units[0].stages[0].pending is None:
+                result.curve.append((step * setting.tokens_per_step,
+                                     evaluate(executors[0], units[0], setting.eval_data)))
+                awaiting_merge = False
         for i in units[0].ending(r):
             end_round(i, (r + 1) * args.h)
         if (r + 1) % args.eval_every == 0 or r + 1 == args.rounds:
@@ -248,6 +258,9 @@ def run_diloco(setting: Setting, seed: int, workers: int, mode: str, compression
                 for i in range(count):
                     _account(result, end_all(i, lambda stage, k: stage.flush()), payload)
                     _check_identical([u.stages[i] for u in units], name, (r + 1) * args.h)
+            elif merges:
+                awaiting_merge = True
+                continue
             result.curve.append(((r + 1) * args.h * setting.tokens_per_step,
                                  evaluate(executors[0], units[0], setting.eval_data)))
     result.final, result.wall_s = result.curve[-1][1], time.monotonic() - started

@@ -34,7 +34,8 @@ def refusals(*commands: list[str]) -> list[subprocess.CompletedProcess]:
 
 
 def test_a_second_seed_is_added_to_an_earlier_table_without_running_the_first_again(tmp_path):
-    first = quality("--rows", "alone,none/none,delayed/none~2", "--seeds", "0", "--out", str(tmp_path / "a"))
+    first = quality("--rows", "alone,none/none,delayed/none~2,delayed/none", "--seeds", "0",
+                    "--out", str(tmp_path / "a"))
     assert first.returncode == 0, first.stderr[-3000:]
     finals = {r: e[0]["final"] for r, e in json.loads((tmp_path / "a" / "quality.json").read_text())["results"].items()}
     # streaming sync of 2 fragments (every worker's fragment anchors checked identical after each averaging): one
@@ -44,6 +45,11 @@ def test_a_second_seed_is_added_to_an_earlier_table_without_running_the_first_ag
     assert whole["peak_bytes"] == whole["bytes_per_round"] > 0
     assert 0 < streamed["peak_bytes"] < 0.6 * whole["peak_bytes"]
     assert "delayed/none~2" in first.stdout and "peak/averaging" in first.stdout
+    # a delayed row's point for round 0 is taken when its average lands in the anchor, a step into round 1 (3 steps
+    # of 16 tokens), not at the round's end as blocking's; both end on the run's last step
+    curves = {row: [tokens for tokens, _ in json.loads((tmp_path / "a" / "quality.json").read_text())["results"][row]
+                    [0]["curve"]] for row in ("none/none", "delayed/none")}
+    assert curves == {"none/none": [0, 32, 64], "delayed/none": [0, 48, 64]}, curves
     # F >= 1, and F <= H (2 here); a resumed table of another setting; a resumed folder that is not there
     bad_f0, bad_f3, other, missing = refusals(
         ["--rows", "none/none~0", "--out", str(tmp_path / "z")],
@@ -57,7 +63,7 @@ def test_a_second_seed_is_added_to_an_earlier_table_without_running_the_first_ag
     more = quality("--rows", "alone,none/none", "--seeds", "0,1", "--resume-from", str(tmp_path / "a"),
                    "--out", str(tmp_path / "b"))
     assert more.returncode == 0, more.stderr[-3000:]
-    assert "taken from" in more.stdout and "3 results" in more.stdout  # all of the first run's
+    assert "taken from" in more.stdout and "4 results" in more.stdout  # all of the first run's
     ran = [line for line in more.stdout.splitlines() if line.startswith("seed ")]
     assert sorted(line.split()[1] for line in ran) == ["1", "1"]  # only seed 1 ran
     results = json.loads((tmp_path / "b" / "quality.json").read_text())["results"]
