@@ -79,7 +79,7 @@ class AveragingConfig:
     max_weight_ratio: float = 2.0
     """A groupmate's claimed tokens (its weight in the average) are capped at this multiple of the group's median
     claim; in a pair (no majority claim, and honest peers of unequal speed claim tokens in the ratio of their
-    speeds), at its square times the smaller claim. 0 disables."""
+    speeds), at its cube times the smaller claim. 0 disables."""
     ban_after: int = 3
     """Rounds with an offence (non-finite, far too large or malformed parts, a wrong round, malformed metadata sent
     directly, an implausible average returned as a reducer) after which this peer stops grouping with that peer (until

@@ -31,14 +31,14 @@ groupmate claims, capped by :func:`cap_weights`. Pure tensor logic, no network; 
 What one hostile sender can still do (docs/threat-model.md, section 6): with 3 or more parts and an honest majority,
 move the result by about tau times its weight share (CenteredClip), its weight being at most ``max_weight_ratio`` times
 the median claim; in a group of 2 there is no majority, and with a weight q times the honest member's (q at most
-``max_weight_ratio ** 2``, 4) it keeps at most ``pair_ratio * min(q ** 2, pair_claim_ratio)`` times the honest part's
+``max_weight_ratio ** 3``, 8) it keeps at most ``pair_ratio * min(q ** 2, pair_claim_ratio)`` times the honest part's
 norm, so the result is at most ``(3 q min(q ** 2, 4) + 1) / (q + 1)`` times the honest part's norm, in any direction:
-2 at equal weights, 25/3 at q = 2, 49/5 (9.8) at most, at q = 4; and a tiny part shrinks the honest one to
-:func:`pair_ceiling` times its own norm (the round is then wasted, not poisoned). The pair's bound is looser than the
-2.3 of a rule that ignores the weights because honest pairs need it: capped at 2 and scaled at 3 times the smaller
-part, a fast peer and one at a third of its speed are ``capped`` in every round, and may be ``clipped`` in the
-warmup (``benchmarks/honest_flags.py``). As the reducer of its slice it can return no more than that: the honest member
-checks the other part each average implies (:func:`pair_excess`).
+2 at equal weights, 25/3 at q = 2, 49/5 at q = 4, 97/9 (10.8) at most, at q = 8; and a tiny part shrinks the
+honest one to :func:`pair_ceiling` times its own norm (the round is then wasted, not poisoned). The pair's bound is
+looser than the 2.3 of a rule that ignores the weights because honest pairs need it: capped at 2 and scaled at 3
+times the smaller part, a fast peer and one at a third of its speed are ``capped`` in every round, and may be
+``clipped`` in the warmup (``benchmarks/honest_flags.py``). As the reducer of its slice it can return no more than
+that: the honest member checks the other part each average implies (:func:`pair_excess`).
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ class RobustRule:
     ``pair_ratio * min(q ** 2, pair_claim_ratio)`` times the other's norm (:func:`pair_ceiling`): a pseudo-gradient
     grows with the steps and, in the warmup, with the learning rate that rises with them (a peer at a third of the
     speed, in its first round, sent a part 7 to 9 times smaller than its fast partner's). A pair's weights differ by
-    at most ``max_weight_ratio ** 2`` (4, :func:`cap_weights`); at 4 the ceiling is 12."""
+    at most ``max_weight_ratio ** 3`` (8, :func:`cap_weights`); from 2 on the ceiling is 12."""
     clip_ratio: float = 2.0
     """CenteredClip radius as a multiple of the median distance of the parts to their coordinate-wise median."""
 
@@ -87,18 +87,20 @@ class Combined:
 
 
 def cap_weights(claims: Sequence[float], ratio: float) -> list[float]:
-    """Claimed weights capped at ``ratio`` times their lower median; of a pair, at ``ratio ** 2`` times the smaller
+    """Claimed weights capped at ``ratio`` times their lower median; of a pair, at ``ratio ** 3`` times the smaller
     claim (no cap when ``ratio`` is 0).
 
     With 3 or more claims and an honest majority the median is an honest claim, and an honest peer rarely trains
     twice the median's tokens. A pair has no majority: its lower median is the smaller claim, and two honest peers of
     unequal speed that end their rounds together (``diloco.round_end = swarm``) claim tokens in the ratio of their
     speeds, a third for a peer at a third of the speed: capped at twice the smaller claim, such a pair would be
-    reported ``capped`` every round. So a pair's claims may differ by ``ratio ** 2`` (4).
+    reported ``capped`` every round. So a pair's claims may differ by ``ratio ** 3`` (8): at 4 (``ratio ** 2``) a
+    live pair of a peer and one at a third of its speed, on a busy machine, was capped in 6 of 20 rounds (the slow
+    one, late to learn of round ends, trained a sixth of the other's tokens there).
     """
     if ratio <= 0 or not claims:
         return list(claims)
-    cap = ratio ** 2 * min(claims) if len(claims) == 2 else ratio * lower_median(claims)
+    cap = ratio ** 3 * min(claims) if len(claims) == 2 else ratio * lower_median(claims)
     return [min(claim, cap) for claim in claims]
 
 
@@ -189,7 +191,7 @@ def average_bound(weights: Sequence[float], claims: Sequence[float], me: int, ru
         B = sum_i w_i r_i / sum_i w_i,  r_me = 1,  r_i = pair_ratio * max(1, min(c_i / c_me, max_claim_ratio))^2,
 
     with c_i the claims capped at ``outlier_ratio`` times their median, as the outlier test caps them (in a pair
-    r_i = ``pair_ceiling(w_i, w_me)``): 2 in a pair of equal weights, 49/5 at most in any pair (weights 4 times
+    r_i = ``pair_ceiling(w_i, w_me)``): 2 in a pair of equal weights, 97/9 at most in any pair (weights 8 times
     this member's), under 3 in any group of equal claims. Weights of 0 (banned, excluded) do not count; the codecs'
     rounding is the caller's margin.
     """
