@@ -1,20 +1,20 @@
 """How each tensor of a stage's pseudo-gradient crosses the wire in a round, decided the same on every peer.
 
 ``averaging.compression`` picks the scheme: ``none`` (fp32), ``fp16``, ``int8`` (blockwise, or 4-bit with
-``averaging.quant_bits = 4``), ``lowrank`` (2-D tensors of at least ``lowrank_min_size`` values through
-PowerSGD two-phase averaging at a fixed rank, factors quantized; the rest quantized), ``adaptive`` (the least lossy
-rung of a ladder that fits the link: every tensor whole at ``int8``, else whole at ``int4``, else low rank whose rank
-and bits change every round; blockwise codes with error feedback cost no measurable loss at 4-8x fewer bytes, low
-rank does, BENCHMARKS "What compression costs") and ``sparseloco`` (every tensor as the top-k of each chunk at 2
-bits, :mod:`p2p_diloco.compression.sparse`; k is ``averaging.sparse_topk``, halved until the round fits the
+``averaging.quant_bits = 4``), ``lowrank`` (2-D tensors of at least ``lowrank_min_size`` values through PowerSGD
+two-phase averaging at a fixed rank, factors quantized; the rest quantized), ``adaptive`` (the least lossy rung of a
+ladder that fits the link: every tensor whole at ``int8``, else whole at ``int4``, else low rank whose rank and bits
+change every round; blockwise codes with error feedback cost no measurable loss at 4-8x fewer bytes, low rank does,
+BENCHMARKS "What the default sends, and what it costs") and ``sparseloco`` (every tensor as the top-k of each chunk
+at 2 bits, :mod:`p2p_diloco.compression.sparse`; k is ``averaging.sparse_topk``, halved until the round fits the
 bandwidth budget of the group's slowest link, as ``adaptive`` cuts its rank). Every peer proposes (rank, bits, the
 round of the warm Q it holds), its last compression error, link rate and round of compute in the round's gathered
 metadata; :meth:`CompressionPolicy.agree` turns them into one :class:`RoundPlan` (for ``adaptive``: the first rung
-whose contribution fits the bandwidth budget of the slowest link; in low rank, the group's median rank and bits, more
-rank while the group's error is high, cut to that budget; warm start only if everyone holds the same Q of a low-rank
-round), and :meth:`CompressionPolicy.next_proposal` derives the next proposal from what
-the group shares after the round (the spectrum of the averaged Qs). So all peers of a group pick the same
-plan with no extra message. Pure logic; called in the averager process.
+whose contribution fits the bandwidth budget of the slowest link; in low rank, the group's median rank and bits,
+more rank while the group's error is high, cut to that budget; warm start only if everyone holds the same Q of a
+low-rank round), and :meth:`CompressionPolicy.next_proposal` derives the next proposal from what the group shares
+after the round (the spectrum of the averaged Qs). So all peers of a group pick the same plan with no extra message.
+Pure logic; called in the averager process.
 
 Proposals come from groupmates, some of whom may be hostile, so no single one decides the plan: rank, bits and
 round of compute are the group's lower median (with an honest majority, no lower than some honest member's), the

@@ -107,6 +107,21 @@ def test_the_part_of_a_peer_that_trained_fewer_tokens_is_not_clipped_and_a_turne
     torch.testing.assert_close(zero.average, fast_mean * (sum(weights[1:]) / sum(weights)))
 
 
+def test_off_progress_is_the_distance_to_the_segment_from_zero_to_the_center():
+    """min over f in [0, 1] of |x - f c|, in float64 by brute force, against the reductions off_progress uses."""
+    from p2p_diloco.swarm.averaging.robust import off_progress
+
+    g = torch.Generator().manual_seed(11)
+    center = torch.randn(5000, generator=g)
+    for x in (0.3 * center + 0.1 * torch.randn(5000, generator=g), -center, 2.5 * center, torch.zeros(5000),
+              torch.randn(5000, generator=g), center.clone()):
+        fractions = torch.linspace(0, 1, 20001, dtype=torch.float64)
+        brute = float(min(torch.linalg.vector_norm(x.double() - f * center.double()) for f in fractions[::50]))
+        exact = off_progress(x, center)
+        assert exact <= brute * (1 + 1e-4) + 1e-4 and exact >= brute * 0.99 - 1e-3, (exact, brute)
+    assert off_progress(torch.ones(4), torch.zeros(4)) == 2.0  # no center: the part's norm
+
+
 def test_honest_parts_of_a_few_values_are_not_clipped_and_a_hostile_one_still_meets_the_norm_test():
     """A clip radius measured on a few values is noise: sparseloco keeps 1 value of a 27-value tensor's chunk, each
     sender at its own largest coordinate; two senders that keep the same coordinate define the spread and the third,

@@ -310,7 +310,10 @@ def off_progress(part: torch.Tensor, center: torch.Tensor) -> float:
     segment is its spread across the center's direction, as for any honest part. What a hostile part gains from
     this (docs/threat-model.md 6): sent as a fraction s of the center, unclipped, it shrinks the result by at most
     its weight share times (1 - s), never reverses or turns it beyond tau times its weight share."""
-    flat_part, flat_center = part.reshape(-1).double(), center.reshape(-1).double()
-    squared = float(flat_center.dot(flat_center))
-    fraction = min(1.0, max(0.0, float(flat_part.dot(flat_center)) / squared)) if squared > 0 else 0.0
-    return float(torch.linalg.vector_norm(flat_part - fraction * flat_center))
+    squared = float(torch.linalg.vector_norm(center)) ** 2
+    along = float(torch.dot(part.reshape(-1), center.reshape(-1)))  # reductions only: no copy of a large part
+    if squared <= 0 or along <= 0:
+        return float(torch.linalg.vector_norm(part))
+    if along >= squared:
+        return float(torch.linalg.vector_norm(part - center))
+    return math.sqrt(max(0.0, float(torch.linalg.vector_norm(part)) ** 2 - along * along / squared))
