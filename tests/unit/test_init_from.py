@@ -288,6 +288,9 @@ def test_the_fingerprint_holds_the_weights_digest_and_names_a_difference():
                                            "model.init_seed) here, sha256 abababababab… in the swarm"]
     assert differences(config_fingerprint(ModelArgs(**{**ARGS.__dict__, "rope_theta": 1e4}), [4], meta), random) \
         == ["model.rope_theta is 10000.0 here but 500.0 in the swarm"]
+    assert differences(dict(random, version=2), random) == [
+        "version is 2 here but 3 in the swarm: its peers run a p2p-diloco release that plans or combines rounds "
+        "differently; run the swarm's release"]
     for fingerprint in (loaded, random):  # the DHT's schema stores only what parsing leaves unchanged
         assert FingerprintValue.parse_obj(fingerprint).dict(by_alias=True) == fingerprint
     with pytest.raises(ValueError):

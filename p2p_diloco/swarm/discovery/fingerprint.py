@@ -24,7 +24,11 @@ from p2p_diloco.swarm.discovery.records import (
 from p2p_diloco.swarm.errors import SwarmError
 
 logger = logging.getLogger(__name__)
-FINGERPRINT_VERSION = 2  # 2: model.rope_theta, model.norm_eps, model.init_from
+FINGERPRINT_VERSION = 3
+"""2: model.rope_theta, model.norm_eps, model.init_from. 3: ``adaptive`` is a ladder (whole int8, int4, low rank) and
+CenteredClip judges a part from the segment to the center: from the same gathered metadata a version-2 peer plans
+other codecs for a round, and groupmates whose plans differ send parts of other shapes (``malformed``, an offence).
+Peers of two versions are kept apart by this key."""
 
 
 def config_key(run_id: str) -> str:
@@ -61,6 +65,9 @@ def differences(mine: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
 
 
 def _difference(key: str, mine: Any, theirs: Any) -> str:
+    if key == "version":  # the releases differ, not a setting the user chose
+        return (f"version is {mine!r} here but {theirs!r} in the swarm: its peers run a p2p-diloco release that "
+                "plans or combines rounds differently; run the swarm's release")
     if key == "model.init_from":  # a digest says little by itself: say what it stands for
         return f"model.init_from weights differ: {_weights(mine)} here, {_weights(theirs)} in the swarm"
     return f"{key} is {mine!r} here but {theirs!r} in the swarm"
