@@ -101,10 +101,9 @@ class CompressionPolicy:
         bits = lower_median([int(p["bits"]) for p in proposals])
         q_rounds = {int(p["q_round"]) for p in proposals}
         warm = q_rounds.pop() if len(q_rounds) == 1 and -1 not in q_rounds else None
-        if self.scheme == "adaptive":
-            whole = self._whole_that_fits(rank, bits, members)
-            if whole is not None:
-                return whole
+        whole = self._whole_that_fits(rank, bits, members) if self.scheme == "adaptive" else None
+        if whole is not None:
+            return whole
         if self.scheme == "adaptive" and self.eligible:
             errors = [float(m["last_error"]) for m in members if m.get("last_error") is not None]
             if errors and upper_median(errors) > self.cfg.target_error:
